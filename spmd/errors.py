@@ -1,0 +1,65 @@
+"""The exception classes of spmd and the long messages they carry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SpmdError(Exception):
+    """Base class of every error spmd raises on purpose."""
+
+
+class ConfigurationError(SpmdError, ValueError):
+    """A strategy, mesh or rule was given arguments that cannot work."""
+
+
+class ClusterError(ConfigurationError):
+    """The cluster description (arguments, TF_CONFIG, environment) is malformed."""
+
+
+class BatchError(SpmdError, ValueError):
+    """A batch does not fit the strategy: wrong shape, not divisible, ragged."""
+
+
+class InitializationError(SpmdError, RuntimeError):
+    """`spmd.initialize()` was called too late or could not reach the cluster."""
+
+
+class LaunchError(SpmdError, RuntimeError):
+    """A process started by `spmd launch` failed."""
+
+
+class CheckpointError(SpmdError, RuntimeError):
+    """A checkpoint could not be saved or restored as asked."""
+
+
+def received(**values: Any) -> str:
+    """Formats the `Received: name=value` part of a message."""
+    return "Received: " + ", ".join(f"{name}={value!r}" for name, value in values.items())
+
+
+def message(expected: str, got: str, fix: str) -> str:
+    """Joins the three parts every spmd error message has.
+
+    Args:
+      expected: what spmd needed, as a sentence.
+      got: what it was given, usually from `received(...)`.
+      fix: how to fix it, as a sentence.
+
+    Returns:
+      The message, one part a line.
+    """
+    return f"{expected}\n{got}\nTo fix: {fix}"
+
+
+MSG_NUMPY_DATA_MULTIPROCESS = """\
+Every process passed host data (numpy) to a step while several processes run.
+spmd then treats it as the *global* batch: every process must pass the same
+global batch, and each one places only the rows its devices hold.
+
+If each process holds a different slice, give the step global arrays instead:
+
+    dist = strategy.distribute_dataset(global_batches)      # right
+    for batch in dist:
+        state, metrics = train_step(state, batch)
+"""

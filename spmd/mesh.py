@@ -1,0 +1,135 @@
+"""Device meshes: local, multi-host (hosts outermost) and TPU topology order."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from spmd.errors import ConfigurationError, message, received
+
+__all__ = ["make_mesh", "order_devices", "prime_factors"]
+
+
+def _resolve_shape(axes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+    """Replaces a single -1 by what the device count implies, then checks the product."""
+    sizes = list(axes.values())
+    inferred = [i for i, s in enumerate(sizes) if s == -1]
+    bad = [s for s in sizes if not isinstance(s, int) or (s < 1 and s != -1)]
+    if bad or len(inferred) > 1:
+        raise ConfigurationError(
+            message(
+                "Mesh axis sizes must be positive integers, with at most one -1 to infer.",
+                received(axes=dict(axes)),
+                'give each axis a size, e.g. {"data": -1, "model": 2}.',
+            )
+        )
+    known = math.prod(s for s in sizes if s != -1)
+    if inferred:
+        if num_devices % known:
+            raise ConfigurationError(
+                message(
+                    f"The known axis sizes (product {known}) must divide the device count "
+                    f"({num_devices}) so that the -1 axis can be inferred.",
+                    received(axes=dict(axes), num_devices=num_devices),
+                    "pick axis sizes whose product divides the number of devices.",
+                )
+            )
+        sizes[inferred[0]] = num_devices // known
+    if math.prod(sizes) != num_devices:
+        raise ConfigurationError(
+            message(
+                f"The mesh axis sizes must multiply to the number of devices ({num_devices}).",
+                received(axes=dict(axes), product=math.prod(sizes), num_devices=num_devices),
+                "use -1 for one axis to infer it, or pass `devices=` with that many devices.",
+            )
+        )
+    return tuple(sizes)
+
+
+def order_devices(devices: Sequence[Any]) -> list[Any]:
+    """Orders devices hosts outermost: by process index, then by device id.
+
+    Collectives along the inner mesh axes then stay inside one host (ICI, NVLink),
+    and only the outermost axis crosses hosts (DCN).
+    """
+    return sorted(devices, key=lambda d: (d.process_index, getattr(d, "slice_index", 0), d.id))
+
+
+def _is_tpu(devices: Sequence[Any]) -> bool:
+    return bool(devices) and all(getattr(d, "platform", "") == "tpu" for d in devices)
+
+
+def _tpu_device_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
+    """Lays TPU devices out in physical topology order, as a hybrid mesh across slices."""
+    from jax.experimental import mesh_utils
+
+    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if num_slices > 1 and shape[0] % num_slices == 0:
+        dcn = (num_slices,) + (1,) * (len(shape) - 1)
+        ici = (shape[0] // num_slices,) + tuple(shape[1:])
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+    return mesh_utils.create_device_mesh(shape, devices=devices)
+
+
+def make_mesh(
+    axes: Mapping[str, int],
+    devices: Sequence[Any] | None = None,
+    *,
+    axis_types: AxisType | Sequence[AxisType] = AxisType.Auto,
+) -> Mesh:
+    """Builds a named device mesh.
+
+    Devices are placed hosts outermost (the first axis crosses hosts, the inner
+    axes stay inside one); TPU devices follow the chips' physical topology, and
+    several TPU slices form a hybrid mesh with the slices on the first axis.
+
+    Args:
+      axes: axis name to size, outermost first; one size may be -1 to infer it.
+      devices: the devices to use; all devices of every process by default.
+      axis_types: `AxisType.Auto` by default, so model code needs no sharding
+        annotations and XLA propagates shardings; one type or one per axis.
+
+    Returns:
+      A `jax.sharding.Mesh`.
+
+    Raises:
+      ConfigurationError: the axis sizes do not multiply to the device count.
+
+    Example:
+      >>> mesh = spmd.make_mesh({"data": -1, "model": 2})
+    """
+    if not axes:
+        raise ConfigurationError(
+            message(
+                "A mesh needs at least one named axis.",
+                received(axes=axes),
+                'pass e.g. {"data": -1}.',
+            )
+        )
+    devices = list(jax.devices() if devices is None else devices)
+    shape = _resolve_shape(axes, len(devices))
+    if isinstance(axis_types, AxisType):
+        axis_types = (axis_types,) * len(shape)
+    if _is_tpu(devices):
+        array = _tpu_device_array(shape, devices)
+    else:
+        array = np.asarray(order_devices(devices), dtype=object).reshape(shape)
+    return Mesh(array, tuple(axes), axis_types=tuple(axis_types))
+
+
+def prime_factors(n: int) -> list[int]:
+    """The prime factors of `n`, largest first (8 -> [2, 2, 2], 12 -> [3, 2, 2])."""
+    factors, p = [], 2
+    while n > 1 and p * p <= n:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    if n > 1:
+        factors.append(n)
+    return sorted(factors, reverse=True)

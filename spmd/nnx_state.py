@@ -1,0 +1,46 @@
+"""Flax NNX objects as train state: split into a graph and pure arrays, and back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+__all__ = ["has_graph", "merge", "pure", "replace", "split", "update"]
+
+
+def has_graph(tree: Any) -> bool:
+    """Whether `tree` holds flax NNX objects (modules, optimizers, variables)."""
+    is_node = nnx.graph.is_graph_node
+    return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
+
+
+def split(tree: Any) -> tuple[Any, Any]:
+    """Returns (graphdef, pure state), or (None, tree) when `tree` holds no NNX object."""
+    if not has_graph(tree):
+        return None, tree
+    return nnx.split(tree)
+
+
+def merge(graphdef: Any, pure_state: Any) -> Any:
+    """Inverse of `split`: NNX objects again, or the pure tree when there was no graph."""
+    return pure_state if graphdef is None else nnx.merge(graphdef, pure_state)
+
+
+def pure(tree: Any) -> Any:
+    """The arrays of `tree`: `nnx.state` of NNX objects, the tree itself otherwise."""
+    return split(tree)[1]
+
+
+def update(tree: Any, pure_state: Any) -> None:
+    """Writes new arrays into the NNX objects of `tree`, in place."""
+    nnx.update(tree, pure_state)
+
+
+def replace(tree: Any, pure_state: Any) -> Any:
+    """`pure_state` in the form of `tree`: NNX objects updated in place, or the new tree."""
+    if not has_graph(tree):
+        return pure_state
+    update(tree, pure_state)
+    return tree

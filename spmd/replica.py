@@ -1,0 +1,194 @@
+"""The per-replica view: ReduceOp, PerReplica values, ReplicaContext and loss helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from spmd.errors import ConfigurationError, message, received
+
+__all__ = [
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "compute_average_loss",
+    "get_replica_context",
+    "scale_regularization_loss",
+]
+
+
+class ReduceOp(enum.Enum):
+    """How values from the replicas are combined. `SUM` and `MEAN` as in tf.distribute."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    MAX = "MAX"
+    MIN = "MIN"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        """Accepts a `ReduceOp` or its name in any case ("sum", "MEAN")."""
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str) and op.upper() in cls.__members__:
+            return cls[op.upper()]
+        raise ConfigurationError(
+            message(
+                f"A reduce op is one of {[m.name for m in cls]}.",
+                received(op=op),
+                'pass spmd.ReduceOp.SUM or "SUM" (or MEAN, MAX, MIN).',
+            )
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PerReplica:
+    """One value per replica, as `strategy.run` returns it.
+
+    `values` is a pytree whose leaves are stacked: leaf `i` of the leading axis
+    is replica `i`'s value. Pass it to `strategy.reduce`, `strategy.gather`,
+    `strategy.local_results`, or back into `strategy.run`, where each replica
+    sees its own value again.
+    """
+
+    values: Any
+
+
+@dataclass(frozen=True)
+class ReplicaContext:
+    """What a function under `strategy.run` knows about its replica.
+
+    Attributes:
+      num_replicas_in_sync: how many replicas run the function together.
+      axis_names: the mesh axes the replicas are laid over.
+    """
+
+    num_replicas_in_sync: int
+    axis_names: tuple[str, ...]
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array | int:
+        """This replica's index, 0 to `num_replicas_in_sync - 1` (traced inside `run`)."""
+        if not self.axis_names:
+            return 0
+        return jax.lax.axis_index(self.axis_names)
+
+    def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
+        """Combines `value` (a pytree) over the replicas; every replica gets the result."""
+        op = ReduceOp.parse(op)
+        if not self.axis_names:
+            return value
+        collective = {
+            ReduceOp.SUM: jax.lax.psum,
+            ReduceOp.MEAN: jax.lax.pmean,
+            ReduceOp.MAX: jax.lax.pmax,
+            ReduceOp.MIN: jax.lax.pmin,
+        }[op]
+        return jax.tree.map(lambda x: collective(x, self.axis_names), value)
+
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenates every replica's `value` along `axis`; every replica gets the result."""
+        if not self.axis_names:
+            return value
+        return jax.tree.map(
+            lambda x: jax.lax.all_gather(x, self.axis_names, axis=axis, tiled=True), value
+        )
+
+
+_DEFAULT_CONTEXT = ReplicaContext(num_replicas_in_sync=1, axis_names=())
+_CONTEXT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
+    "spmd_replica_context", default=None
+)
+
+
+@contextlib.contextmanager
+def replica_context(context: ReplicaContext) -> Iterator[ReplicaContext]:
+    """Makes `context` the one `get_replica_context()` returns, while tracing a replica fn."""
+    token = _CONTEXT.set(context)
+    try:
+        yield context
+    finally:
+        _CONTEXT.reset(token)
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The replica context of the function being run.
+
+    Inside `strategy.run` it is that replica's context. Outside any strategy
+    scope it is the default context of one replica. Inside a strategy's scope
+    but outside `run` (the cross-replica context) it is None, as in tf.distribute.
+
+    Returns:
+      A `ReplicaContext`, or None in the cross-replica context.
+    """
+    context = _CONTEXT.get()
+    if context is not None:
+        return context
+    from spmd.strategy import in_cross_replica_context
+
+    return None if in_cross_replica_context() else _DEFAULT_CONTEXT
+
+
+def _replicas() -> int:
+    context = _CONTEXT.get()
+    return context.num_replicas_in_sync if context is not None else 1
+
+
+def compute_average_loss(
+    per_example_loss: jax.Array,
+    global_batch_size: int | None = None,
+    sample_weight: jax.Array | float | None = None,
+) -> jax.Array:
+    """Sums a per-example loss and divides by the *global* batch size.
+
+    Inside `strategy.run` each replica sees part of the batch; dividing by the
+    global batch size makes the sum over replicas (the all-reduce of the
+    gradients) the mean over the whole batch. In a global-view step the
+    per-example loss already covers the whole batch. A `sample_weight` of 0
+    drops an example (padding): divide by the count of real examples by
+    passing `global_batch_size` yourself, or let evaluation helpers do it.
+
+    Args:
+      per_example_loss: shape (batch, ...); extra axes are summed too.
+      global_batch_size: the batch size over all replicas; by default this
+        replica's batch size times the number of replicas in sync.
+      sample_weight: scalar or broadcastable to `per_example_loss`.
+
+    Returns:
+      A scalar.
+
+    Example:
+      >>> loss = spmd.compute_average_loss(per_example, global_batch_size=64)
+    """
+    loss = jnp.asarray(per_example_loss)
+    if sample_weight is not None:
+        loss = loss * jnp.asarray(sample_weight, loss.dtype)
+    if global_batch_size is None:
+        if loss.ndim == 0:
+            raise ConfigurationError(
+                message(
+                    "compute_average_loss needs a per-example loss of shape (batch, ...).",
+                    received(shape=loss.shape),
+                    "pass the loss before taking its mean, or give global_batch_size.",
+                )
+            )
+        global_batch_size = loss.shape[0] * _replicas()
+    return jnp.sum(loss) / jnp.asarray(global_batch_size, loss.dtype)
+
+
+def scale_regularization_loss(regularization_loss: jax.Array) -> jax.Array:
+    """Divides a regularization loss by the number of replicas in sync.
+
+    Each replica adds the regularization term to its loss; after the gradients
+    are summed over the replicas it counts once. Outside `strategy.run` it is
+    returned unchanged.
+    """
+    return jnp.asarray(regularization_loss) / _replicas()

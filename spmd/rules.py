@@ -1,0 +1,267 @@
+"""Partition rules over pytree paths, and the variable partitioners of tf.distribute."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from spmd.errors import ConfigurationError, message, received
+
+__all__ = [
+    "FixedShardsPartitioner",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
+    "Partitioner",
+    "Rule",
+    "path_str",
+    "resolve_specs",
+]
+
+
+class Partitioner(Protocol):
+    """Decides how many shards a variable is split into along its first axis.
+
+    Called as tf.distribute calls it: `partitioner(shape, dtype)` returns one
+    shard count per dimension, of which spmd uses the first. `round_up` says
+    whether a count the mesh cannot make is rounded up (a size cap) or down.
+    """
+
+    round_up: bool
+
+    def __call__(self, shape: Sequence[int], dtype: Any) -> list[int]: ...
+
+
+# A rule maps a regex over the '/'-joined path to a spec, to None (replicate) or
+# to a partitioner that picks the spec from the leaf's shape and dtype.
+Rule = tuple[str, PartitionSpec | None | Partitioner]
+
+
+def _nbytes(shape: Sequence[int], dtype: Any, bytes_per_string: int) -> int:
+    dtype = np.dtype(dtype)
+    itemsize = bytes_per_string if dtype.kind in "OSU" else dtype.itemsize
+    return math.prod(shape) * itemsize
+
+
+def _check_positive(name: str, value: int | None, cls: str) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ConfigurationError(
+            message(
+                f"{cls}.{name} must be a positive integer.",
+                received(**{name: value}),
+                f"pass e.g. {cls}({name}=2).",
+            )
+        )
+
+
+def _counts(shape: Sequence[int], num_shards: int) -> list[int]:
+    if not shape:
+        return []
+    return [max(1, min(num_shards, shape[0]))] + [1] * (len(shape) - 1)
+
+
+@dataclass(frozen=True)
+class FixedShardsPartitioner:
+    """Splits every variable into `num_shards` shards along its first axis.
+
+    Args:
+      num_shards: the number of shards; fewer if the first axis is shorter.
+    """
+
+    num_shards: int
+    round_up = False
+
+    def __post_init__(self):
+        _check_positive("num_shards", self.num_shards, "FixedShardsPartitioner")
+
+    def __call__(self, shape: Sequence[int], dtype: Any = np.float32) -> list[int]:
+        return _counts(shape, self.num_shards)
+
+
+@dataclass(frozen=True)
+class MinSizePartitioner:
+    """Shards a variable as much as it can while each shard keeps `min_shard_bytes`.
+
+    Args:
+      min_shard_bytes: the smallest shard worth making; smaller variables stay whole.
+      max_shards: at most this many shards; by default as many as there are devices.
+      bytes_per_string: the size assumed for one string element.
+    """
+
+    min_shard_bytes: int = 256 << 10
+    max_shards: int | None = None
+    bytes_per_string: int = 16
+    round_up = False
+
+    def __post_init__(self):
+        _check_positive("min_shard_bytes", self.min_shard_bytes, "MinSizePartitioner")
+        _check_positive("max_shards", self.max_shards, "MinSizePartitioner")
+
+    def __call__(self, shape: Sequence[int], dtype: Any = np.float32) -> list[int]:
+        shards = _nbytes(shape, dtype, self.bytes_per_string) // self.min_shard_bytes
+        if self.max_shards is not None:
+            shards = min(shards, self.max_shards)
+        return _counts(shape, max(1, shards))
+
+
+@dataclass(frozen=True)
+class MaxSizePartitioner:
+    """Shards a variable so that no shard is larger than `max_shard_bytes`.
+
+    Args:
+      max_shard_bytes: the largest shard allowed.
+      max_shards: at most this many shards (a cap that wins over the size).
+      bytes_per_string: the size assumed for one string element.
+    """
+
+    max_shard_bytes: int
+    max_shards: int | None = None
+    bytes_per_string: int = 16
+    round_up = True
+
+    def __post_init__(self):
+        _check_positive("max_shard_bytes", self.max_shard_bytes, "MaxSizePartitioner")
+        _check_positive("max_shards", self.max_shards, "MaxSizePartitioner")
+
+    def __call__(self, shape: Sequence[int], dtype: Any = np.float32) -> list[int]:
+        nbytes = _nbytes(shape, dtype, self.bytes_per_string)
+        shards = -(-nbytes // self.max_shard_bytes)
+        if self.max_shards is not None:
+            shards = min(shards, self.max_shards)
+        return _counts(shape, max(1, shards))
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """Joins a pytree key path with '/': `params/dense/kernel`.
+
+    The trailing `.value` of a flax NNX Variable is dropped, so rules read the
+    same for NNX modules as for plain dicts of arrays.
+    """
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _partitioned_spec(partitioner: Partitioner, leaf: Any, shard_axes: Sequence[tuple[str, int]]):
+    """The spec that splits axis 0 into the achievable shard count nearest the request.
+
+    `shard_axes` lists (name, size) innermost first; shard counts the mesh can
+    make are products of a run of them from the inside, so shards stay close
+    together (inside one host) before they span hosts.
+    """
+    shape = tuple(leaf.shape)
+    if not shape:
+        return PartitionSpec()
+    want = partitioner(shape, leaf.dtype)[0]
+    options = [(1, ())]
+    for name, size in shard_axes:
+        count, names = options[-1]
+        options.append((count * size, (name, *names)))
+    fits = [(c, n) for c, n in options if shape[0] % c == 0]
+    below = [o for o in fits if o[0] <= want]
+    above = [o for o in fits if o[0] >= want]
+    count, names = above[0] if partitioner.round_up and above else below[-1]
+    if count == 1:
+        return PartitionSpec()
+    return PartitionSpec(names if len(names) > 1 else names[0])
+
+
+def _check_spec(path: str, leaf: Any, spec: PartitionSpec, mesh: Mesh) -> None:
+    shape = tuple(getattr(leaf, "shape", ()))
+    if len(spec) > len(shape):
+        raise ConfigurationError(
+            message(
+                f"The rule for '{path}' gives a spec longer than the leaf's rank ({len(shape)}).",
+                received(path=path, spec=spec, shape=shape),
+                "give one entry per dimension at most, e.g. P('data') for a vector.",
+            )
+        )
+    for dim, entry in zip(shape, spec, strict=False):
+        names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+        unknown = [n for n in names if n not in mesh.shape]
+        if unknown:
+            raise ConfigurationError(
+                message(
+                    f"The rule for '{path}' names mesh axes the mesh does not have.",
+                    received(path=path, spec=spec, mesh_axes=tuple(mesh.shape)),
+                    f"use only the axes {tuple(mesh.shape)}.",
+                )
+            )
+        size = math.prod(mesh.shape[n] for n in names)
+        if dim % size:
+            raise ConfigurationError(
+                message(
+                    f"The rule for '{path}' splits a dimension of size {dim} over {size} devices, "
+                    "which does not divide it.",
+                    received(path=path, spec=spec, shape=shape, mesh=dict(mesh.shape)),
+                    "shard another dimension, pad the variable, or add an earlier rule "
+                    "that replicates it (spec None).",
+                )
+            )
+
+
+def resolve_specs(
+    tree: Any,
+    rules: Sequence[Rule],
+    mesh: Mesh,
+    *,
+    strict: bool = False,
+    shard_axes: Sequence[tuple[str, int]] = (),
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> Any:
+    """Gives every leaf of `tree` its `PartitionSpec`, from the first rule that matches.
+
+    Args:
+      tree: a pytree of arrays or `ShapeDtypeStruct`s.
+      rules: ordered (regex, spec) pairs, matched with `re.fullmatch` on the path.
+      mesh: the mesh the specs refer to.
+      strict: if True, a leaf no rule matches is an error; else it is replicated.
+      shard_axes: (name, size) innermost first, the axes partitioners split over.
+      is_leaf: passed on to the pytree flattening.
+
+    Returns:
+      A pytree of `PartitionSpec`, the structure of `tree`.
+
+    Raises:
+      ConfigurationError: a rule does not fit its leaf, or `strict` and no rule matched.
+    """
+    compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    specs = []
+    for key_path, leaf in leaves:
+        path = path_str(key_path)
+        rule = next((spec for regex, spec in compiled if regex.fullmatch(path)), _UNMATCHED)
+        if rule is _UNMATCHED and strict:
+            raise ConfigurationError(
+                message(
+                    f"strict=True: every state leaf needs a rule, but '{path}' matched none.",
+                    received(path=path, rules=[pattern for pattern, _ in rules]),
+                    "add a rule for it, e.g. (r'.*', None) last to replicate the rest.",
+                )
+            )
+        if rule is _UNMATCHED or rule is None:
+            spec = PartitionSpec()
+        elif isinstance(rule, PartitionSpec):
+            spec = rule
+        else:
+            spec = _partitioned_spec(rule, leaf, shard_axes)
+        _check_spec(path, leaf, spec, mesh)
+        specs.append(_trim(spec))
+    return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+_UNMATCHED = object()
+
+
+def _trim(spec: PartitionSpec) -> PartitionSpec:
+    """Drops trailing None entries, the form jit gives back, so layouts compare equal."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)

@@ -1,0 +1,251 @@
+"""The named strategies of tf.distribute, each a small constructor of `Strategy`."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from spmd.errors import ConfigurationError, message, received
+from spmd.mesh import make_mesh, order_devices, prime_factors
+from spmd.rules import MinSizePartitioner, Partitioner
+from spmd.strategy import Strategy, _default_strategy
+
+__all__ = [
+    "CentralStorageStrategy",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "ParameterServerStrategy",
+    "TPUStrategy",
+    "by_name",
+]
+
+
+class CommunicationImplementation(enum.Enum):
+    """The all-reduce implementation, as tf.distribute names it.
+
+    XLA picks the transport per platform: NCCL on GPU, ICI on TPU. On CPU
+    `AUTO` and `RING` use gloo's ring all-reduce and `MPI` uses MPI; the choice
+    is made by `spmd.initialize()` before JAX starts its backend.
+    """
+
+    AUTO = "auto"
+    RING = "ring"
+    NCCL = "nccl"
+    MPI = "mpi"
+
+
+@dataclass(frozen=True)
+class CommunicationOptions:
+    """Collective options of `MultiWorkerMirroredStrategy` (tf.distribute's fields).
+
+    Attributes:
+      implementation: which all-reduce to ask for.
+      timeout_seconds: how long a collective may wait for its peers; passed to
+        `spmd.initialize()` as the heartbeat timeout after which a dead peer
+        ends the job instead of hanging it.
+      bytes_per_pack: accepted for compatibility; XLA combines collectives itself.
+    """
+
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    timeout_seconds: float | None = None
+    bytes_per_pack: int = 0
+
+
+def _local_devices(devices: Sequence[Any] | None) -> list[Any]:
+    if devices is None:
+        return order_devices(jax.local_devices())
+    if not devices:
+        raise ConfigurationError(
+            message(
+                "A strategy needs at least one device.",
+                received(devices=devices),
+                "pass devices=None for all of this process's devices.",
+            )
+        )
+    return list(devices)
+
+
+def MirroredStrategy(devices: Sequence[Any] | None = None) -> Strategy:  # noqa: N802
+    """Synchronous data parallelism over this process's devices.
+
+    The state is replicated on every device; each device takes a slice of the
+    batch; gradients are all-reduced (XLA inserts it). Mesh axis: `replica`.
+
+    Args:
+      devices: the devices to use; all of this process's devices by default.
+    """
+    devices = _local_devices(devices)
+    mesh = make_mesh({"replica": len(devices)}, devices)
+    return Strategy(mesh, batch_axes=("replica",), name="MirroredStrategy")
+
+
+def MultiWorkerMirroredStrategy(  # noqa: N802
+    communication_options: CommunicationOptions | None = None,
+) -> Strategy:
+    """Synchronous data parallelism over every device of every process.
+
+    Mesh axes `(host, replica)`: hosts outermost, so only the outer axis of the
+    all-reduce crosses the network. Call `spmd.initialize()` first in every
+    process.
+
+    Args:
+      communication_options: which all-reduce to use (see `CommunicationOptions`).
+
+    Raises:
+      ConfigurationError: processes have different device counts, or NCCL is
+        asked for on a platform without it.
+    """
+    options = communication_options or CommunicationOptions()
+    platform = jax.devices()[0].platform
+    if options.implementation == CommunicationImplementation.NCCL and platform != "gpu":
+        raise ConfigurationError(
+            message(
+                "NCCL all-reduce needs GPUs.",
+                received(implementation="NCCL", platform=platform),
+                "use CommunicationImplementation.AUTO, which picks the platform's own.",
+            )
+        )
+    hosts = jax.process_count()
+    per_host = jax.local_device_count()
+    if per_host * hosts != jax.device_count():
+        raise ConfigurationError(
+            message(
+                "Every process must have the same number of devices.",
+                received(device_count=jax.device_count(), process_count=hosts),
+                "start every worker with the same devices per process.",
+            )
+        )
+    mesh = make_mesh({"host": hosts, "replica": per_host})
+    return Strategy(mesh, batch_axes=("host", "replica"), name="MultiWorkerMirroredStrategy")
+
+
+def TPUStrategy(devices: Sequence[Any] | None = None) -> Strategy:  # noqa: N802
+    """Synchronous data parallelism over TPU cores, laid out in topology order.
+
+    Several slices form a hybrid mesh, slices on the outer `host` axis.
+
+    Args:
+      devices: TPU devices; every TPU device of every process by default.
+
+    Raises:
+      ConfigurationError: there are no TPU devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    platforms = sorted({getattr(d, "platform", "?") for d in devices})
+    if platforms != ["tpu"]:
+        raise ConfigurationError(
+            message(
+                "TPUStrategy needs TPU devices.",
+                received(platforms=platforms),
+                "run on a Cloud TPU VM, or use MirroredStrategy / MultiWorkerMirroredStrategy "
+                "elsewhere (the same program otherwise).",
+            )
+        )
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    mesh = make_mesh({"host": slices, "replica": len(devices) // slices}, devices)
+    return Strategy(mesh, batch_axes=("host", "replica"), name="TPUStrategy")
+
+
+def CentralStorageStrategy(  # noqa: N802
+    compute_devices: Sequence[Any] | None = None,
+) -> Strategy:
+    """Data parallelism with the state kept in host memory between steps.
+
+    The state lives in `pinned_host` memory; each step moves it to the devices,
+    computes replicated over them with the batch split, and writes the update
+    back to host memory. Device memory holds the state only during the step.
+
+    Args:
+      compute_devices: the devices that compute; this process's by default.
+    """
+    devices = _local_devices(compute_devices)
+    mesh = make_mesh({"replica": len(devices)}, devices)
+    return Strategy(mesh, batch_axes=("replica",), placement="host", name="CentralStorageStrategy")
+
+
+def OneDeviceStrategy(device: Any | None = None) -> Strategy:  # noqa: N802
+    """Everything on one device: the state, the batch and the step.
+
+    Args:
+      device: a `jax.Device`; this process's first device by default.
+    """
+    device = jax.local_devices()[0] if device is None else device
+    if not hasattr(device, "platform"):
+        raise ConfigurationError(
+            message(
+                "OneDeviceStrategy takes a jax.Device.",
+                received(device=device),
+                "pass e.g. jax.devices()[0] or jax.devices('cpu')[0].",
+            )
+        )
+    mesh = make_mesh({"replica": 1}, [device])
+    return Strategy(mesh, batch_axes=("replica",), name="OneDeviceStrategy")
+
+
+def ParameterServerStrategy(  # noqa: N802
+    variable_partitioner: Partitioner | None = None,
+    devices: Sequence[Any] | None = None,
+) -> Strategy:
+    """Variables sharded over the replicas by a partitioner, trained synchronously.
+
+    tf.distribute's parameter servers hold shards of large variables; here the
+    shards live on the workers' own devices (ZeRO-3 / FSDP) and XLA gathers a
+    variable where a step uses it and reduce-scatters its gradient. Training is
+    synchronous: there is no coordinator and no stale update.
+
+    The devices form one mesh axis per prime factor of their count (8 devices:
+    `ps0, ps1, ps2` of 2 each), all of them batch axes. A variable split into
+    k shards uses the innermost axes whose sizes multiply to k; a count the
+    mesh cannot make is rounded down (up for `MaxSizePartitioner`).
+
+    Args:
+      variable_partitioner: from `spmd.partitioners`; None keeps every
+        variable whole (replicated).
+      devices: every device of every process by default.
+    """
+    devices = order_devices(jax.devices() if devices is None else devices)
+    factors = prime_factors(len(devices)) or [1]
+    mesh = make_mesh({f"ps{i}": f for i, f in enumerate(factors)}, devices)
+    rules = [] if variable_partitioner is None else [(".*", variable_partitioner)]
+    return Strategy(
+        mesh, rules=rules, batch_axes=tuple(mesh.axis_names), name="ParameterServerStrategy"
+    )
+
+
+_BY_NAME: dict[str, Callable[[], Strategy]] = {
+    "default": _default_strategy,
+    "mirrored": MirroredStrategy,
+    "multi_worker_mirrored": MultiWorkerMirroredStrategy,
+    "tpu": TPUStrategy,
+    "central_storage": CentralStorageStrategy,
+    "one_device": OneDeviceStrategy,
+    "parameter_server": lambda: ParameterServerStrategy(MinSizePartitioner()),
+}
+
+
+def by_name(name: str) -> Strategy:
+    """Builds a named strategy with its defaults: "mirrored", "parameter_server", ...
+
+    Raises:
+      ConfigurationError: the name is unknown (the message lists the known ones).
+    """
+    key = name.lower().replace("-", "_").removesuffix("_strategy").removesuffix("strategy")
+    if key not in _BY_NAME:
+        raise ConfigurationError(
+            message(
+                f"A strategy name is one of {sorted(_BY_NAME)}.",
+                received(name=name),
+                "pick one of those names.",
+            )
+        )
+    return _BY_NAME[key]()
+
+
+NAMES: tuple[str, ...] = tuple(_BY_NAME)

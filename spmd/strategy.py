@@ -1,0 +1,576 @@
+"""The Strategy value: a mesh, state rules, batch axes and a placement."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, overload
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from spmd import nnx_state
+from spmd.errors import BatchError, ConfigurationError, message, received
+from spmd.replica import PerReplica, ReduceOp, ReplicaContext, replica_context
+from spmd.rules import Rule, resolve_specs
+
+__all__ = ["Step", "Strategy", "get_strategy", "has_strategy", "in_cross_replica_context"]
+
+Placement = Literal["device", "host"]
+_MEMORY_KIND = {"device": "device", "host": "pinned_host"}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a program is spread over devices: a mesh, state rules, batch axes, placement.
+
+    Every named strategy (`MirroredStrategy`, `ParameterServerStrategy`, ...)
+    is a constructor of this value; build one directly for any other layout.
+
+    Attributes:
+      mesh: the devices, as a `jax.sharding.Mesh` with named axes.
+      rules: ordered (regex, spec) rules over '/'-joined state paths; the first
+        match wins. A spec is a `PartitionSpec`, None (replicate) or a
+        partitioner from `spmd.partitioners`. Unmatched leaves are replicated.
+      batch_axes: the mesh axes the leading axis of every batch is split over;
+        their devices are the data-parallel replicas. The first axis by default.
+      placement: where the state lives between steps: "device" memory, or
+        "host" memory (`pinned_host`), moved to the devices inside the step.
+      strict: if True, a state leaf that no rule matches is an error.
+      name: shown in reprs and by `spmd env`.
+
+    Example:
+      >>> strategy = spmd.Strategy(
+      ...     mesh=spmd.make_mesh({"data": -1, "model": 2}),
+      ...     rules=[(r".*/kernel", P(None, "model"))],
+      ...     batch_axes=("data",))
+    """
+
+    mesh: Mesh
+    rules: Sequence[Rule] = ()
+    batch_axes: Sequence[str] | None = None
+    placement: Placement = "device"
+    strict: bool = False
+    name: str = "Strategy"
+    _is_default: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "rules", tuple(tuple(rule) for rule in self.rules))
+        axes = self.mesh.axis_names[:1] if self.batch_axes is None else self.batch_axes
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        object.__setattr__(self, "batch_axes", axes)
+        unknown = [a for a in axes if a not in self.mesh.shape]
+        if unknown:
+            raise ConfigurationError(
+                message(
+                    "batch_axes must name axes of the mesh.",
+                    received(batch_axes=axes, mesh_axes=self.mesh.axis_names),
+                    f"choose among {self.mesh.axis_names}.",
+                )
+            )
+        if self.placement not in _MEMORY_KIND:
+            raise ConfigurationError(
+                message(
+                    f"placement is one of {tuple(_MEMORY_KIND)}.",
+                    received(placement=self.placement),
+                    'pass placement="device" or placement="host".',
+                )
+            )
+        if self.placement == "host":
+            _check_host_memory(self.mesh)
+
+    # -- what the strategy is -------------------------------------------------
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of data-parallel replicas: the size of the batch axes, over all hosts."""
+        return math.prod(self.mesh.shape[a] for a in self.batch_axes)
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """Every device of the mesh, in mesh order."""
+        return tuple(self.mesh.devices.flat)
+
+    @property
+    def memory_kind(self) -> str:
+        """The memory kind the state lives in between steps."""
+        return _MEMORY_KIND[self.placement]
+
+    def __repr__(self) -> str:
+        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        return f"{self.name}(mesh=({mesh}), batch_axes={self.batch_axes}, placement={self.placement!r})"
+
+    # -- scope ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Makes this the current strategy (`spmd.get_strategy()`) and sets the mesh context.
+
+        Raises:
+          ConfigurationError: another strategy's scope is already open.
+        """
+        current = _CURRENT.get()
+        if current is not None and current != self:
+            raise ConfigurationError(
+                message(
+                    "Strategy scopes do not nest: one strategy at a time.",
+                    received(open_scope=current, new_scope=self),
+                    "leave the open scope before entering another strategy's scope.",
+                )
+            )
+        token = _CURRENT.set(self)
+        try:
+            with jax.set_mesh(self.mesh):
+                yield self
+        finally:
+            _CURRENT.reset(token)
+
+    # -- state ----------------------------------------------------------------
+
+    def state_spec(self, tree: Any) -> Any:
+        """The `PartitionSpec` of every leaf of a state (arrays or `ShapeDtypeStruct`s)."""
+        pure = nnx_state.pure(tree)
+        shard_axes = tuple((a, self.mesh.shape[a]) for a in reversed(self.batch_axes))
+        return resolve_specs(pure, self.rules, self.mesh, strict=self.strict, shard_axes=shard_axes)
+
+    def state_sharding(self, tree: Any) -> Any:
+        """The `NamedSharding` of every leaf of a state, with the strategy's memory kind.
+
+        Args:
+          tree: a pytree of arrays or `ShapeDtypeStruct`s, or flax NNX objects
+            (the result then mirrors `nnx.state(tree)`).
+
+        Returns:
+          A pytree of `NamedSharding`.
+        """
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec, memory_kind=self.memory_kind),
+            self.state_spec(tree),
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+
+    def put(self, tree: Any) -> Any:
+        """Places an existing state per the rules. NNX objects are updated in place."""
+        pure = nnx_state.pure(tree)
+        placed = jax.tree.map(_put_leaf, pure, self.state_sharding(pure))
+        return nnx_state.replace(tree, placed)
+
+    def init(self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Creates a state in place: `create_fn` runs under jit, its leaves come out sharded.
+
+        No leaf is ever materialised whole on one device: the compiler creates
+        each shard where it lives.
+
+        Args:
+          create_fn: builds the state (a pytree, or flax NNX objects) from `args`.
+          *args: passed to `create_fn` (e.g. a PRNG key); replicated.
+          **kwargs: passed to `create_fn`; must be hashable (static).
+
+        Returns:
+          The state, placed per the strategy's rules.
+        """
+        graph = {}
+
+        def pure_create(*a):
+            graph["def"], pure = nnx_state.split(create_fn(*a, **kwargs))
+            return pure
+
+        abstract = jax.eval_shape(pure_create, *args)
+        out = jax.jit(pure_create, out_shardings=self.state_sharding(abstract))(*args)
+        return nnx_state.merge(graph["def"], out)
+
+    # -- batches --------------------------------------------------------------
+
+    def batch_sharding(self, ndim: int = 1) -> NamedSharding:
+        """The sharding of a batch leaf of rank `ndim`: leading axis over the batch axes."""
+        if ndim == 0 or not self.batch_axes:
+            return NamedSharding(self.mesh, PartitionSpec())
+        return NamedSharding(self.mesh, PartitionSpec(self.batch_axes))
+
+    @functools.cached_property
+    def replicated(self) -> NamedSharding:
+        """A sharding that keeps one full copy on every device of the mesh."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def check_batch(self, data: Any) -> None:
+        """Checks that every batch leaf splits evenly over the replicas.
+
+        Raises:
+          BatchError: leading sizes differ between leaves, or do not divide by
+            `num_replicas_in_sync`.
+        """
+        sizes = {np.shape(x)[0] for x in jax.tree.leaves(data) if np.ndim(x) > 0}
+        if len(sizes) > 1:
+            raise BatchError(
+                message(
+                    "Every batch array must have the same leading (batch) size.",
+                    received(leading_sizes=sorted(sizes)),
+                    "make x and y the same length; pass arrays that are not batches "
+                    "by keyword, where they are replicated.",
+                )
+            )
+        if sizes and (size := sizes.pop()) % self.num_replicas_in_sync:
+            raise BatchError(
+                message(
+                    f"The global batch must split evenly over the {self.num_replicas_in_sync} "
+                    "replicas.",
+                    received(
+                        global_batch_size=size, num_replicas_in_sync=self.num_replicas_in_sync
+                    ),
+                    f"use a global batch size that is a multiple of {self.num_replicas_in_sync} "
+                    f"(e.g. {_round_up(size, self.num_replicas_in_sync)}), or drop/pad the last batch.",
+                )
+            )
+
+    def distribute_batch(self, batch: Any) -> Any:
+        """Makes a global batch (numpy or jax) into global jax.Arrays split over the replicas.
+
+        With several processes every process passes the same global batch and
+        each places only the rows its devices hold.
+        """
+        self.check_batch(batch)
+        return jax.tree.map(lambda x: _put_leaf(x, self.batch_sharding(np.ndim(x))), batch)
+
+    def distribute_dataset(self, dataset: Iterable[Any]) -> Iterator[Any]:
+        """Yields each global batch of `dataset` as global jax.Arrays over the replicas."""
+        from spmd.data import distribute_dataset
+
+        return distribute_dataset(self, dataset)
+
+    # -- the step -------------------------------------------------------------
+
+    @overload
+    def step(self, fn: Callable[..., Any], /) -> Step: ...
+
+    @overload
+    def step(
+        self, *, donate: bool = True, static_argnames: Sequence[str] = ()
+    ) -> Callable[[Callable[..., Any]], Step]: ...
+
+    def step(self, fn=None, /, *, donate=True, static_argnames=()):
+        """Compiles a train step with the strategy's shardings: `@strategy.step`.
+
+        The first argument is the state: placed by the rules, donated (unless
+        `donate=False`) and returned in the same layout. Every other positional
+        argument is data, split along its leading axis over the batch axes.
+        Keyword arguments are replicated (static if named in `static_argnames`).
+        Everything the step returns besides the state comes back replicated.
+        NNX objects in the state are updated in place, as `nnx.jit` does.
+
+        Args:
+          fn: `fn(state, *data, **kwargs)`, returning `(state, metrics)`, the
+            state alone, or (for NNX state updated in place) the metrics.
+          donate: let XLA reuse the input state's buffers for the output.
+          static_argnames: keyword arguments that are compile-time constants.
+
+        Returns:
+          A `Step`, callable like `fn`. Used bare or with arguments.
+        """
+        if fn is None:
+            return lambda f: Step(self, f, donate=donate, static_argnames=tuple(static_argnames))
+        return Step(self, fn, donate=donate, static_argnames=tuple(static_argnames))
+
+    # -- the per-replica view -------------------------------------------------
+
+    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
+        """Runs `fn` once per replica, each on its slice of the data (`shard_map`).
+
+        Positional arguments are split along their leading axis over the
+        replicas, and a `PerReplica` gives each replica its own value; keyword
+        arguments are replicated. Inside `fn`, `spmd.get_replica_context()`
+        gives the replica's id and collectives. Works eagerly and inside a step.
+
+        Args:
+          fn: `fn(*replica_args, **kwargs)`, returning a pytree of arrays.
+          args: the distributed arguments.
+          kwargs: replicated arguments.
+
+        Returns:
+          A `PerReplica` of `fn`'s results.
+        """
+        top, treedef = jax.tree.flatten((tuple(args), dict(kwargs or {})), is_leaf=_is_per_replica)
+        n_args = len(jax.tree.leaves(tuple(args), is_leaf=_is_per_replica))
+        flat, kinds, subdefs = [], [], []
+        for i, x in enumerate(top):
+            if _is_per_replica(x):
+                leaves, subdef = jax.tree.flatten(x.values)
+                flat += leaves
+                kinds += [_STACKED] * len(leaves)
+                subdefs.append(subdef)
+                continue
+            flat.append(x)
+            kinds.append(_SPLIT if i < n_args and np.ndim(x) > 0 else _REPLICATED)
+            subdefs.append(None)
+        if _SPLIT in kinds:
+            self.check_batch([x for x, k in zip(flat, kinds, strict=True) if k == _SPLIT])
+        return _compiled_run(self, fn, treedef, tuple(subdefs), tuple(kinds))(*flat)
+
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines a `PerReplica` value over the replicas.
+
+        Args:
+          op: "SUM" or "MEAN" (or MAX, MIN).
+          value: a `PerReplica`; a plain value is already global and is only
+            reduced along `axis`.
+          axis: None reduces across replicas only; an int also reduces along
+            that axis of each replica's value (MEAN then averages over every
+            element of the global batch, as tf.distribute does).
+
+        Returns:
+          The reduced value (replicated jax.Array, or a pytree of them).
+        """
+        op = ReduceOp.parse(op)
+        fn = {
+            ReduceOp.SUM: jnp.sum,
+            ReduceOp.MEAN: jnp.mean,
+            ReduceOp.MAX: jnp.max,
+            ReduceOp.MIN: jnp.min,
+        }[op]
+        if isinstance(value, PerReplica):
+            axes = (0,) if axis is None else (0, axis + 1)
+            return jax.tree.map(lambda x: fn(x, axis=axes), value.values)
+        if axis is None:
+            return value
+        return jax.tree.map(lambda x: fn(x, axis=axis), value)
+
+    def local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of this process's replicas, one per local replica, in replica order."""
+        if not isinstance(value, PerReplica):
+            return (value,)
+        leaves, treedef = jax.tree.flatten(value.values)
+        per_leaf = [_local_rows(x) for x in leaves]
+        count = len(per_leaf[0]) if per_leaf else 0
+        return tuple(
+            jax.tree.unflatten(treedef, [rows[i] for rows in per_leaf]) for i in range(count)
+        )
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenates every replica's value along `axis` into one global value."""
+        if not isinstance(value, PerReplica):
+            return value
+
+        def concat(x):
+            moved = jnp.moveaxis(x, 0, axis)
+            shape = moved.shape[:axis] + (-1,) + moved.shape[axis + 2 :]
+            return moved.reshape(shape)
+
+        return jax.tree.map(concat, value.values)
+
+
+class Step:
+    """A train step compiled with its strategy's shardings; see `Strategy.step`.
+
+    One compiled program per state structure and data shapes; `cache_size()`
+    says how many exist, so tests can check that a loop compiles once.
+    """
+
+    def __init__(self, strategy: Strategy, fn: Callable, *, donate: bool, static_argnames):
+        self.strategy = strategy
+        self.fn = fn
+        self.donate = donate
+        self.static_argnames = static_argnames
+        self._compiled: dict[Any, tuple[Callable, dict]] = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, state: Any, *data: Any, **kwargs: Any) -> Any:
+        static = {k: kwargs.pop(k) for k in self.static_argnames if k in kwargs}
+        graphdef, pure = nnx_state.split(state)
+        self.strategy.check_batch(data)
+        state_leaves, state_def = jax.tree.flatten(pure)
+        key = (
+            graphdef,
+            state_def,
+            tuple((np.shape(x), np.result_type(x)) for x in state_leaves),
+            jax.tree.structure(data),
+            tuple(np.ndim(x) for x in jax.tree.leaves(data)),
+            jax.tree.structure(kwargs),
+        )
+        entry = self._compiled.get(key)
+        if entry is None:
+            entry = self._compiled[key] = self._compile(graphdef, pure, data, kwargs)
+        compiled, form = entry
+        if jax.process_count() > 1:
+            data = self.strategy.distribute_batch(data)
+        new_pure, out = compiled(pure, data, kwargs, **static)
+        if graphdef is not None:
+            nnx_state.update(state, new_pure)
+            return out
+        if form["returns"] == "state":
+            return new_pure
+        return (new_pure, *out)
+
+    def cache_size(self) -> int:
+        """How many programs this step has compiled, over every state structure."""
+        return sum(compiled._cache_size() for compiled, _ in self._compiled.values())
+
+    def _compile(self, graphdef, pure, data, kwargs) -> tuple[Callable, dict]:
+        strategy = self.strategy
+        state_sharding = strategy.state_sharding(pure)
+        compute_sharding = jax.tree.map(lambda s: s.with_memory_kind("device"), state_sharding)
+        on_host = strategy.placement == "host"
+        state_def = jax.tree.structure(pure)
+        data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x)), data)
+        kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
+        fn, form = self.fn, {}
+
+        def step(pure_state, data, kwargs, **static):
+            if on_host:
+                pure_state = jax.device_put(pure_state, compute_sharding)
+            if graphdef is None:
+                form["returns"], new_state, out = _split_output(
+                    fn(pure_state, *data, **kwargs, **static), state_def
+                )
+            else:
+                live = nnx_state.merge(graphdef, pure_state)
+                out = fn(live, *data, **kwargs, **static)
+                new_state = nnx_state.split(live)[1]
+            new_state = jax.lax.with_sharding_constraint(new_state, compute_sharding)
+            if on_host:
+                new_state = jax.device_put(new_state, state_sharding)
+            out = jax.lax.with_sharding_constraint(
+                out, jax.tree.map(lambda _: strategy.replicated, out)
+            )
+            return new_state, out
+
+        compiled = jax.jit(
+            step,
+            in_shardings=(state_sharding, data_sharding, kwargs_sharding),
+            donate_argnums=(0,) if self.donate else (),
+            static_argnames=self.static_argnames,
+        )
+        return compiled, form
+
+
+def _split_output(out: Any, state_def: Any) -> tuple[str, Any, tuple]:
+    """Separates the new state from the rest of what a pure step returned.
+
+    Returns:
+      ("state", state, ()) when the step returned the state alone, or
+      ("tuple", state, rest) when it returned (state, *rest).
+    """
+    if isinstance(out, tuple) and out and jax.tree.structure(out[0]) == state_def:
+        return "tuple", out[0], tuple(out[1:])
+    if jax.tree.structure(out) == state_def:
+        return "state", out, ()
+    raise ConfigurationError(
+        message(
+            "A step over a pure state must return the new state, or (state, metrics, ...) "
+            "with the state first and of the same structure as the input state.",
+            received(returned_structure=jax.tree.structure(out), state_structure=state_def),
+            "return `state, metrics` from the step (NNX objects are updated in place instead).",
+        )
+    )
+
+
+def _check_host_memory(mesh: Mesh) -> None:
+    device = mesh.devices.flat[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ConfigurationError(
+            message(
+                "Host placement keeps the state in `pinned_host` memory, which this backend "
+                "does not offer.",
+                received(platform=device.platform, memory_kinds=sorted(kinds)),
+                "use placement='device' (e.g. MirroredStrategy) on this backend.",
+            )
+        )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Places one leaf; with several processes, host data is taken as the global value."""
+    if isinstance(x, jax.Array) or jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _local_rows(x: jax.Array) -> list[jax.Array]:
+    """The distinct rows of a stacked per-replica array that live on this process."""
+    rows = {}
+    for shard in x.addressable_shards:
+        start = shard.index[0].start or 0
+        for offset in range(shard.data.shape[0]):
+            rows.setdefault(start + offset, shard.data[offset])
+    return [rows[i] for i in sorted(rows)]
+
+
+_REPLICATED, _SPLIT, _STACKED = "replicated", "split", "stacked"
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_run(
+    strategy: Strategy, fn: Callable, treedef: Any, subdefs: tuple, kinds: tuple
+) -> Callable:
+    """One jitted shard_map per (strategy, fn, argument structure)."""
+    context = ReplicaContext(strategy.num_replicas_in_sync, strategy.batch_axes)
+    batch = PartitionSpec(strategy.batch_axes)
+    specs = tuple(PartitionSpec() if k == _REPLICATED else batch for k in kinds)
+
+    def per_replica(*flat):
+        flat = iter(x[0] if k == _STACKED else x for x, k in zip(flat, kinds, strict=True))
+        top = [
+            next(flat)
+            if subdef is None
+            else jax.tree.unflatten(subdef, [next(flat) for _ in range(subdef.num_leaves)])
+            for subdef in subdefs
+        ]
+        args, kwargs = jax.tree.unflatten(treedef, top)
+        with replica_context(context):
+            out = fn(*args, **kwargs)
+        return jax.tree.map(lambda y: jnp.asarray(y)[None], out)
+
+    mapped = jax.shard_map(
+        per_replica,
+        mesh=strategy.mesh,
+        in_specs=specs,
+        out_specs=batch,
+        axis_names=set(strategy.batch_axes),
+    )
+    return jax.jit(lambda *flat: PerReplica(mapped(*flat)))
+
+
+_CURRENT: contextvars.ContextVar[Strategy | None] = contextvars.ContextVar(
+    "spmd_strategy", default=None
+)
+
+
+@functools.cache
+def _default_strategy() -> Strategy:
+    device = jax.local_devices()[0]
+    mesh = Mesh(np.asarray([device], dtype=object), ("replica",))
+    return Strategy(mesh, batch_axes=(), name="DefaultStrategy", _is_default=True)
+
+
+def get_strategy() -> Strategy:
+    """The strategy of the innermost open `scope()`, else the default strategy.
+
+    The default strategy is plain `jax.jit` on the default device: one replica,
+    nothing split, nothing sharded.
+    """
+    return _CURRENT.get() or _default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether a (non-default) strategy's scope is open."""
+    return _CURRENT.get() is not None
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's scope but outside `strategy.run` (tf.distribute's meaning)."""
+    from spmd.replica import _CONTEXT
+
+    return has_strategy() and _CONTEXT.get() is None
