@@ -386,18 +386,22 @@ class Step:
         key = (
             graphdef,
             state_def,
-            tuple((np.shape(x), np.result_type(x)) for x in state_leaves),
+            tuple(map(_leaf_key, state_leaves)),
             jax.tree.structure(data),
             tuple(np.ndim(x) for x in jax.tree.leaves(data)),
             jax.tree.structure(kwargs),
+            tuple(sorted(static.items())),
         )
         entry = self._compiled.get(key)
         if entry is None:
-            entry = self._compiled[key] = self._compile(graphdef, pure, data, kwargs)
+            entry = self._compiled[key] = self._compile(graphdef, pure, data, kwargs, static)
+            # A first state often comes unplaced (numpy, one device): place it, so
+            # that the states the step returns hit the same compiled program.
+            pure = jax.tree.map(_put_leaf, pure, self.strategy.state_sharding(pure))
         compiled, form = entry
         if jax.process_count() > 1:
             data = self.strategy.distribute_batch(data)
-        new_pure, out = compiled(pure, data, kwargs, **static)
+        new_pure, out = compiled(pure, data, kwargs)
         if graphdef is not None:
             nnx_state.update(state, new_pure)
             return out
@@ -409,7 +413,7 @@ class Step:
         """How many programs this step has compiled, over every state structure."""
         return sum(compiled._cache_size() for compiled, _ in self._compiled.values())
 
-    def _compile(self, graphdef, pure, data, kwargs) -> tuple[Callable, dict]:
+    def _compile(self, graphdef, pure, data, kwargs, static) -> tuple[Callable, dict]:
         strategy = self.strategy
         state_sharding = strategy.state_sharding(pure)
         compute_sharding = jax.tree.map(lambda s: s.with_memory_kind("device"), state_sharding)
@@ -419,7 +423,7 @@ class Step:
         kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
         fn, form = self.fn, {}
 
-        def step(pure_state, data, kwargs, **static):
+        def step(pure_state, data, kwargs):
             if on_host:
                 pure_state = jax.device_put(pure_state, compute_sharding)
             if graphdef is None:
@@ -442,9 +446,14 @@ class Step:
             step,
             in_shardings=(state_sharding, data_sharding, kwargs_sharding),
             donate_argnums=(0,) if self.donate else (),
-            static_argnames=self.static_argnames,
         )
         return compiled, form
+
+
+def _leaf_key(x: Any) -> tuple:
+    """What of a state leaf decides its layout: shape and dtype."""
+    dtype = getattr(x, "dtype", None)
+    return (np.shape(x), dtype if dtype is not None else type(x))
 
 
 def _split_output(out: Any, state_def: Any) -> tuple[str, Any, tuple]:
@@ -495,12 +504,18 @@ def _put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
 
 
 def _local_rows(x: jax.Array) -> list[jax.Array]:
-    """The distinct rows of a stacked per-replica array that live on this process."""
+    """The distinct rows of a stacked per-replica array that live on this process.
+
+    Each row is sliced on its own device, under a one-device mesh so that an
+    open `scope()`'s mesh context does not reject the single-device operation.
+    """
     rows = {}
     for shard in x.addressable_shards:
         start = shard.index[0].start or 0
-        for offset in range(shard.data.shape[0]):
-            rows.setdefault(start + offset, shard.data[offset])
+        with jax.set_mesh(Mesh(np.asarray([shard.device], dtype=object), ("row",))):
+            for offset in range(shard.data.shape[0]):
+                if start + offset not in rows:
+                    rows[start + offset] = shard.data[offset]
     return [rows[i] for i in sorted(rows)]
 
 
@@ -539,6 +554,10 @@ def _compiled_run(
         in_specs=specs,
         out_specs=batch,
         axis_names=set(strategy.batch_axes),
+        # Each replica's gradients stay its own, as in tf.distribute: with
+        # varying-axis checks on, the gradient of a replicated argument would
+        # come back already summed over the replicas.
+        check_vma=False,
     )
     return jax.jit(lambda *flat: PerReplica(mapped(*flat)))
 
