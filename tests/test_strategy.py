@@ -189,7 +189,7 @@ def test_step_decorator_bare_and_called():
 
     state = jnp.zeros(())
     assert float(bare(state, np.ones(8))) == 8.0
-    kept = jnp.ones(())
+    kept = strategy.put(jnp.ones(()))
     new, mean = called(kept, np.arange(8.0), scale=3)
     assert float(new) == 3.0 and float(mean) == 3.5 and float(kept) == 1.0  # not donated
     called(kept, np.arange(8.0), scale=3)

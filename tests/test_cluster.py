@@ -1,0 +1,328 @@
+"""Tests of spmd.cluster: TF_CONFIG, explicit and launcher resolution, initialize()."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spmd.cluster import (
+    ClusterInfo,
+    parse_tf_config,
+    resolve,
+)
+from spmd.errors import ClusterError
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multiprocess" / "psum_worker.py"
+CLUSTER_VARS = (
+    "TF_CONFIG",
+    "SPMD_COORDINATOR_ADDRESS",
+    "SPMD_NUM_PROCESSES",
+    "SPMD_PROCESS_ID",
+    "SPMD_DEVICES_PER_PROCESS",
+    "SPMD_RESTART_COUNT",
+    "SLURM_JOB_ID",
+    "OMPI_MCA_orte_hnp_uri",
+    "KUBERNETES_SERVICE_HOST",
+)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment without any cluster description, spmd importable, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return {**env, **extra}
+
+
+@pytest.fixture(autouse=True)
+def no_cluster(monkeypatch):
+    for name in CLUSTER_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def tf_config(cluster, task_type="worker", index=0):
+    return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+
+
+# ------------------------------------------------------------------ TF_CONFIG
+
+
+@pytest.mark.parametrize(
+    "cluster, task_type, index, expected",
+    [
+        ({"worker": ["h0:1", "h1:2"]}, "worker", 0, (0, 2, True, "h0:1")),
+        ({"worker": ["h0:1", "h1:2"]}, "worker", 1, (1, 2, False, "h0:1")),
+        ({"chief": ["c:9"], "worker": ["h0:1", "h1:2"]}, "chief", 0, (0, 3, True, "c:9")),
+        ({"chief": ["c:9"], "worker": ["h0:1", "h1:2"]}, "worker", 0, (1, 3, False, "c:9")),
+        ({"chief": ["c:9"], "worker": ["h0:1", "h1:2"]}, "worker", 1, (2, 3, False, "c:9")),
+        ({"worker": ["[::1]:1", "h1:2"], "ps": ["p:3"]}, "worker", 1, (1, 2, False, "[::1]:1")),
+        ({"worker": ["h0:1"]}, "worker", 0, (0, 1, True, None)),
+    ],
+)
+def test_tf_config_training_group(cluster, task_type, index, expected):
+    info = parse_tf_config(tf_config(cluster, task_type, index))
+    got = (info.process_index, info.process_count, info.is_chief, info.coordinator_address)
+    assert got == expected
+    assert (info.task_type, info.task_index, info.source) == (task_type, index, "TF_CONFIG")
+
+
+def test_tf_config_evaluator_is_its_own_group():
+    info = parse_tf_config(tf_config({"worker": ["h0:1"], "evaluator": ["e:1"]}, "evaluator"))
+    assert (info.process_index, info.process_count, info.task_type) == (0, 1, "evaluator")
+    assert info.is_chief and info.coordinator_address is None
+
+
+T = "TF_CONFIG"
+MALFORMED = {
+    "not json": ("{cluster: 1}", T, "{cluster: 1}"),
+    "missing cluster": ('{"task": {"type": "worker"}}', f"{T}['cluster']", None),
+    "empty cluster": ('{"cluster": {}, "task": {}}', f"{T}['cluster']", {}),
+    "missing task": ('{"cluster": {"worker": ["h:1"]}}', f"{T}['task']", None),
+    "index out of range": (
+        tf_config({"worker": ["h:1", "h:2"]}, index=2),
+        f"{T}['task']['index']",
+        2,
+    ),
+    "negative index": (tf_config({"worker": ["h:1"]}, index=-1), f"{T}['task']['index']", -1),
+    "unknown task type": (
+        tf_config({"worker": ["h:1"]}, "master"),
+        f"{T}['task']['type']",
+        "master",
+    ),
+    "ps task": (tf_config({"worker": ["h:1"], "ps": ["p:1"]}, "ps"), f"{T}['task']['type']", "ps"),
+    "task type not in cluster": (
+        tf_config({"worker": ["h:1"]}, "chief"),
+        f"{T}['task']['type']",
+        "chief",
+    ),
+    "no port": (tf_config({"worker": ["h:1", "h2"]}), f"{T}['cluster']['worker'][1]", "h2"),
+    "port out of range": (
+        tf_config({"worker": ["h:99999"]}),
+        f"{T}['cluster']['worker'][0]",
+        "h:99999",
+    ),
+    "empty host": (tf_config({"worker": [":80"]}), f"{T}['cluster']['worker'][0]", ":80"),
+    "workers not a list": (tf_config({"worker": "h:1"}), f"{T}['cluster']['worker']", "h:1"),
+    "two chiefs": (
+        tf_config({"chief": ["a:1", "b:1"]}, "chief"),
+        f"{T}['cluster']['chief']",
+        ["a:1", "b:1"],
+    ),
+    "unknown job": (tf_config({"workers": ["h:1"]}), f"{T}['cluster'] jobs", ["workers"]),
+}
+
+
+@pytest.mark.parametrize("text, field, value", MALFORMED.values(), ids=MALFORMED.keys())
+def test_tf_config_malformed_names_field_and_value(text, field, value):
+    with pytest.raises(ClusterError) as e:
+        parse_tf_config(text)
+    assert f"Received: {field}={value!r}" in str(e.value)
+    assert "To fix:" in str(e.value)
+
+
+def test_tf_config_ps_task_explains_sharded_variables():
+    with pytest.raises(ClusterError, match="ParameterServerStrategy shards the variables"):
+        parse_tf_config(tf_config({"worker": ["h:1"], "ps": ["p:1"]}, "ps"))
+
+
+# ------------------------------------------------------------------ resolution order
+
+
+def test_no_cluster_is_single_process():
+    assert resolve() == ClusterInfo(0, 1, "worker", 0, True, None, "single process")
+
+
+def test_explicit_arguments_win_over_environment(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_config({"worker": ["h0:1", "h1:2"]}, index=1))
+    monkeypatch.setenv("SPMD_NUM_PROCESSES", "3")
+    info = resolve("10.0.0.1:1234", 4, 3)
+    assert (info.process_index, info.process_count, info.source) == (3, 4, "explicit")
+    assert info.coordinator_address == "10.0.0.1:1234" and not info.is_chief
+
+
+def test_tf_config_wins_over_launcher(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", tf_config({"worker": ["h0:1", "h1:2"]}, index=1))
+    monkeypatch.setenv("SPMD_NUM_PROCESSES", "3")
+    assert resolve().source == "TF_CONFIG"
+
+
+def test_blank_tf_config_is_absent(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{}")
+    assert resolve().source == "single process"
+
+
+def test_launcher_environment(monkeypatch):
+    monkeypatch.setenv("SPMD_COORDINATOR_ADDRESS", "127.0.0.1:5555")
+    monkeypatch.setenv("SPMD_NUM_PROCESSES", "2")
+    monkeypatch.setenv("SPMD_PROCESS_ID", "1")
+    monkeypatch.setenv("SPMD_DEVICES_PER_PROCESS", "4")
+    expected = ClusterInfo(1, 2, "worker", 1, False, "127.0.0.1:5555", "spmd launch", 4)
+    assert resolve() == expected
+
+
+@pytest.mark.parametrize(
+    "env, field, value",
+    [
+        ({"SPMD_NUM_PROCESSES": "2", "SPMD_PROCESS_ID": "2"}, "SPMD_PROCESS_ID", 2),
+        ({"SPMD_NUM_PROCESSES": "two", "SPMD_PROCESS_ID": "0"}, "SPMD_NUM_PROCESSES", "two"),
+        ({"SPMD_NUM_PROCESSES": "2", "SPMD_PROCESS_ID": "0"}, "SPMD_COORDINATOR_ADDRESS", None),
+        (
+            {"SPMD_NUM_PROCESSES": "1", "SPMD_DEVICES_PER_PROCESS": "0"},
+            "SPMD_DEVICES_PER_PROCESS",
+            0,
+        ),
+    ],
+)
+def test_launcher_environment_malformed(monkeypatch, env, field, value):
+    for name, v in env.items():
+        monkeypatch.setenv(name, v)
+    with pytest.raises(ClusterError, match="Received: .*" + field) as e:
+        resolve()
+    assert f"{field}={value!r}" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, value",
+    [
+        ({"num_processes": 2, "process_id": 0}, "coordinator_address", None),
+        ({"coordinator_address": "h:1"}, "num_processes", None),
+        ({"num_processes": 2, "coordinator_address": "h:1"}, "process_id", None),
+        ({"num_processes": 0, "process_id": 0}, "num_processes", 0),
+        (
+            {"num_processes": 2, "process_id": 0, "coordinator_address": "h"},
+            "coordinator_address",
+            "h",
+        ),
+        ({"local_device_count": -1}, "local_device_count", -1),
+    ],
+)
+def test_explicit_arguments_malformed(kwargs, field, value):
+    with pytest.raises(ClusterError) as e:
+        resolve(**kwargs)
+    assert f"{field}={value!r}" in str(e.value)
+
+
+def test_jax_detection_slurm(monkeypatch):
+    slurm = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_NODELIST": "node[001-004]",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+    }
+    for name, v in slurm.items():
+        monkeypatch.setenv(name, v)
+    info = resolve()
+    assert (info.process_index, info.process_count, info.source) == (2, 4, "slurm")
+    assert info.coordinator_address is None  # JAX picks it in jax.distributed.initialize()
+
+
+# ------------------------------------------------------------------ initialize, in fresh processes
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+SINGLE_PROCESS = """
+import spmd, jax
+info = spmd.initialize()
+assert info.process_count == 1 and info.source == "single process", info
+assert spmd.initialize() is info and spmd.cluster() is info
+assert jax.process_count() == 1
+assert spmd.initialize() is info  # after the backends started: nothing to change
+try:
+    spmd.initialize(num_processes=2, process_id=0, coordinator_address="127.0.0.1:1")
+except spmd.InitializationError as e:
+    assert "already called" in str(e), e
+else:
+    raise AssertionError("a conflicting second call must raise")
+print("OK")
+"""
+
+
+def test_initialize_single_process_is_a_noop_and_idempotent():
+    proc = run_python(SINGLE_PROCESS)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK"
+
+
+TOO_LATE = """
+import spmd, jax
+jax.devices()
+for kwargs in ({"local_device_count": 3}, {}):
+    try:
+        spmd.initialize(**kwargs)
+    except spmd.InitializationError as e:
+        assert "before JAX starts its backends" in str(e) and "Received:" in str(e), e
+        assert "call spmd.initialize() first thing" in str(e), e
+        print("raised", list(kwargs))
+    else:
+        print("no error", list(kwargs))
+"""
+
+
+def test_initialize_after_backend_start_is_an_error():
+    launcher = {"SPMD_NUM_PROCESSES": "2", "SPMD_PROCESS_ID": "0"}
+    proc = run_python(TOO_LATE, SPMD_COORDINATOR_ADDRESS="127.0.0.1:1", **launcher)
+    assert proc.returncode == 0, proc.stderr
+    # Both need a change: the first a CPU device count, the second jax.distributed.
+    assert proc.stdout.split("\n")[:2] == ["raised ['local_device_count']", "raised []"]
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_two_processes_by_hand_with_tf_config_psum_over_gloo():
+    workers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "2"],
+            env=child_env(TF_CONFIG=tf_config({"worker": workers}, "worker", i)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, err
+        result = json.loads(out.split("RESULT ", 1)[1])
+        assert result["info"] == {
+            "process_index": i,
+            "process_count": 2,
+            "task_type": "worker",
+            "task_index": i,
+            "is_chief": i == 0,
+            "coordinator_address": workers[0],
+            "source": "TF_CONFIG",
+            "local_device_count": 2,
+        }
+        assert result["cluster_is_info"]
+        assert (result["process_index"], result["process_count"]) == (i, 2)
+        assert (result["device_count"], result["local_device_count"]) == (4, 2)
+        assert result["psum"] == 1 + 1 + 2 + 2  # each device holds its process index + 1

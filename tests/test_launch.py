@@ -1,0 +1,189 @@
+"""Tests of spmd.launch and spmd.testing: real local processes, loopback only, bounded."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spmd import cli
+from spmd.errors import ConfigurationError, LaunchError
+from spmd.launch import PREEMPTED_EXIT_CODE, TIMEOUT_EXIT_CODE, launch, process_env
+from spmd.testing import run_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "multiprocess" / "psum_worker.py"
+PY = sys.executable
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def child_env() -> dict[str, str]:
+    """This environment without any cluster description, with spmd importable."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SPMD_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.mark.multiprocess
+def test_cli_launch_two_processes_psum_and_prefixed_output():
+    argv = ["-m", "spmd", "launch", "-n", "2", "--devices-per-process", "2", "--timeout", "90"]
+    proc = subprocess.run(
+        [PY, *argv, "--", PY, str(WORKER)],
+        env=child_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line]
+    assert all(re.match(r"\[[01]\] ", line) for line in lines), lines
+    for i in range(2):
+        [line] = [line for line in lines if line.startswith(f"[{i}] RESULT ")]
+        result = json.loads(line.split("RESULT ", 1)[1])
+        assert result["info"]["source"] == "spmd launch"
+        assert result["info"]["process_index"] == result["process_index"] == i
+        assert result["process_count"] == 2 and result["device_count"] == 4
+        assert result["psum"] == 6.0
+
+
+BLOCKS_UNLESS_STOPPED = """
+import os, sys, time
+if os.environ["SPMD_PROCESS_ID"] == "1":
+    print("process 1 fails", flush=True)
+    sys.exit(3)
+time.sleep(120)  # process 0 would hang forever
+"""
+
+
+@pytest.mark.multiprocess
+def test_failure_stops_the_group_quickly_and_names_the_process(capsys):
+    start = time.monotonic()
+    code = cli.main(["launch", "-n", "2", "--", PY, "-c", BLOCKS_UNLESS_STOPPED])
+    elapsed = time.monotonic() - start
+    out, err = capsys.readouterr()
+    assert code == 3
+    assert elapsed < 15
+    assert "[1] process 1 fails" in out
+    assert "spmd launch: process 1 exited with code 3; stopped the other processes." in err
+
+
+IGNORES_SIGTERM = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.environ["SPMD_PROCESS_ID"] == "0":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+"""
+
+
+@pytest.mark.multiprocess
+def test_signal_reported_and_sigterm_ignorers_killed(capsys):
+    start = time.monotonic()
+    code = launch([PY, "-c", IGNORES_SIGTERM], 2, grace_period=1.0)
+    assert time.monotonic() - start < 15
+    assert code == 128 + 9
+    assert "process 0 was killed by SIGKILL" in capsys.readouterr().err
+
+
+FAILS_ON_FIRST_ATTEMPT = """
+import os, sys
+attempt, index = os.environ["SPMD_RESTART_COUNT"], os.environ["SPMD_PROCESS_ID"]
+print("attempt", attempt, "at", os.environ["SPMD_COORDINATOR_ADDRESS"])
+sys.exit(5 if attempt == "0" and index == "0" else 0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_max_restarts_restarts_the_group_on_a_new_port(capsys):
+    code = cli.main(
+        ["launch", "-n", "2", "--max-restarts", "1", "--", PY, "-c", FAILS_ON_FIRST_ATTEMPT]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "process 0 exited with code 5" in err
+    assert "restarting all 2 processes (restart 1 of 1)" in err
+    # Process 0 prints before failing; process 1 may be stopped before it prints.
+    seen = set(re.findall(r"\[0\] attempt (\d) at (\S+)", out))
+    assert {attempt for attempt, _ in seen} == {"0", "1"}
+    assert len({address for _, address in seen}) == 2  # a fresh port per attempt
+
+
+@pytest.mark.multiprocess
+def test_without_restarts_a_failure_is_final(capsys):
+    code = launch([PY, "-c", FAILS_ON_FIRST_ATTEMPT], 2)
+    assert code == 5
+    assert "giving up: no restarts left (max_restarts=0)" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_preemption_restarts_without_using_max_restarts(capsys):
+    preempted = FAILS_ON_FIRST_ATTEMPT.replace("5 if", f"{PREEMPTED_EXIT_CODE} if")
+    code = launch([PY, "-c", preempted], 2, max_restarts=0)
+    err = capsys.readouterr().err
+    assert code == 0
+    assert f"process 0 was preempted (exit code {PREEMPTED_EXIT_CODE})" in err
+    assert "restarting all 2 processes (preemption 1 of 10)" in err
+
+
+@pytest.mark.multiprocess
+def test_timeout_stops_every_process(capsys):
+    start = time.monotonic()
+    code = launch([PY, "-c", "import time; time.sleep(120)"], 2, timeout=1.0)
+    assert time.monotonic() - start < 10
+    assert code == TIMEOUT_EXIT_CODE
+    assert "timed out after 1 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"num_processes": 0}, "num_processes"),
+        ({"devices_per_process": 0}, "devices_per_process"),
+        ({"max_restarts": -1}, "max_restarts"),
+        ({"command": []}, "command"),
+        ({"command": ["/nonexistent/program"]}, "command"),
+    ],
+)
+def test_launch_arguments_checked(kwargs, name):
+    args = {"command": [PY, "-c", "pass"], "num_processes": 2, **kwargs}
+    with pytest.raises(ConfigurationError, match=f"Received: {name}="):
+        launch(**args)
+
+
+def test_process_env_contract():
+    base = {"TF_CONFIG": "{}", "SPMD_DEVICES_PER_PROCESS": "9", "HOME": "/h"}
+    env = process_env(base, 1, 2, "127.0.0.1:9", None, 3)
+    assert "TF_CONFIG" not in env and "SPMD_DEVICES_PER_PROCESS" not in env
+    assert env["HOME"] == "/h" and env["PYTHONUNBUFFERED"] == "1"
+    assert {k: v for k, v in env.items() if k.startswith("SPMD_")} == {
+        "SPMD_COORDINATOR_ADDRESS": "127.0.0.1:9",
+        "SPMD_NUM_PROCESSES": "2",
+        "SPMD_PROCESS_ID": "1",
+        "SPMD_RESTART_COUNT": "3",
+    }
+    assert process_env(base, 0, 2, "h:1", 4, 0)["SPMD_DEVICES_PER_PROCESS"] == "4"
+
+
+@pytest.mark.multiprocess
+def test_run_processes_captures_each_process():
+    code = "import os, sys; i = os.environ['SPMD_PROCESS_ID']; print('out', i); print('err', i, file=sys.stderr)"
+    results = run_processes(code, 3, devices_per_process=2, timeout=30)
+    assert [r.process_index for r in results] == [0, 1, 2]
+    assert [(r.returncode, r.stdout, r.stderr) for r in results] == [
+        (0, f"out {i}\n", f"err {i}\n") for i in range(3)
+    ]
+
+
+@pytest.mark.multiprocess
+def test_run_processes_check_quotes_the_failed_stderr():
+    code = "import os, sys, time\nif os.environ['SPMD_PROCESS_ID'] == '1': sys.exit('boom')\ntime.sleep(60)"
+    with pytest.raises(LaunchError, match=r"process 1 exited with code 1(.|\n)*boom"):
+        run_processes(code, 2, timeout=30)
+    results = run_processes(code, 2, timeout=30, check=False)
+    assert results[1].returncode == 1 and results[0].returncode < 0  # 0 was stopped
