@@ -185,6 +185,27 @@ class Strategy:
         out = jax.jit(pure_create, out_shardings=self.state_sharding(abstract))(*args)
         return nnx_state.merge(graph["def"], out)
 
+    def abstract_state(self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The state `init(create_fn, ...)` would make, as `ShapeDtypeStruct`s with shardings.
+
+        Nothing is computed or allocated. Use it as a checkpoint restore target
+        or to read a strategy's layout before paying for it. NNX objects come
+        back as abstract NNX objects.
+        """
+        graph = {}
+
+        def pure_create(*a):
+            graph["def"], pure = nnx_state.split(create_fn(*a, **kwargs))
+            return pure
+
+        abstract = jax.eval_shape(pure_create, *args)
+        placed = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract,
+            self.state_sharding(abstract),
+        )
+        return nnx_state.merge(graph["def"], placed)
+
     # -- batches --------------------------------------------------------------
 
     def batch_sharding(self, ndim: int = 1) -> NamedSharding:
