@@ -8,19 +8,24 @@ import sys
 
 parser = argparse.ArgumentParser(description=__doc__)
 parser.add_argument("--strategy", default="mirrored", help="mirrored, parameter_server, ...")
-parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
+parser.add_argument("--devices", type=int, default=None, help="simulated CPU devices (default 8)")
 parser.add_argument("--steps", type=int, default=50)
 args = parser.parse_args()
 
+import spmd  # noqa: E402
+
+# Every process, before any JAX computation: joins the cluster under `spmd launch`
+# or TF_CONFIG; on CPU it also sets the simulated device count.
+info = spmd.initialize(local_device_count=args.devices)
+
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", args.devices)  # only the CPU backend reads it
+if info.process_count == 1 and args.devices is None:
+    jax.config.update("jax_num_cpu_devices", 8)  # a laptop's CPU as 8 devices
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
-import spmd  # noqa: E402
 
 GLOBAL_BATCH = 64
 tx = optax.adam(1e-2)
@@ -69,11 +74,14 @@ def train(strategy):
 
 
 strategy = spmd.strategies.by_name(args.strategy)
-print(f"{strategy} with {strategy.num_replicas_in_sync} replicas")
+if info.is_chief:
+    print(f"{strategy} with {strategy.num_replicas_in_sync} replicas")
 params, metrics = train(strategy)
-print(f"after {args.steps} steps: loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.3f}")
+if info.is_chief:
+    print(f"after {args.steps} steps: loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.3f}")
 
 oracle_params, oracle_metrics = train(spmd.OneDeviceStrategy())
 gap = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(oracle_params)))
-print(f"largest parameter difference from one device: {gap:.2e}")
+if info.is_chief:
+    print(f"largest parameter difference from one device: {gap:.2e}")
 sys.exit(0 if gap < 1e-4 else 1)
