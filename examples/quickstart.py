@@ -78,10 +78,15 @@ if info.is_chief:
     print(f"{strategy} with {strategy.num_replicas_in_sync} replicas")
 params, metrics = train(strategy)
 if info.is_chief:
-    print(f"after {args.steps} steps: loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.3f}")
+    print(
+        f"after {args.steps} steps: loss {metrics['loss']:.4f}, accuracy {metrics['accuracy']:.3f}"
+    )
 
 oracle_params, oracle_metrics = train(spmd.OneDeviceStrategy())
-gap = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(oracle_params)))
+gap = max(
+    float(np.max(np.abs(a - b)))
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(oracle_params))
+)
 if info.is_chief:
     print(f"largest parameter difference from one device: {gap:.2e}")
 sys.exit(0 if gap < 1e-4 else 1)

@@ -11,6 +11,8 @@ from spmd.errors import ConfigurationError as ConfigurationError
 from spmd.errors import InitializationError as InitializationError
 from spmd.errors import LaunchError as LaunchError
 from spmd.errors import SpmdError as SpmdError
+from spmd.explain import Collective as Collective
+from spmd.explain import Explanation as Explanation
 from spmd.mesh import make_mesh as make_mesh
 from spmd.replica import PerReplica as PerReplica
 from spmd.replica import ReduceOp as ReduceOp
@@ -40,10 +42,12 @@ __all__ = [
     "CheckpointError",
     "ClusterError",
     "ClusterInfo",
+    "Collective",
     "CommunicationImplementation",
     "CommunicationOptions",
     "ConfigurationError",
     "InitializationError",
+    "Explanation",
     "LaunchError",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",

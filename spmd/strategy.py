@@ -297,6 +297,30 @@ class Strategy:
             return lambda f: Step(self, f, donate=donate, static_argnames=tuple(static_argnames))
         return Step(self, fn, donate=donate, static_argnames=tuple(static_argnames))
 
+    def explain(self, step_fn: Callable[..., Any] | Step, state: Any, *data: Any, **kwargs: Any):
+        """Compiles a step without running it and reports its cost per device.
+
+        Bytes of state, batch and temporaries, the collectives XLA inserted
+        (count and bytes of each kind) and the FLOPs XLA estimates, so that a
+        strategy can be chosen before paying for it.
+
+        Args:
+          step_fn: a step function, or a `Step` from `strategy.step`.
+          state: the state, placed or abstract (`strategy.abstract_state(...)`).
+          *data: batches, as arrays or `jax.ShapeDtypeStruct`s of the global batch.
+          **kwargs: the step's keyword arguments.
+
+        Returns:
+          An `spmd.Explanation`; `print()` it for a table.
+
+        Example:
+          >>> print(strategy.explain(train_step, strategy.abstract_state(create, key), x, y))
+        """
+        from spmd.explain import explain
+
+        step = step_fn if isinstance(step_fn, Step) and step_fn.strategy == self else self.step(step_fn)
+        return explain(step, state, *data, **kwargs)
+
     # -- the per-replica view -------------------------------------------------
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
@@ -400,6 +424,35 @@ class Step:
         functools.update_wrapper(self, fn)
 
     def __call__(self, state: Any, *data: Any, **kwargs: Any) -> Any:
+        graphdef, pure, compiled, form, fresh = self._program(state, data, kwargs)
+        if fresh:
+            # A first state often comes unplaced (numpy, one device): place it, so
+            # that the states the step returns hit the same compiled program.
+            pure = jax.tree.map(_put_leaf, pure, self.strategy.state_sharding(pure))
+        if jax.process_count() > 1:
+            data = self.strategy.distribute_batch(data)
+        new_pure, out = compiled(pure, data, kwargs)
+        if graphdef is not None:
+            nnx_state.update(state, new_pure)
+            return out
+        if form["returns"] == "state":
+            return new_pure
+        return (new_pure, *out)
+
+    def lower(self, state: Any, *data: Any, **kwargs: Any) -> tuple[jax.stages.Lowered, Any]:
+        """Lowers the step for these arguments without running it.
+
+        Arguments may be abstract (`jax.ShapeDtypeStruct`, e.g. from
+        `strategy.abstract_state`), so nothing is allocated.
+
+        Returns:
+          (the `jax.stages.Lowered` program, the state's pure pytree of arrays).
+        """
+        _, pure, compiled, _, _ = self._program(state, data, kwargs)
+        return compiled.lower(pure, data, kwargs), pure
+
+    def _program(self, state: Any, data: tuple, kwargs: dict):
+        """Finds or builds the program for these arguments; pops static kwargs in place."""
         static = {k: kwargs.pop(k) for k in self.static_argnames if k in kwargs}
         graphdef, pure = nnx_state.split(state)
         self.strategy.check_batch(data)
@@ -414,21 +467,10 @@ class Step:
             tuple(sorted(static.items())),
         )
         entry = self._compiled.get(key)
-        if entry is None:
+        fresh = entry is None
+        if fresh:
             entry = self._compiled[key] = self._compile(graphdef, pure, data, kwargs, static)
-            # A first state often comes unplaced (numpy, one device): place it, so
-            # that the states the step returns hit the same compiled program.
-            pure = jax.tree.map(_put_leaf, pure, self.strategy.state_sharding(pure))
-        compiled, form = entry
-        if jax.process_count() > 1:
-            data = self.strategy.distribute_batch(data)
-        new_pure, out = compiled(pure, data, kwargs)
-        if graphdef is not None:
-            nnx_state.update(state, new_pure)
-            return out
-        if form["returns"] == "state":
-            return new_pure
-        return (new_pure, *out)
+        return graphdef, pure, *entry, fresh
 
     def cache_size(self) -> int:
         """How many programs this step has compiled, over every state structure."""

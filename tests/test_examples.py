@@ -16,8 +16,12 @@ FAST_ARGS = {"quickstart.py": ["--steps", "10"]}
 def _run(command, timeout=240):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, (
+        f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result.stdout
 
 
@@ -28,14 +32,31 @@ def test_example_runs(example):
 
 @pytest.mark.parametrize("strategy", ["parameter_server", "central_storage"])
 def test_quickstart_on_other_strategies(strategy):
-    out = _run([sys.executable, str(EXAMPLES / "quickstart.py"), "--strategy", strategy, "--steps", "5"])
+    out = _run(
+        [sys.executable, str(EXAMPLES / "quickstart.py"), "--strategy", strategy, "--steps", "5"]
+    )
     assert "largest parameter difference from one device" in out
 
 
 @pytest.mark.multiprocess
 def test_quickstart_under_launch():
     out = _run(
-        [sys.executable, "-m", "spmd", "launch", "-n", "2", "--devices-per-process", "2", "--",
-         sys.executable, str(EXAMPLES / "quickstart.py"), "--strategy", "multi_worker_mirrored", "--steps", "5"]
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "2",
+            "--",
+            sys.executable,
+            str(EXAMPLES / "quickstart.py"),
+            "--strategy",
+            "multi_worker_mirrored",
+            "--steps",
+            "5",
+        ]
     )
     assert "[0] MultiWorkerMirroredStrategy(mesh=(host=2, replica=2)" in out

@@ -18,7 +18,11 @@ def test_run_gives_each_replica_its_slice_and_context():
     def fn(x):
         ctx = spmd.get_replica_context()
         assert ctx.num_replicas_in_sync == 8
-        return {"sum": x.sum(), "id": ctx.replica_id_in_sync_group, "total": ctx.all_reduce("SUM", x.sum())}
+        return {
+            "sum": x.sum(),
+            "id": ctx.replica_id_in_sync_group,
+            "total": ctx.all_reduce("SUM", x.sum()),
+        }
 
     with strategy.scope():
         out = strategy.run(fn, args=(X,))
@@ -32,8 +36,12 @@ def test_reduce_sum_mean_and_axis():
     strategy = spmd.MirroredStrategy()
     per_replica = strategy.run(lambda x: x, args=(X,))  # each replica: shape (2, 1)
     assert float(strategy.reduce("SUM", strategy.run(jnp.sum, args=(X,)))) == X.sum()
-    assert float(strategy.reduce(spmd.ReduceOp.MEAN, strategy.run(jnp.sum, args=(X,)))) == X.sum() / 8
-    np.testing.assert_array_equal(strategy.reduce("SUM", per_replica, axis=None), X.reshape(8, 2, 1).sum(0))
+    assert (
+        float(strategy.reduce(spmd.ReduceOp.MEAN, strategy.run(jnp.sum, args=(X,)))) == X.sum() / 8
+    )
+    np.testing.assert_array_equal(
+        strategy.reduce("SUM", per_replica, axis=None), X.reshape(8, 2, 1).sum(0)
+    )
     np.testing.assert_array_equal(strategy.reduce("sum", per_replica, axis=0), X.sum(0))
     np.testing.assert_array_equal(strategy.reduce("MEAN", per_replica, axis=0), X.mean(0))
     assert float(strategy.reduce("MAX", strategy.run(jnp.max, args=(X,)))) == 15.0
@@ -92,7 +100,9 @@ def test_compute_average_loss_uses_the_global_batch():
     assert float(strategy.reduce("SUM", out)) == pytest.approx(per_example.mean())
     weights = np.ones(16, np.float32)
     weights[::2] = 0
-    out = strategy.run(lambda l, w: spmd.compute_average_loss(l, 16, w), args=(per_example, weights))
+    out = strategy.run(
+        lambda l, w: spmd.compute_average_loss(l, 16, w), args=(per_example, weights)
+    )
     assert float(strategy.reduce("SUM", out)) == pytest.approx((per_example * weights).sum() / 16)
     assert float(spmd.compute_average_loss(per_example)) == pytest.approx(per_example.mean())
     with pytest.raises(spmd.ConfigurationError, match="per-example loss"):

@@ -97,5 +97,7 @@ def test_partitioner_rounds_to_what_the_mesh_can_make():
     assert down["w"] == P("c")  # 3 is not a product of the axes: round down to 2
     up = resolve_specs(tree, [(".*", MaxSizePartitioner(24 * 2 * 4 // 3))], mesh, shard_axes=axes)
     assert up["w"] == P(("b", "c"))  # 3 shards asked as a size cap: round up to 4
-    odd = resolve_specs({"w": jnp.zeros((6, 2))}, [(".*", FixedShardsPartitioner(8))], mesh, shard_axes=axes)
+    odd = resolve_specs(
+        {"w": jnp.zeros((6, 2))}, [(".*", FixedShardsPartitioner(8))], mesh, shard_axes=axes
+    )
     assert odd["w"] == P("c")  # 6 rows split at most 2 ways on this mesh

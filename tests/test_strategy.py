@@ -95,7 +95,9 @@ def test_pytree_state_matches_one_device(name, oracle):
             assert metrics["loss"].sharding.is_fully_replicated
     oracle_state, oracle_losses = oracle
     np.testing.assert_allclose(losses, oracle_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(oracle_state), strict=True):
+    for got, want in zip(
+        jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(oracle_state), strict=True
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert_same_layout(state, expected_layout)
     assert step.cache_size() == 1
@@ -144,7 +146,9 @@ def test_nnx_state_updates_in_place_and_matches_one_device(name, nnx_oracle):
     oracle_params, oracle_losses = nnx_oracle
     np.testing.assert_allclose(losses, oracle_losses, rtol=1e-5, atol=1e-6)
     got = jax.device_get(nnx.state(model))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.device_get(oracle_params)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(got), jax.tree.leaves(jax.device_get(oracle_params)), strict=True
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert_same_layout(nnx.state(state), strategy.state_sharding(state))
     assert step.cache_size() == 1
@@ -218,7 +222,10 @@ def test_scope_sets_strategy_and_mesh():
         assert jax.sharding.get_abstract_mesh().shape == strategy.mesh.shape
         with strategy.scope():  # re-entering the same strategy is fine
             pass
-        with pytest.raises(spmd.ConfigurationError, match="do not nest"), spmd.OneDeviceStrategy().scope():
+        with (
+            pytest.raises(spmd.ConfigurationError, match="do not nest"),
+            spmd.OneDeviceStrategy().scope(),
+        ):
             pass
     assert spmd.get_strategy().name == "DefaultStrategy"
 

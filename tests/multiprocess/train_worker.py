@@ -69,6 +69,12 @@ params = jax.tree.map(
 )
 shard_rows = {s.data.shape[0] for s in state["params"]["w"].addressable_shards}
 if info.is_chief:
-    np.savez(args.out, w=params["w"], v=params["v"], losses=np.asarray(losses),
-             shard_rows=np.asarray(sorted(shard_rows)), processes=jax.process_count())
+    np.savez(
+        args.out,
+        w=params["w"],
+        v=params["v"],
+        losses=np.asarray(losses),
+        shard_rows=np.asarray(sorted(shard_rows)),
+        processes=jax.process_count(),
+    )
 print(f"process {jax.process_index()} of {jax.process_count()}: final loss {losses[-1]:.6f}")

@@ -1,0 +1,195 @@
+"""Preflight: what a step will cost per device, read from the compiled program without running it."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+if TYPE_CHECKING:
+    from spmd.strategy import Step
+
+__all__ = ["Collective", "Explanation", "explain", "parse_collectives"]
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(
+    r"=\s*(?P<type>\([^=]*?\)|[\w\[\],{}:]+)\s+(?P<op>"
+    + "|".join(COLLECTIVES)
+    + r")(?P<start>-start)?\("
+)
+_SHAPE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
+_DTYPE_BITS = {"pred": 8, "f8e4m3fn": 8, "f8e5m2": 8}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a compiled step.
+
+    Attributes:
+      kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
+        "collective-permute".
+      count: how many such operations the step runs.
+      bytes: the bytes they produce on each device, summed.
+    """
+
+    kind: str
+    count: int
+    bytes: int
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for match in _SHAPE.finditer(text):
+        dtype = match["dtype"]
+        bits = _DTYPE_BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
+        dims = [int(d) for d in match["dims"].split(",") if d]
+        total += math.prod(dims) * bits // 8
+    return total
+
+
+def parse_collectives(hlo_text: str) -> dict[str, Collective]:
+    """Counts the collectives of an optimized HLO module and the bytes each produces.
+
+    Async pairs (`all-gather-start` / `-done`) count once, by their result.
+    """
+    found: dict[str, list[int]] = {}
+    for line in hlo_text.splitlines():
+        match = _OP.search(line)
+        if not match:
+            continue
+        result = match["type"]
+        if match["start"] and result.startswith("("):
+            result = result[1:-1].split("),")[-1] if ")," in result else result.rsplit(", ", 1)[-1]
+        counts = found.setdefault(match["op"], [0, 0])
+        counts[0] += 1
+        counts[1] += _shape_bytes(result)
+    return {kind: Collective(kind, c, b) for kind, (c, b) in found.items()}
+
+
+def _per_device_bytes(tree: Any, kind: str | None = None) -> int:
+    """The most bytes any one device holds of `tree`'s leaves (of one memory kind)."""
+    per_device: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:
+            continue
+        if kind is not None and getattr(sharding, "memory_kind", None) != kind:
+            continue
+        nbytes = math.prod(sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        for device in sharding.device_set:
+            per_device[device] = per_device.get(device, 0) + nbytes
+    return max(per_device.values(), default=0)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What one call of a step costs on each device, from XLA's compiled program.
+
+    Attributes:
+      strategy: the strategy's repr.
+      state_bytes: bytes of state one device holds in device memory.
+      state_host_bytes: bytes of state kept in host memory (CentralStorageStrategy).
+      input_bytes: bytes of one batch one device receives.
+      argument_bytes, output_bytes, alias_bytes, temp_bytes: XLA's memory
+        analysis of the compiled program (alias = outputs reusing donated inputs).
+      peak_bytes: argument + output - alias + temp, an upper bound of the
+        program's device memory.
+      flops: XLA's estimate of floating point operations per device.
+      collectives: kind -> `Collective` (count, bytes).
+      hlo: the optimized HLO text, for a closer look.
+    """
+
+    strategy: str
+    state_bytes: int
+    state_host_bytes: int
+    input_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops: float
+    collectives: Mapping[str, Collective] = field(default_factory=dict)
+    hlo: str = field(default="", repr=False)
+
+    @property
+    def peak_bytes(self) -> int:
+        """An upper bound of the device memory the step needs, per device."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    def __str__(self) -> str:
+        rows = [
+            ("state (device memory)", _human(self.state_bytes)),
+            ("state (host memory)", _human(self.state_host_bytes)),
+            ("one batch", _human(self.input_bytes)),
+            ("temporaries", _human(self.temp_bytes)),
+            ("peak (upper bound)", _human(self.peak_bytes)),
+            ("FLOPs", f"{self.flops:,.0f}"),
+        ]
+        rows += [
+            (f"{c.kind} x{c.count}", _human(c.bytes))
+            for c in sorted(self.collectives.values(), key=lambda c: c.kind)
+        ]
+        if not self.collectives:
+            rows.append(("collectives", "none"))
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{self.strategy}, per device:"]
+        lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+        return "\n".join(lines)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
+    """Compiles `step` for these arguments without running it and reports its cost.
+
+    Args:
+      step: a `Step` from `strategy.step`.
+      state: the state, placed or abstract (`strategy.abstract_state(...)`).
+      *data: batches, as arrays or `jax.ShapeDtypeStruct`s of the global batch.
+      **kwargs: the step's keyword arguments.
+
+    Returns:
+      An `Explanation`; `print()` it for a table.
+    """
+    lowered, pure = step.lower(state, *data, **kwargs)
+    compiled = lowered.compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
+    strategy = step.strategy
+    state_sharding = strategy.state_sharding(pure)
+    sized = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), pure, state_sharding
+    )
+    batches = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            np.shape(x), x.dtype, sharding=strategy.batch_sharding(np.ndim(x))
+        ),
+        data,
+    )
+    hlo = compiled.as_text()
+    return Explanation(
+        strategy=repr(strategy),
+        state_bytes=_per_device_bytes(sized, "device"),
+        state_host_bytes=_per_device_bytes(sized, "pinned_host"),
+        input_bytes=_per_device_bytes(batches),
+        argument_bytes=int(getattr(memory, "argument_size_in_bytes", 0)),
+        output_bytes=int(getattr(memory, "output_size_in_bytes", 0)),
+        alias_bytes=int(getattr(memory, "alias_size_in_bytes", 0)),
+        temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
+        flops=float(cost.get("flops", 0.0)),
+        collectives=parse_collectives(hlo),
+        hlo=hlo,
+    )
