@@ -8,7 +8,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,9 @@ from spmd import nnx_state
 from spmd.errors import BatchError, ConfigurationError, message, received
 from spmd.replica import PerReplica, ReduceOp, ReplicaContext, replica_context
 from spmd.rules import Rule, resolve_specs
+
+if TYPE_CHECKING:
+    from spmd.data import DistributedDataset, InputContext, InputOptions, NumpyDataset
 
 __all__ = ["Step", "Strategy", "get_strategy", "has_strategy", "in_cross_replica_context"]
 
@@ -258,11 +261,49 @@ class Strategy:
         self.check_batch(batch)
         return jax.tree.map(lambda x: _put_leaf(x, self.batch_sharding(np.ndim(x))), batch)
 
-    def distribute_dataset(self, dataset: Iterable[Any]) -> Iterator[Any]:
-        """Yields each global batch of `dataset` as global jax.Arrays over the replicas."""
+    def distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Each global batch of `dataset` as global jax.Arrays over the replicas.
+
+        Returns a `spmd.DistributedDataset`; `options` is a `spmd.InputOptions`
+        (sharding policy, padding, prefetch). See `spmd.data.distribute_dataset`.
+        """
         from spmd.data import distribute_dataset
 
-        return distribute_dataset(self, dataset)
+        return distribute_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> DistributedDataset:
+        """Each process's batches from `dataset_fn(spmd.InputContext)`, as global jax.Arrays.
+
+        See `spmd.data.distribute_datasets_from_function`.
+        """
+        from spmd.data import distribute_datasets_from_function
+
+        return distribute_datasets_from_function(self, dataset_fn, options)
+
+    def make_numpy_dataset(
+        self,
+        arrays: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_remainder: bool = True,
+    ) -> NumpyDataset:
+        """In-memory arrays as a `spmd.NumpyDataset` of global batches, for `distribute_dataset`.
+
+        See `spmd.data.make_numpy_dataset`.
+        """
+        from spmd.data import make_numpy_dataset
+
+        return make_numpy_dataset(
+            self, arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
+        )
 
     # -- the step -------------------------------------------------------------
 
@@ -429,7 +470,7 @@ class Step:
             # A first state often comes unplaced (numpy, one device): place it, so
             # that the states the step returns hit the same compiled program.
             pure = jax.tree.map(_put_leaf, pure, self.strategy.state_sharding(pure))
-        if jax.process_count() > 1:
+        if _multiprocess():
             data = self.strategy.distribute_batch(data)
         new_pure, out = compiled(pure, data, kwargs)
         if graphdef is not None:
@@ -452,11 +493,22 @@ class Step:
         return compiled.lower(pure, data, kwargs), pure
 
     def _program(self, state: Any, data: tuple, kwargs: dict):
-        """Finds or builds the program for these arguments; pops static kwargs in place."""
+        """Finds or builds the program for these arguments; pops static kwargs in place.
+
+        The steady-state cost is one flatten of the state and a dict lookup:
+        whether a state structure holds NNX objects is decided once per structure.
+        """
         static = {k: kwargs.pop(k) for k in self.static_argnames if k in kwargs}
-        graphdef, pure = nnx_state.split(state)
+        state_leaves, state_def = jax.tree.flatten(state)
+        graph = _HAS_GRAPH.get(state_def)
+        if graph is None:
+            graph = _HAS_GRAPH[state_def] = nnx_state.has_graph(state)
+        if graph:
+            graphdef, pure = nnx_state.split(state)
+            state_leaves, state_def = jax.tree.flatten(pure)
+        else:
+            graphdef, pure = None, state
         self.strategy.check_batch(data)
-        state_leaves, state_def = jax.tree.flatten(pure)
         key = (
             graphdef,
             state_def,
@@ -511,6 +563,14 @@ class Step:
             donate_argnums=(0,) if self.donate else (),
         )
         return compiled, form
+
+
+_HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects
+
+
+@functools.cache
+def _multiprocess() -> bool:
+    return jax.process_count() > 1
 
 
 def _leaf_key(x: Any) -> tuple:

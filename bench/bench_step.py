@@ -1,0 +1,188 @@
+"""Step overhead against a hand-written jax.jit step, and strategies side by side.
+
+Run: python bench/bench_step.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import common
+else:
+    from bench import common
+
+GLOBAL_BATCH = 64
+
+
+def _floor_runner(model: str, x, y):
+    """The hand-written floor: jax.jit with NamedShardings, donation, device-resident data."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    init, apply, _, _ = common.MODELS[model]
+    mesh = jax.make_mesh((jax.device_count(),), ("replica",), axis_types=(AxisType.Auto,))
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
+    state = jax.jit(init, out_shardings=replicated)(jax.random.key(0))
+    step = jax.jit(
+        common.make_train_step(apply),
+        in_shardings=(replicated, split, split),
+        out_shardings=(replicated, replicated),
+        donate_argnums=0,
+    )
+    x, y = jax.device_put((x, y), split)
+    box = [state]
+
+    def run(steps):
+        state = box[0]
+        for _ in range(steps):
+            state, loss = step(state, x, y)
+        box[0] = jax.block_until_ready(state)
+
+    return run
+
+
+def _spmd_runner(strategy, model: str, x, y):
+    import jax
+
+    init, apply, _, _ = common.MODELS[model]
+    state = strategy.init(init, jax.random.key(0))
+    step = strategy.step(common.make_train_step(apply))
+    x, y = strategy.distribute_batch((x, y))
+    box = [state]
+
+    def run(steps):
+        state = box[0]
+        for _ in range(steps):
+            state, loss = step(state, x, y)
+        box[0] = jax.block_until_ready(state)
+
+    return run
+
+
+def step_overhead(quick: bool) -> list[dict]:
+    """spmd's MirroredStrategy step vs the hand-written floor, CNN and tiny model."""
+    import spmd
+
+    rows = []
+    for model, steps in (("cnn", 5 if quick else 20), ("tiny", 50 if quick else 500)):
+        x, y = common.batch(model, GLOBAL_BATCH)
+        times = common.timeit(
+            {
+                "floor": _floor_runner(model, x, y),
+                "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
+            },
+            steps=steps,
+            repeats=3 if quick else 7,
+        )
+        rows.append(
+            {
+                "benchmark": "step overhead",
+                "case": f"{model}, MirroredStrategy, 8 devices",
+                "floor": common.fmt_time(times["floor"]),
+                "spmd": common.fmt_time(times["spmd"]),
+                "ratio": common.ratio(times["spmd"], times["floor"]),
+                "target": "≤ 1.02x" if model == "cnn" else "≤ 1.05x",
+            }
+        )
+    return rows
+
+
+def _big_init(key):
+    """A 4-layer 1024-wide MLP with momentum: ~8.4 M parameters, ~67 MB of state."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(key, 4)
+    params = {
+        f"layer{i}": {"kernel": jax.random.normal(k, (1024, 1024)) * 0.03, "bias": jnp.zeros(1024)}
+        for i, k in enumerate(keys)
+    }
+    return {"params": params, "opt": common.TX.init(params)}
+
+
+def _big_apply(params, x):
+    import jax
+
+    for i in range(4):
+        x = jax.nn.relu(x @ params[f"layer{i}"]["kernel"] + params[f"layer{i}"]["bias"])
+    return x
+
+
+def strategies_side_by_side(quick: bool) -> list[dict]:
+    """Step time and per-device state bytes for each strategy on a model large enough to matter."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import spmd
+
+    strategies = {
+        "Mirrored": spmd.MirroredStrategy(),
+        "CentralStorage": spmd.CentralStorageStrategy(),
+        "ParameterServer (MinSize 256 KiB)": spmd.ParameterServerStrategy(
+            spmd.partitioners.MinSizePartitioner()
+        ),
+        "2-D data x model": spmd.Strategy(
+            spmd.make_mesh({"data": -1, "model": 2}),
+            rules=[(r".*kernel", P(None, "model"))],
+            batch_axes=("data",),
+        ),
+    }
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH, 1024)).astype(np.float32)
+    y = rng.integers(0, 1024, size=GLOBAL_BATCH).astype(np.int32)
+    train_step = common.make_train_step(_big_apply)
+    runners, reports = {}, {}
+    for name, strategy in strategies.items():
+        reports[name] = strategy.explain(train_step, strategy.abstract_state(_big_init, jax.random.key(0)), x, y)
+        state = strategy.init(_big_init, jax.random.key(0))
+        step = strategy.step(train_step)
+        data = strategy.distribute_batch((x, y))
+
+        def run(steps, state=[state], step=step, data=data):  # noqa: B006 - a box per runner
+            for _ in range(steps):
+                state[0], _ = step(state[0], *data)
+            jax.block_until_ready(state[0])
+
+        runners[name] = run
+    times = common.timeit(runners, steps=2 if quick else 5, repeats=2 if quick else 5)
+    base = reports["Mirrored"].state_bytes
+    rows = []
+    for name, report in reports.items():
+        device_mb = report.state_bytes / 2**20
+        rows.append(
+            {
+                "benchmark": "strategies",
+                "case": name,
+                "step": common.fmt_time(times[name]),
+                "ratio": common.ratio(times[name], times["Mirrored"]),
+                "state/device": f"{device_mb:.1f} MiB" + (f" ({report.state_bytes / base:.3f} of mirrored)" if base else ""),
+                "state/host": f"{report.state_host_bytes / 2**20:.1f} MiB",
+                "temporaries": f"{report.temp_bytes / 2**20:.1f} MiB",
+                "collectives": ", ".join(f"{c.kind} x{c.count}" for c in report.collectives.values()) or "none",
+            }
+        )
+    return rows
+
+
+def main(quick: bool = False) -> list[dict]:
+    """Every benchmark of this file, as table rows."""
+    return step_overhead(quick) + strategies_side_by_side(quick)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    common.set_cpu_devices(8)
+    rows = main(args.quick)
+    overhead = [r for r in rows if r["benchmark"] == "step overhead"]
+    print(common.table(overhead, ["case", "floor", "spmd", "ratio", "target"]))
+    print()
+    side = [r for r in rows if r["benchmark"] == "strategies"]
+    print(common.table(side, ["case", "step", "ratio", "state/device", "state/host", "temporaries", "collectives"]))

@@ -1,0 +1,122 @@
+"""Shared pieces of the benchmarks: timing, the models, markdown tables."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def set_cpu_devices(count: int = 8) -> None:
+    """Simulated CPU devices; must run before JAX starts its backend."""
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def timeit(runners: dict[str, Callable[[int], Any]], steps: int, repeats: int) -> dict[str, dict]:
+    """Seconds per step of each `run(steps)` (which must block until done).
+
+    The runners take turns, so that drift in the machine's speed hits them alike.
+
+    Returns:
+      name -> {"median", "min", "max"} seconds per step.
+    """
+    for run in runners.values():
+        run(max(2, steps // 4))  # warm up: compile, fill caches
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            run(steps)
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {
+        name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
+        for name, s in samples.items()
+    }
+
+
+def ratio(t: dict[str, float], floor: dict[str, float]) -> str:
+    """The median ratio to the floor, as '1.01x'."""
+    return f"{t['median'] / floor['median']:.3f}x"
+
+
+def fmt_time(t: dict[str, float]) -> str:
+    """A timing as 'median (min–max)' in microseconds or milliseconds."""
+    scale, unit = (1e6, "µs") if t["median"] < 1e-3 else (1e3, "ms")
+    return f"{t['median'] * scale:.1f} {unit} ({t['min'] * scale:.1f}–{t['max'] * scale:.1f})"
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A markdown table of `rows` with these columns."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# -- models: the seeds' tutorial CNN (compute-bound) and a tiny dense model (dispatch-bound)
+
+TX = optax.sgd(0.01, momentum=0.9)
+
+
+def cnn_init(key: jax.Array) -> dict:
+    """Conv 32 3x3 -> Dense 64 -> Dense 10 on 28x28x1 images, with its optimizer state."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    params = {
+        "conv": {"kernel": jax.random.normal(k1, (3, 3, 1, 32)) * 0.1, "bias": jnp.zeros(32)},
+        "dense": {"kernel": jax.random.normal(k2, (26 * 26 * 32, 64)) * 0.01, "bias": jnp.zeros(64)},
+        "out": {"kernel": jax.random.normal(k3, (64, 10)) * 0.1, "bias": jnp.zeros(10)},
+    }
+    return {"params": params, "opt": TX.init(params)}
+
+
+def cnn_apply(params: dict, x: jax.Array) -> jax.Array:
+    h = jax.lax.conv_general_dilated(
+        x, params["conv"]["kernel"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    h = jax.nn.relu(h + params["conv"]["bias"]).reshape(x.shape[0], -1)
+    h = jax.nn.relu(h @ params["dense"]["kernel"] + params["dense"]["bias"])
+    return h @ params["out"]["kernel"] + params["out"]["bias"]
+
+
+def tiny_init(key: jax.Array) -> dict:
+    """One 16x16 dense layer: the step is all dispatch, no compute."""
+    params = {"kernel": jax.random.normal(key, (16, 16)) * 0.1, "bias": jnp.zeros(16)}
+    return {"params": params, "opt": TX.init(params)}
+
+
+def tiny_apply(params: dict, x: jax.Array) -> jax.Array:
+    return x @ params["kernel"] + params["bias"]
+
+
+def make_train_step(apply: Callable) -> Callable:
+    """A classification train step (state, x, y) -> (state, loss) for `apply`."""
+
+    def train_step(state, x, y):
+        def loss_fn(params):
+            logits = apply(params, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    return train_step
+
+
+MODELS = {
+    "cnn": (cnn_init, cnn_apply, (28, 28, 1), 10),
+    "tiny": (tiny_init, tiny_apply, (16,), 16),
+}
+
+
+def batch(model: str, size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A global batch of random inputs and labels for `model`."""
+    _, _, shape, classes = MODELS[model]
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(size, *shape)).astype(np.float32)
+    return x, rng.integers(0, classes, size=size).astype(np.int32)
