@@ -50,16 +50,3 @@ def message(expected: str, got: str, fix: str) -> str:
       The message, one part a line.
     """
     return f"{expected}\n{got}\nTo fix: {fix}"
-
-
-MSG_NUMPY_DATA_MULTIPROCESS = """\
-Every process passed host data (numpy) to a step while several processes run.
-spmd then treats it as the *global* batch: every process must pass the same
-global batch, and each one places only the rows its devices hold.
-
-If each process holds a different slice, give the step global arrays instead:
-
-    dist = strategy.distribute_dataset(global_batches)      # right
-    for batch in dist:
-        state, metrics = train_step(state, batch)
-"""

@@ -46,10 +46,11 @@ class CommunicationOptions:
     """Collective options of `MultiWorkerMirroredStrategy` (tf.distribute's fields).
 
     Attributes:
-      implementation: which all-reduce to ask for.
-      timeout_seconds: how long a collective may wait for its peers; passed to
-        `spmd.initialize()` as the heartbeat timeout after which a dead peer
-        ends the job instead of hanging it.
+      implementation: which all-reduce to ask for. It is checked against what
+        the platform and `spmd.initialize(cpu_collectives=...)` set up, since
+        the choice is made before JAX starts, not by the strategy.
+      timeout_seconds: accepted for compatibility. How long the job waits on a
+        dead peer is `spmd.initialize(heartbeat_timeout=...)`.
       bytes_per_pack: accepted for compatibility; XLA combines collectives itself.
     """
 
@@ -112,6 +113,7 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
                 "use CommunicationImplementation.AUTO, which picks the platform's own.",
             )
         )
+    _check_cpu_collectives(options.implementation, platform)
     hosts = jax.process_count()
     per_host = jax.local_device_count()
     if per_host * hosts != jax.device_count():
@@ -124,6 +126,23 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
         )
     mesh = make_mesh({"host": hosts, "replica": per_host})
     return Strategy(mesh, batch_axes=("host", "replica"), name="MultiWorkerMirroredStrategy")
+
+
+def _check_cpu_collectives(implementation: CommunicationImplementation, platform: str) -> None:
+    """MPI (or gloo's RING) on CPU must be what initialize() configured."""
+    if platform != "cpu" or jax.process_count() == 1:
+        return
+    configured = jax.config.jax_cpu_collectives_implementation
+    wanted = {CommunicationImplementation.MPI: "mpi", CommunicationImplementation.RING: "gloo"}
+    if implementation in wanted and configured != wanted[implementation]:
+        raise ConfigurationError(
+            message(
+                f"{implementation.name} all-reduce on CPU needs the '{wanted[implementation]}' "
+                "collectives, chosen when the cluster starts.",
+                received(implementation=implementation.name, cpu_collectives=configured),
+                f"call spmd.initialize(cpu_collectives='{wanted[implementation]}') first thing.",
+            )
+        )
 
 
 def TPUStrategy(devices: Sequence[Any] | None = None) -> Strategy:  # noqa: N802

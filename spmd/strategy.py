@@ -172,8 +172,8 @@ class Strategy:
 
         Args:
           create_fn: builds the state (a pytree, or flax NNX objects) from `args`.
-          *args: passed to `create_fn` (e.g. a PRNG key); replicated.
-          **kwargs: passed to `create_fn`; must be hashable (static).
+          *args: passed to `create_fn` (e.g. a PRNG key), traced.
+          **kwargs: passed to `create_fn` as Python values, fixed at trace time.
 
         Returns:
           The state, placed per the strategy's rules.
@@ -359,7 +359,16 @@ class Strategy:
         """
         from spmd.explain import explain
 
-        step = step_fn if isinstance(step_fn, Step) and step_fn.strategy == self else self.step(step_fn)
+        if isinstance(step_fn, Step):
+            step = (
+                step_fn
+                if step_fn.strategy == self
+                else self.step(
+                    step_fn.fn, donate=step_fn.donate, static_argnames=step_fn.static_argnames
+                )
+            )
+        else:
+            step = self.step(step_fn)
         return explain(step, state, *data, **kwargs)
 
     # -- the per-replica view -------------------------------------------------
@@ -395,6 +404,11 @@ class Strategy:
             subdefs.append(None)
         if _SPLIT in kinds:
             self.check_batch([x for x, k in zip(flat, kinds, strict=True) if k == _SPLIT])
+        batch = NamedSharding(self.mesh, PartitionSpec(self.batch_axes))
+        flat = [
+            _conform(x, self.replicated if k == _REPLICATED else batch)
+            for x, k in zip(flat, kinds, strict=True)
+        ]
         return _compiled_run(self, fn, treedef, tuple(subdefs), tuple(kinds))(*flat)
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -472,6 +486,8 @@ class Step:
             pure = jax.tree.map(_put_leaf, pure, self.strategy.state_sharding(pure))
         if _multiprocess():
             data = self.strategy.distribute_batch(data)
+        else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
+            data = jax.tree.map(_conform, data, form["data_sharding"])
         new_pure, out = compiled(pure, data, kwargs)
         if graphdef is not None:
             nnx_state.update(state, new_pure)
@@ -536,7 +552,7 @@ class Step:
         state_def = jax.tree.structure(pure)
         data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x)), data)
         kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
-        fn, form = self.fn, {}
+        fn, form = self.fn, {"data_sharding": data_sharding}
 
         def step(pure_state, data, kwargs):
             if on_host:
@@ -571,6 +587,13 @@ _HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects
 @functools.cache
 def _multiprocess() -> bool:
     return jax.process_count() > 1
+
+
+def _conform(x: Any, sharding: NamedSharding) -> Any:
+    """`x` in `sharding`: concrete arrays laid out otherwise are moved; the rest pass."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.sharding != sharding:
+        return jax.device_put(x, sharding)
+    return x
 
 
 def _leaf_key(x: Any) -> tuple:

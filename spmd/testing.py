@@ -1,15 +1,24 @@
-"""Helpers for spmd's tests and users' own: run real multi-process clusters locally."""
+"""Helpers for spmd's tests and users' own: assertions, and real multi-process clusters run locally."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from spmd.errors import LaunchError, message, received
 from spmd.launch import GroupResult, ProcessResult, run_group
 
-__all__ = ["ProcessResult", "run_processes"]
+__all__ = [
+    "ProcessResult",
+    "assert_compiles_once",
+    "assert_layout",
+    "assert_trees_allclose",
+    "run_processes",
+]
 
 _TAIL_LINES = 30  # lines of each failed process's stderr quoted in a LaunchError
 
@@ -99,3 +108,55 @@ def run_processes(
     if check and not result.ok:
         raise LaunchError(_failure_message(result, timeout))
     return list(result.processes)
+
+
+def assert_trees_allclose(
+    actual: Any, expected: Any, *, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Asserts two pytrees have the same structure and allclose leaves, naming the first bad path.
+
+    Leaves may be numpy arrays, jax.Arrays (in any memory, on any devices of
+    this process) or NNX objects' states.
+    """
+    import jax
+
+    from spmd.nnx_state import pure
+    from spmd.rules import path_str
+
+    got, got_def = jax.tree_util.tree_flatten_with_path(pure(actual))
+    want, want_def = jax.tree_util.tree_flatten_with_path(pure(expected))
+    assert got_def == want_def, (
+        f"tree structures differ:\n  actual:   {got_def}\n  expected: {want_def}"
+    )
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(jax.device_get(a)),
+            np.asarray(jax.device_get(b)),
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"at {path_str(path)!r}",
+        )
+
+
+def assert_layout(tree: Any, shardings: Any) -> None:
+    """Asserts every leaf of `tree` is laid out (and in the memory kind) as `shardings` says."""
+    import jax
+
+    from spmd.nnx_state import pure
+    from spmd.rules import path_str
+
+    leaves = jax.tree_util.tree_flatten_with_path(pure(tree))[0]
+    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
+        where = path_str(path)
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (
+            f"{where}: {leaf.sharding} != {sharding}"
+        )
+        assert leaf.sharding.memory_kind == sharding.memory_kind, (
+            f"{where}: memory {leaf.sharding.memory_kind} != {sharding.memory_kind}"
+        )
+
+
+def assert_compiles_once(step: Any) -> None:
+    """Asserts a `Step` compiled exactly one program over all the calls so far."""
+    count = step.cache_size()
+    assert count == 1, f"the step compiled {count} programs; expected 1 (shapes or layouts changed)"

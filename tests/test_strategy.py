@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from spmd.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from spmd.testing import assert_compiles_once, assert_layout, assert_trees_allclose
 
 STRATEGIES = {
     "default": lambda: spmd.get_strategy(),
@@ -74,19 +75,13 @@ def oracle():
     return jax.device_get(state), losses
 
 
-def assert_same_layout(tree, shardings):
-    for leaf, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings), strict=True):
-        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.sharding, sharding)
-        assert leaf.sharding.memory_kind == sharding.memory_kind
-
-
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_pytree_state_matches_one_device(name, oracle):
     strategy = STRATEGIES[name]()
     with strategy.scope():
         state = strategy.init(create_state, jax.random.key(0))
         expected_layout = strategy.state_sharding(state)
-        assert_same_layout(state, expected_layout)
+        assert_layout(state, expected_layout)
         step = strategy.step(train_step)
         losses = []
         for x, y in batches():
@@ -95,12 +90,9 @@ def test_pytree_state_matches_one_device(name, oracle):
             assert metrics["loss"].sharding.is_fully_replicated
     oracle_state, oracle_losses = oracle
     np.testing.assert_allclose(losses, oracle_losses, rtol=1e-5, atol=1e-6)
-    for got, want in zip(
-        jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(oracle_state), strict=True
-    ):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert_same_layout(state, expected_layout)
-    assert step.cache_size() == 1
+    assert_trees_allclose(state, oracle_state)
+    assert_layout(state, expected_layout)
+    assert_compiles_once(step)
 
 
 class MLP(nnx.Module):
@@ -150,7 +142,7 @@ def test_nnx_state_updates_in_place_and_matches_one_device(name, nnx_oracle):
         jax.tree.leaves(got), jax.tree.leaves(jax.device_get(oracle_params)), strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert_same_layout(nnx.state(state), strategy.state_sharding(state))
+    assert_layout(nnx.state(state), strategy.state_sharding(state))
     assert step.cache_size() == 1
 
 
@@ -271,3 +263,23 @@ def test_bad_strategy_arguments():
         spmd.MultiWorkerMirroredStrategy(
             spmd.CommunicationOptions(implementation=spmd.CommunicationImplementation.NCCL)
         )
+
+
+def test_batches_placed_elsewhere_are_moved_to_the_batch_layout():
+    strategy = spmd.MirroredStrategy()
+    step = strategy.step(train_step)
+    state = strategy.init(create_state, jax.random.key(0))
+    x, y = batches()[0]
+    on_one_device = jax.device_put((x, y), jax.devices()[5])
+    state, metrics = step(state, *on_one_device)
+    ran = strategy.run(lambda x: x.sum(), args=(jax.device_put(x, jax.devices()[2]),))
+    np.testing.assert_allclose(float(strategy.reduce("SUM", ran)), x.sum(), rtol=1e-5)
+    assert_compiles_once(step)
+
+
+def test_explain_accepts_another_strategys_step():
+    mirrored, ps = spmd.MirroredStrategy(), spmd.ParameterServerStrategy(FixedShardsPartitioner(8))
+    step = mirrored.step(train_step)
+    x, y = batches()[0]
+    report = ps.explain(step, ps.abstract_state(create_state, jax.random.key(0)), x, y)
+    assert report.strategy.startswith("ParameterServerStrategy")
