@@ -175,7 +175,7 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
     )
     batches = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
-            np.shape(x), x.dtype, sharding=strategy.batch_sharding(np.ndim(x))
+            np.shape(x), x.dtype, sharding=strategy.batch_sharding(np.ndim(x), step.batch_axis)
         ),
         data,
     )

@@ -211,25 +211,28 @@ class Strategy:
 
     # -- batches --------------------------------------------------------------
 
-    def batch_sharding(self, ndim: int = 1) -> NamedSharding:
-        """The sharding of a batch leaf of rank `ndim`: leading axis over the batch axes."""
-        if ndim == 0 or not self.batch_axes:
+    def batch_sharding(self, ndim: int = 1, axis: int = 0) -> NamedSharding:
+        """The sharding of a batch leaf of rank `ndim`: its batch `axis` over the batch axes.
+
+        `axis` is 0 for plain batches, 1 for K batches stacked for one call.
+        """
+        if ndim <= axis or not self.batch_axes:
             return NamedSharding(self.mesh, PartitionSpec())
-        return NamedSharding(self.mesh, PartitionSpec(self.batch_axes))
+        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self.batch_axes))
 
     @functools.cached_property
     def replicated(self) -> NamedSharding:
         """A sharding that keeps one full copy on every device of the mesh."""
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def check_batch(self, data: Any) -> None:
-        """Checks that every batch leaf splits evenly over the replicas.
+    def check_batch(self, data: Any, axis: int = 0) -> None:
+        """Checks that every batch leaf splits evenly over the replicas along `axis`.
 
         Raises:
           BatchError: leading sizes differ between leaves, or do not divide by
             `num_replicas_in_sync`.
         """
-        sizes = {np.shape(x)[0] for x in jax.tree.leaves(data) if np.ndim(x) > 0}
+        sizes = {np.shape(x)[axis] for x in jax.tree.leaves(data) if np.ndim(x) > axis}
         if len(sizes) > 1:
             raise BatchError(
                 message(
@@ -252,14 +255,18 @@ class Strategy:
                 )
             )
 
-    def distribute_batch(self, batch: Any) -> Any:
+    def distribute_batch(self, batch: Any, axis: int = 0) -> Any:
         """Makes a global batch (numpy or jax) into global jax.Arrays split over the replicas.
 
         With several processes every process passes the same global batch and
         each places only the rows its devices hold.
+
+        Args:
+          batch: a pytree of arrays whose `axis` is the global batch.
+          axis: the batch axis (1 for K batches stacked for one call).
         """
-        self.check_batch(batch)
-        return jax.tree.map(lambda x: _put_leaf(x, self.batch_sharding(np.ndim(x))), batch)
+        self.check_batch(batch, axis)
+        return jax.tree.map(lambda x: _put_leaf(x, self.batch_sharding(np.ndim(x), axis)), batch)
 
     def distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
@@ -312,10 +319,10 @@ class Strategy:
 
     @overload
     def step(
-        self, *, donate: bool = True, static_argnames: Sequence[str] = ()
+        self, *, donate: bool = True, static_argnames: Sequence[str] = (), batch_axis: int = 0
     ) -> Callable[[Callable[..., Any]], Step]: ...
 
-    def step(self, fn=None, /, *, donate=True, static_argnames=()):
+    def step(self, fn=None, /, *, donate=True, static_argnames=(), batch_axis=0):
         """Compiles a train step with the strategy's shardings: `@strategy.step`.
 
         The first argument is the state: placed by the rules, donated (unless
@@ -330,13 +337,20 @@ class Strategy:
             state alone, or (for NNX state updated in place) the metrics.
           donate: let XLA reuse the input state's buffers for the output.
           static_argnames: keyword arguments that are compile-time constants.
+          batch_axis: the axis of the data split over the replicas: 0, or 1 when
+            the data holds several batches stacked for one call (a scan).
 
         Returns:
           A `Step`, callable like `fn`. Used bare or with arguments.
         """
+        options = {
+            "donate": donate,
+            "static_argnames": tuple(static_argnames),
+            "batch_axis": batch_axis,
+        }
         if fn is None:
-            return lambda f: Step(self, f, donate=donate, static_argnames=tuple(static_argnames))
-        return Step(self, fn, donate=donate, static_argnames=tuple(static_argnames))
+            return lambda f: Step(self, f, **options)
+        return Step(self, fn, **options)
 
     def explain(self, step_fn: Callable[..., Any] | Step, state: Any, *data: Any, **kwargs: Any):
         """Compiles a step without running it and reports its cost per device.
@@ -364,7 +378,10 @@ class Strategy:
                 step_fn
                 if step_fn.strategy == self
                 else self.step(
-                    step_fn.fn, donate=step_fn.donate, static_argnames=step_fn.static_argnames
+                    step_fn.fn,
+                    donate=step_fn.donate,
+                    static_argnames=step_fn.static_argnames,
+                    batch_axis=step_fn.batch_axis,
                 )
             )
         else:
@@ -470,11 +487,20 @@ class Step:
     says how many exist, so tests can check that a loop compiles once.
     """
 
-    def __init__(self, strategy: Strategy, fn: Callable, *, donate: bool, static_argnames):
+    def __init__(
+        self,
+        strategy: Strategy,
+        fn: Callable,
+        *,
+        donate: bool,
+        static_argnames,
+        batch_axis: int = 0,
+    ):
         self.strategy = strategy
         self.fn = fn
         self.donate = donate
         self.static_argnames = static_argnames
+        self.batch_axis = batch_axis
         self._compiled: dict[Any, tuple[Callable, dict]] = {}
         functools.update_wrapper(self, fn)
 
@@ -485,7 +511,7 @@ class Step:
             # that the states the step returns hit the same compiled program.
             pure = jax.tree.map(_put_leaf, pure, self.strategy.state_sharding(pure))
         if _multiprocess():
-            data = self.strategy.distribute_batch(data)
+            data = self.strategy.distribute_batch(data, self.batch_axis)
         else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
             data = jax.tree.map(_conform, data, form["data_sharding"])
         new_pure, out = compiled(pure, data, kwargs)
@@ -524,7 +550,7 @@ class Step:
             state_leaves, state_def = jax.tree.flatten(pure)
         else:
             graphdef, pure = None, state
-        self.strategy.check_batch(data)
+        self.strategy.check_batch(data, self.batch_axis)
         key = (
             graphdef,
             state_def,
@@ -550,7 +576,8 @@ class Step:
         compute_sharding = jax.tree.map(lambda s: s.with_memory_kind("device"), state_sharding)
         on_host = strategy.placement == "host"
         state_def = jax.tree.structure(pure)
-        data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x)), data)
+        axis = self.batch_axis
+        data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x), axis), data)
         kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
         fn, form = self.fn, {"data_sharding": data_sharding}
 

@@ -283,3 +283,27 @@ def test_explain_accepts_another_strategys_step():
     x, y = batches()[0]
     report = ps.explain(step, ps.abstract_state(create_state, jax.random.key(0)), x, y)
     assert report.strategy.startswith("ParameterServerStrategy")
+
+
+def test_batch_axis_one_runs_stacked_batches_in_one_call():
+    """K batches stacked on axis 0 and scanned in one call equal K calls of the step."""
+    strategy = spmd.MirroredStrategy()
+
+    def many(state, xs, ys):
+        def body(state, batch):
+            return train_step(state, *batch)
+
+        return jax.lax.scan(body, state, (xs, ys))
+
+    scanned = strategy.step(many, batch_axis=1)
+    xs = np.stack([x for x, _ in batches()])
+    ys = np.stack([y for _, y in batches()])
+    state, metrics = scanned(strategy.init(create_state, jax.random.key(0)), xs, ys)
+    assert metrics["loss"].shape == (STEPS,)
+    one = strategy.step(train_step)
+    oracle = strategy.init(create_state, jax.random.key(0))
+    for x, y in batches():
+        oracle, _ = one(oracle, x, y)
+    assert_trees_allclose(state, oracle)
+    with pytest.raises(spmd.BatchError, match="global_batch_size=30"):
+        scanned(state, xs[:, :30], ys[:, :30])
