@@ -520,6 +520,8 @@ class Step:
             return out
         if form["returns"] == "state":
             return new_pure
+        if form["returns"] == "metrics":
+            return out
         return (new_pure, *out)
 
     def lower(self, state: Any, *data: Any, **kwargs: Any) -> tuple[jax.stages.Lowered, Any]:
@@ -579,25 +581,27 @@ class Step:
         axis = self.batch_axis
         data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x), axis), data)
         kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
-        fn, form = self.fn, {"data_sharding": data_sharding}
+        fn, form, donate = self.fn, {"data_sharding": data_sharding}, self.donate
 
         def step(pure_state, data, kwargs):
             if on_host:
                 pure_state = jax.device_put(pure_state, compute_sharding)
             if graphdef is None:
                 form["returns"], new_state, out = _split_output(
-                    fn(pure_state, *data, **kwargs, **static), state_def
+                    fn(pure_state, *data, **kwargs, **static), state_def, donate
                 )
             else:
                 live = nnx_state.merge(graphdef, pure_state)
                 out = fn(live, *data, **kwargs, **static)
                 new_state = nnx_state.split(live)[1]
-            new_state = jax.lax.with_sharding_constraint(new_state, compute_sharding)
-            if on_host:
-                new_state = jax.device_put(new_state, state_sharding)
             out = jax.lax.with_sharding_constraint(
                 out, jax.tree.map(lambda _: strategy.replicated, out)
             )
+            if form.get("returns") == "metrics":
+                return None, out  # the state is read, not written: nothing to copy back
+            new_state = jax.lax.with_sharding_constraint(new_state, compute_sharding)
+            if on_host:
+                new_state = jax.device_put(new_state, state_sharding)
             return new_state, out
 
         compiled = jax.jit(
@@ -629,23 +633,29 @@ def _leaf_key(x: Any) -> tuple:
     return (np.shape(x), dtype if dtype is not None else type(x))
 
 
-def _split_output(out: Any, state_def: Any) -> tuple[str, Any, tuple]:
+def _split_output(out: Any, state_def: Any, donate: bool) -> tuple[str, Any, Any]:
     """Separates the new state from the rest of what a pure step returned.
 
     Returns:
-      ("state", state, ()) when the step returned the state alone, or
-      ("tuple", state, rest) when it returned (state, *rest).
+      ("state", state, ()) when the step returned the state alone,
+      ("tuple", state, rest) when it returned (state, *rest), or
+      ("metrics", None, out) when a step that does not donate its state
+      returned something else: it only reads the state (evaluation).
     """
     if isinstance(out, tuple) and out and jax.tree.structure(out[0]) == state_def:
         return "tuple", out[0], tuple(out[1:])
     if jax.tree.structure(out) == state_def:
         return "state", out, ()
+    if not donate:
+        return "metrics", None, out
     raise ConfigurationError(
         message(
-            "A step over a pure state must return the new state, or (state, metrics, ...) "
-            "with the state first and of the same structure as the input state.",
+            "A step that donates its state must return the new state, or (state, metrics, ...) "
+            "with the state first and of the same structure as the input state; otherwise "
+            "the donated state would be lost.",
             received(returned_structure=jax.tree.structure(out), state_structure=state_def),
-            "return `state, metrics` from the step (NNX objects are updated in place instead).",
+            "return `state, metrics` from the step, or use @strategy.step(donate=False) for a "
+            "step that only reads the state (evaluation, prediction).",
         )
     )
 

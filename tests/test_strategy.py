@@ -247,7 +247,7 @@ def test_ragged_batch_teaches():
 
 def test_step_must_return_the_state_first():
     step = spmd.MirroredStrategy().step(lambda state, x: x.sum())
-    with pytest.raises(spmd.ConfigurationError, match="return the new state"):
+    with pytest.raises(spmd.ConfigurationError, match="donated state would be lost"):
         step({"w": jnp.zeros(3)}, np.ones(8))
 
 
@@ -307,3 +307,19 @@ def test_batch_axis_one_runs_stacked_batches_in_one_call():
     assert_trees_allclose(state, oracle)
     with pytest.raises(spmd.BatchError, match="global_batch_size=30"):
         scanned(state, xs[:, :30], ys[:, :30])
+
+
+def test_a_step_that_does_not_donate_may_return_only_metrics():
+    strategy = spmd.ParameterServerStrategy(FixedShardsPartitioner(8))
+    state = strategy.init(create_state, jax.random.key(0))
+
+    @strategy.step(donate=False)
+    def evaluate(state, x, y):
+        return {"loss": loss_fn(state["params"], x, y)}
+
+    x, y = batches()[0]
+    metrics = evaluate(state, x, y)
+    assert float(metrics["loss"]) == pytest.approx(
+        float(loss_fn(jax.device_get(state["params"]), x, y)), rel=1e-5
+    )
+    assert not state["params"]["hidden"]["kernel"].is_deleted()
