@@ -1,9 +1,18 @@
 """spmd: pick a strategy (a device mesh plus sharding rules), keep your training code."""
 
+from spmd import callbacks as callbacks
 from spmd import partitioners as partitioners
+from spmd.checkpoint import CheckpointManager as CheckpointManager
 from spmd.cluster import ClusterInfo as ClusterInfo
 from spmd.cluster import cluster as cluster
 from spmd.cluster import initialize as initialize
+from spmd.data import AutoShardPolicy as AutoShardPolicy
+from spmd.data import DistributedDataset as DistributedDataset
+from spmd.data import DistributedIterator as DistributedIterator
+from spmd.data import FileDataset as FileDataset
+from spmd.data import InputContext as InputContext
+from spmd.data import InputOptions as InputOptions
+from spmd.data import NumpyDataset as NumpyDataset
 from spmd.errors import BatchError as BatchError
 from spmd.errors import CheckpointError as CheckpointError
 from spmd.errors import ClusterError as ClusterError
@@ -14,6 +23,7 @@ from spmd.errors import SpmdError as SpmdError
 from spmd.explain import Collective as Collective
 from spmd.explain import Explanation as Explanation
 from spmd.mesh import make_mesh as make_mesh
+from spmd.preemption import Preempted as Preempted
 from spmd.replica import PerReplica as PerReplica
 from spmd.replica import ReduceOp as ReduceOp
 from spmd.replica import ReplicaContext as ReplicaContext
@@ -33,33 +43,45 @@ from spmd.strategy import Strategy as Strategy
 from spmd.strategy import get_strategy as get_strategy
 from spmd.strategy import has_strategy as has_strategy
 from spmd.strategy import in_cross_replica_context as in_cross_replica_context
+from spmd.trainer import Trainer as Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoShardPolicy",
     "BatchError",
     "CentralStorageStrategy",
     "CheckpointError",
+    "CheckpointManager",
     "ClusterError",
     "ClusterInfo",
     "Collective",
     "CommunicationImplementation",
     "CommunicationOptions",
     "ConfigurationError",
-    "InitializationError",
+    "DistributedDataset",
+    "DistributedIterator",
     "Explanation",
+    "FileDataset",
+    "InitializationError",
+    "InputContext",
+    "InputOptions",
     "LaunchError",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
+    "NumpyDataset",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
+    "Preempted",
     "ReduceOp",
     "ReplicaContext",
     "SpmdError",
     "Step",
     "Strategy",
     "TPUStrategy",
+    "Trainer",
+    "callbacks",
     "cluster",
     "compute_average_loss",
     "get_replica_context",

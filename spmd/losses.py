@@ -130,7 +130,9 @@ def resolve_metrics(metrics: Sequence[str | Metric], loss_name: str) -> tuple[Me
     return tuple(out)
 
 
-def check_labels(loss_name: str, outputs: jax.ShapeDtypeStruct, labels: jax.ShapeDtypeStruct) -> None:
+def check_labels(
+    loss_name: str, outputs: jax.ShapeDtypeStruct, labels: jax.ShapeDtypeStruct
+) -> None:
     """Checks labels against the model's outputs for a named loss, before tracing it.
 
     Raises:
@@ -141,7 +143,14 @@ def check_labels(loss_name: str, outputs: jax.ShapeDtypeStruct, labels: jax.Shap
         ok = lab == out[:-1] and jnp.issubdtype(labels.dtype, jnp.integer)
         want = f"integer class ids of shape {out[:-1]}"
         fix = "pass class ids (not one-hot), or use loss='categorical_crossentropy' for one-hot labels."
-    elif loss_name in ("categorical_crossentropy", "binary_crossentropy", "mse", "mean_squared_error", "mae", "mean_absolute_error"):
+    elif loss_name in (
+        "categorical_crossentropy",
+        "binary_crossentropy",
+        "mse",
+        "mean_squared_error",
+        "mae",
+        "mean_absolute_error",
+    ):
         ok = lab == out
         want = f"labels of the outputs' shape {out}"
         fix = "reshape the labels to the outputs' shape (e.g. y[:, None] for one output)."

@@ -10,10 +10,14 @@ from flax import nnx
 __all__ = ["has_graph", "merge", "pure", "replace", "split", "update"]
 
 
+def _is_object(x: Any) -> bool:
+    """An NNX object with a graph (module, optimizer, Rngs); a bare Variable is a leaf's box."""
+    return nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+
 def has_graph(tree: Any) -> bool:
-    """Whether `tree` holds flax NNX objects (modules, optimizers, variables)."""
-    is_node = nnx.graph.is_graph_node
-    return any(is_node(x) for x in jax.tree.leaves(tree, is_leaf=is_node))
+    """Whether `tree` holds flax NNX objects (modules, optimizers); `nnx.State`s are pure."""
+    return any(_is_object(x) for x in jax.tree.leaves(tree, is_leaf=_is_object))
 
 
 def split(tree: Any) -> tuple[Any, Any]:

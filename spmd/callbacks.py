@@ -1,0 +1,283 @@
+"""Callbacks of `Trainer.fit`, under Keras's hook names: the base, History, progress, EarlyStopping."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from spmd.errors import ConfigurationError, message, received
+
+if TYPE_CHECKING:
+    from spmd.trainer import Trainer
+
+__all__ = ["Callback", "CallbackList", "EarlyStopping", "History", "ProgressBar"]
+
+
+class Callback:
+    """Base class of callbacks: override the hooks you need; `self.trainer` is set by fit.
+
+    Hooks, as in Keras: `on_train_begin/end`, `on_epoch_begin/end`,
+    `on_train_batch_begin/end`, `on_test_begin/end`, `on_test_batch_end`,
+    `on_predict_begin/end`. `logs` is a dict of floats (epoch hooks) or None.
+    Every process runs every callback; write files from the chief only
+    (`spmd.cluster().is_chief`), or through `spmd.CheckpointManager`, which
+    coordinates the processes itself.
+    """
+
+    trainer: Trainer | None = None
+    params: dict[str, Any] = {}
+
+    def set_trainer(self, trainer: Trainer) -> None:
+        """Called by fit before any hook."""
+        self.trainer = trainer
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        """Called by fit with `epochs`, `steps` (per epoch, or None) and `verbose`."""
+        self.params = params
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """At the start of fit."""
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """At the end of fit, with the last epoch's logs."""
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Before epoch `epoch` (0-based)."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """After epoch `epoch`, with its training and validation metrics."""
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Before a training call (of `steps_per_execution` batches)."""
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """After a training call; `batch` counts batches of the epoch, 0-based, the last one run."""
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        """At the start of evaluate (also fit's validation)."""
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        """At the end of evaluate, with its metrics."""
+
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """After an evaluation batch."""
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        """At the start of predict."""
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        """At the end of predict."""
+
+
+_HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
+
+
+class CallbackList:
+    """Calls a hook on every callback, in order."""
+
+    def __init__(self, callbacks: Sequence[Callback], trainer: Trainer, params: dict[str, Any]):
+        for callback in callbacks:
+            if not isinstance(callback, Callback):
+                raise ConfigurationError(
+                    message(
+                        "callbacks must be spmd.callbacks.Callback instances.",
+                        received(callback=callback),
+                        "subclass spmd.callbacks.Callback and override its on_* hooks.",
+                    )
+                )
+            callback.set_trainer(trainer)
+            callback.set_params(params)
+        self.callbacks = list(callbacks)
+
+    def __getattr__(self, name: str):
+        if name not in _HOOKS:
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            for callback in self.callbacks:
+                getattr(callback, name)(*args, **kwargs)
+
+        return call
+
+
+class History(Callback):
+    """Records every epoch's logs; `fit` returns it.
+
+    Attributes:
+      history: metric name -> one value per epoch, e.g. `history["val_loss"]`.
+      epoch: the epochs run, 0-based.
+    """
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {}
+        self.epoch: list[int] = []
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch.append(epoch)
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(value)
+
+
+class ProgressBar(Callback):
+    """A progress bar per epoch on the chief (rich), with the running metrics.
+
+    Metrics are read from the devices at most every `refresh` seconds, so the
+    bar does not slow the steps down.
+
+    Args:
+      refresh: seconds between reads of the running metrics.
+    """
+
+    def __init__(self, refresh: float = 0.5) -> None:
+        self.refresh = refresh
+        self._progress = None
+        self._task = None
+        self._last = 0.0
+
+    def _active(self) -> bool:
+        return jax.process_index() == 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if not self._active():
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn(f"epoch {epoch + 1}/{self.params.get('epochs', '?')}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=self.params.get("steps"), metrics="")
+        self._last = time.monotonic()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._progress is None:
+            return
+        fields = {}
+        if time.monotonic() - self._last > self.refresh:
+            fields["metrics"] = _format(self.trainer.running_metrics())
+            self._last = time.monotonic()
+        self._progress.update(self._task, completed=batch + 1, **fields)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._progress is None:
+            return
+        self._progress.update(self._task, metrics=_format(logs or {}))
+        self._progress.stop()
+        self._progress = None
+
+
+class EpochLogger(Callback):
+    """One line per epoch on the chief: for logs and terminals without a bar."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if jax.process_index() == 0:
+            print(
+                f"epoch {epoch + 1}/{self.params.get('epochs', '?')}: {_format(logs or {})}",
+                file=sys.stdout,
+                flush=True,
+            )
+
+
+def _format(logs: dict) -> str:
+    return "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
+
+
+class EarlyStopping(Callback):
+    """Stops fit when a monitored metric has stopped improving.
+
+    Args:
+      monitor: the log key to watch, e.g. "val_loss" or "val_accuracy".
+      min_delta: a change smaller than this is no improvement.
+      patience: epochs without improvement before stopping.
+      mode: "min", "max", or "auto" (max for accuracy-like keys, else min).
+      baseline: a value the metric must beat, else training stops after `patience`.
+      restore_best_weights: put back the state of the best epoch when stopping.
+      start_from_epoch: epochs to wait before watching.
+
+    Raises:
+      ConfigurationError: an unknown mode, or (at the first epoch end) a
+        monitored key missing from the logs.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
+    ) -> None:
+        if mode not in ("auto", "min", "max"):
+            raise ConfigurationError(
+                message(
+                    'EarlyStopping mode is "auto", "min" or "max".',
+                    received(mode=mode),
+                    'pass mode="min" for losses, "max" for accuracies.',
+                )
+            )
+        if mode == "auto":
+            mode = "max" if "acc" in monitor else "min"
+        self.monitor, self.patience, self.baseline = monitor, patience, baseline
+        self.min_delta = abs(min_delta) * (1 if mode == "max" else -1)
+        self.mode = mode
+        self.restore_best_weights, self.start_from_epoch = restore_best_weights, start_from_epoch
+        self.stopped_epoch = 0
+        self.best_epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.wait = 0
+        self.best = (
+            self.baseline
+            if self.baseline is not None
+            else (-math.inf if self.mode == "max" else math.inf)
+        )
+        self.best_state = None
+
+    def _better(self, value: float) -> bool:
+        if self.mode == "max":
+            return value - self.min_delta > self.best
+        return value - self.min_delta < self.best
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        logs = logs or {}
+        if self.monitor not in logs:
+            raise ConfigurationError(
+                message(
+                    f"EarlyStopping watches '{self.monitor}', which the logs do not have.",
+                    received(monitor=self.monitor, logs=sorted(logs)),
+                    "watch one of the log keys (pass validation_data for val_* keys).",
+                )
+            )
+        if epoch < self.start_from_epoch:
+            return
+        value = float(logs[self.monitor])
+        if self._better(value):
+            self.best, self.best_epoch, self.wait = value, epoch, 0
+            if self.restore_best_weights:
+                self.best_state = jax.tree.map(np.asarray, self.trainer.host_state())
+            return
+        self.wait += 1
+        if self.wait > self.patience:
+            self.stopped_epoch = epoch
+            self.trainer.stop_training = True
+            if self.restore_best_weights and self.best_state is not None:
+                self.trainer.load_state(self.best_state)

@@ -1,0 +1,507 @@
+"""Keras-style training on any strategy: Trainer.fit, evaluate and predict."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from spmd.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
+from spmd.errors import BatchError, ConfigurationError, message, received
+from spmd.losses import Metric, check_labels, resolve_loss, resolve_metrics
+from spmd.strategy import Strategy, get_strategy
+
+__all__ = ["Trainer"]
+
+_PRECISIONS = {None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass
+class _Model:
+    """The user's model as pure functions of (params, rest)."""
+
+    params: Any
+    rest: Any
+    apply: Callable[[Any, Any, jax.Array, bool], tuple[jax.Array, Any]]
+    module: nnx.Module | None
+
+
+def _wrap_model(model: Any, seed: int) -> _Model:
+    """An NNX module, or an (init, apply) pair with init(key) -> params, apply(params, x)."""
+    if isinstance(model, nnx.Module):
+        model.train()
+        train_def, params, rest = nnx.split(model, nnx.Param, ...)
+        model.eval()
+        eval_def = nnx.split(model, nnx.Param, ...)[0]
+        model.train()
+
+        def apply(params, rest, x, training):
+            live = nnx.merge(train_def if training else eval_def, params, rest)
+            out = live(x)
+            return out, nnx.split(live, nnx.Param, ...)[2]
+
+        return _Model(params, rest, apply, model)
+    if isinstance(model, tuple) and len(model) == 2 and all(map(callable, model)):
+        init, forward = model
+        params = init(jax.random.key(seed))
+        return _Model(params, {}, lambda p, r, x, training: (forward(p, x), r), None)
+    raise ConfigurationError(
+        message(
+            "A Trainer model is a flax nnx.Module, or a pair (init, apply) with "
+            "init(key) -> params and apply(params, x) -> outputs.",
+            received(model=type(model).__name__),
+            "pass an nnx.Module, or e.g. (lambda k: net.init(k, x0), net.apply) for linen.",
+        )
+    )
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
+
+
+def _is_arrays(data: Any) -> bool:
+    return (
+        isinstance(data, tuple | list)
+        and 1 <= len(data) <= 3
+        and all(isinstance(x, np.ndarray | jax.Array) for x in data)
+    )
+
+
+class Trainer:
+    """Keras-style fit / evaluate / predict of a flax model on any strategy.
+
+    The step is one program compiled by XLA with the strategy's shardings;
+    every process runs the same calls. Metrics are sums over real examples
+    divided by their count, so padding never counts and evaluation is exact.
+
+    Args:
+      model: a flax `nnx.Module`, or a pair (init, apply) with init(key) ->
+        params and apply(params, x) -> outputs.
+      optimizer: an optax `GradientTransformation`.
+      loss: a callable (outputs, labels) -> per-example loss, or a name:
+        "sparse_categorical_crossentropy", "categorical_crossentropy",
+        "binary_crossentropy" (these take logits), "mse", "mae".
+      metrics: names ("accuracy", "mse", "mae") or `spmd.losses.Metric`s.
+      strategy: where to train; the current strategy by default.
+      steps_per_execution: batches run per compiled call (a scan): fewer
+        dispatches where they dominate.
+      grad_accum_steps: split each batch into this many microbatches and
+        apply one update with their summed gradients (the same update as the
+        whole batch, with less memory).
+      mixed_precision: "bfloat16" (or "float16") computes the forward and
+        backward pass in that type; parameters and optimizer state stay float32.
+      seed: the seed of an (init, apply) model's parameters and of shuffling.
+
+    Example:
+      >>> trainer = spmd.Trainer(Net(nnx.Rngs(0)), optax.adam(1e-3),
+      ...                        "sparse_categorical_crossentropy", strategy=strategy)
+      >>> history = trainer.fit((x, y), batch_size=64, epochs=3, validation_data=(xv, yv))
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: optax.GradientTransformation,
+        loss: str | Callable,
+        metrics: Sequence[str | Metric] = ("accuracy",),
+        strategy: Strategy | None = None,
+        *,
+        steps_per_execution: int = 1,
+        grad_accum_steps: int = 1,
+        mixed_precision: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (
+            ("steps_per_execution", steps_per_execution),
+            ("grad_accum_steps", grad_accum_steps),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigurationError(
+                    message(
+                        f"{name} must be a positive integer.",
+                        received(**{name: value}),
+                        f"pass {name}=1 or more.",
+                    )
+                )
+        if mixed_precision not in _PRECISIONS:
+            raise ConfigurationError(
+                message(
+                    f"mixed_precision is one of {list(_PRECISIONS)}.",
+                    received(mixed_precision=mixed_precision),
+                    'pass mixed_precision="bfloat16" or None.',
+                )
+            )
+        self.strategy = strategy or get_strategy()
+        self.optimizer = optimizer
+        self.loss_name, self.loss_fn = resolve_loss(loss)
+        self.metrics = resolve_metrics(metrics, self.loss_name)
+        self.steps_per_execution = steps_per_execution
+        self.grad_accum_steps = grad_accum_steps
+        self.compute_dtype = _PRECISIONS[mixed_precision]
+        self.seed = seed
+        self._model = _wrap_model(model, seed)
+        self.state: Any = None
+        self.epoch = 0
+        self.stop_training = False
+        self.dataset: Any = None
+        self._steps: dict[str, Any] = {}
+        self._labels_checked = False
+
+    # -- state ----------------------------------------------------------------
+
+    def _initial_state(self) -> dict:
+        params = self._model.params
+        return {
+            "params": params,
+            "opt_state": self.optimizer.init(params),
+            "rest": self._model.rest,
+            "step": jnp.zeros((), jnp.int32),
+            "metrics": self._zero_sums(),
+        }
+
+    def _zero_sums(self) -> dict:
+        names = ("count", "loss", *(m.name for m in self.metrics))
+        return {name: jnp.zeros((), jnp.float32) for name in names}
+
+    def build(self) -> None:
+        """Places the train state per the strategy (done by the first fit/evaluate/predict)."""
+        if self.state is None:
+            with self.strategy.scope():
+                self.state = self.strategy.put(self._initial_state())
+
+    @property
+    def model(self) -> Any:
+        """The NNX module, holding the trained parameters (or the params of an (init, apply) pair)."""
+        if self.state is not None and self._model.module is not None:
+            nnx.update(self._model.module, self.state["params"], self.state["rest"])
+        if self._model.module is not None:
+            return self._model.module
+        return self.state["params"] if self.state is not None else self._model.params
+
+    def host_state(self) -> Any:
+        """The whole train state as numpy arrays, gathered from every process."""
+        from jax.experimental import multihost_utils
+
+        if jax.process_count() == 1:
+            return jax.device_get(self.state)
+        return multihost_utils.process_allgather(self.state, tiled=True)
+
+    def load_state(self, tree: Any) -> None:
+        """Replaces the train state (e.g. a restored or remembered one), placed per the strategy."""
+        self.state = self.strategy.put(tree)
+
+    def running_metrics(self) -> dict[str, float]:
+        """The epoch's metrics so far (reads the devices: a sync)."""
+        return _averages(jax.device_get(self.state["metrics"]))
+
+    # -- the compiled steps ---------------------------------------------------
+
+    def _forward(self, params, rest, x, training):
+        if self.compute_dtype is not None:
+            params, x = _cast(params, self.compute_dtype), _cast(x, self.compute_dtype)
+        out, rest = self._model.apply(params, rest, x, training)
+        return out.astype(jnp.float32), rest
+
+    def _sums(self, out, y, w, per_example) -> dict:
+        sums = {"count": jnp.sum(w), "loss": jnp.sum(per_example * w)}
+        for metric in self.metrics:
+            sums[metric.name] = jnp.sum(metric.fn(out, y) * w)
+        return sums
+
+    def _grads(self, params, rest, x, y, w):
+        def loss(params, rest, x, y, w):
+            out, rest = self._forward(params, rest, x, True)
+            per = self.loss_fn(out, y)
+            return jnp.sum(per * w), (rest, self._sums(out, y, w, per))
+
+        grad_fn = jax.grad(loss, has_aux=True)
+        m = self.grad_accum_steps
+        if m == 1:
+            grads, (rest, sums) = grad_fn(params, rest, x, y, w)
+            return grads, rest, sums
+
+        def micro(a):  # rows r, r + m, r + 2m, ... : every replica gives each microbatch its share
+            return a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
+
+        def body(carry, batch):
+            grads, rest, sums = carry
+            g, (rest, s) = grad_fn(params, rest, *batch)
+            return (jax.tree.map(jnp.add, grads, g), rest, jax.tree.map(jnp.add, sums, s)), None
+
+        zero = (jax.tree.map(jnp.zeros_like, params), rest, self._zero_sums())
+        (grads, rest, sums), _ = jax.lax.scan(body, zero, jax.tree.map(micro, (x, y, w)))
+        return grads, rest, sums
+
+    def _train_step(self, state, x, y, w=None):
+        w = (
+            jnp.ones(jax.tree.leaves(y)[0].shape[0], jnp.float32)
+            if w is None
+            else w.astype(jnp.float32)
+        )
+        grads, rest, sums = self._grads(state["params"], state["rest"], x, y, w)
+        grads = jax.tree.map(lambda g: g / jnp.maximum(sums["count"], 1.0), grads)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        return {
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "rest": rest,
+            "step": state["step"] + 1,
+            "metrics": jax.tree.map(jnp.add, state["metrics"], sums),
+        }
+
+    def _train_many(self, state, *batches):
+        def body(state, batch):
+            return self._train_step(state, *batch), None
+
+        return jax.lax.scan(body, state, batches)[0]
+
+    def _eval_step(self, state, x, y, w=None):
+        w = (
+            jnp.ones(jax.tree.leaves(y)[0].shape[0], jnp.float32)
+            if w is None
+            else w.astype(jnp.float32)
+        )
+        out, _ = self._forward(state["params"], state["rest"], x, False)
+        return self._sums(out, y, w, self.loss_fn(out, y))
+
+    def _predict_step(self, state, x, *_):
+        return self._forward(state["params"], state["rest"], x, False)[0]
+
+    def _step(self, name: str):
+        if name not in self._steps:
+            s = self.strategy
+            self._steps[name] = {
+                "train": lambda: s.step(self._train_step),
+                "many": lambda: s.step(self._train_many, batch_axis=1),
+                "eval": lambda: s.step(self._eval_step, donate=False),
+                "predict": lambda: s.step(self._predict_step, donate=False),
+            }[name]()
+        return self._steps[name]
+
+    def _check_labels(self, batch: Sequence[Any]) -> None:
+        if self._labels_checked or len(batch) < 2:
+            return
+        x, y = batch[0], batch[1]
+        shape = jax.eval_shape(
+            lambda p, r, x: self._forward(p, r, x, False)[0],
+            self.state["params"],
+            self.state["rest"],
+            x,
+        )
+        check_labels(
+            self.loss_name,
+            shape,
+            jax.ShapeDtypeStruct(
+                np.shape(y), np.asarray(y).dtype if not hasattr(y, "dtype") else y.dtype
+            ),
+        )
+        self._labels_checked = True
+
+    # -- data -----------------------------------------------------------------
+
+    def _dataset(self, data: Any, batch_size: int | None, *, shuffle: bool, pad: bool, what: str):
+        from spmd.data import DistributedDataset
+
+        if isinstance(data, DistributedDataset):
+            return data
+        if _is_arrays(data):
+            if batch_size is None:
+                raise BatchError(
+                    message(
+                        f"{what} with arrays needs batch_size: the global batch size.",
+                        received(batch_size=None, examples=len(data[0])),
+                        f"pass batch_size=, a multiple of {self.strategy.num_replicas_in_sync} "
+                        "(the replicas), e.g. 64.",
+                    )
+                )
+            arrays = tuple(np.asarray(a) for a in data)
+            ds = self.strategy.make_numpy_dataset(
+                arrays, batch_size, shuffle=shuffle, seed=self.seed, drop_remainder=not pad
+            )
+            return self.strategy.distribute_dataset(ds)
+        if isinstance(data, Iterable):
+            return self.strategy.distribute_dataset(data)
+        raise ConfigurationError(
+            message(
+                f"{what} takes (x, y) arrays with batch_size, an iterable of (x, y) batches, "
+                "or a distributed dataset.",
+                received(data=type(data).__name__),
+                "pass e.g. trainer.fit((x_train, y_train), batch_size=64).",
+            )
+        )
+
+    # -- fit / evaluate / predict ---------------------------------------------
+
+    def fit(
+        self,
+        data: Any,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        steps_per_epoch: int | None = None,
+        shuffle: bool = True,
+        validation_data: Any = None,
+        validation_batch_size: int | None = None,
+        callbacks: Sequence[Callback] = (),
+        verbose: int | str = "auto",
+        initial_epoch: int = 0,
+    ) -> History:
+        """Trains for `epochs` epochs; returns the `History` of every epoch's metrics.
+
+        Args:
+          data: (x, y) arrays (or (x, y, sample_weight)) with `batch_size` the
+            global batch; an iterable of such batches (re-iterable for several
+            epochs); or a distributed dataset.
+          batch_size: the global batch size, over every replica and process.
+          epochs: the epoch to stop at (counting `initial_epoch`).
+          steps_per_epoch: stop an epoch after this many batches.
+          shuffle: a new order each epoch (arrays only), from the trainer's seed.
+          validation_data: data for `evaluate` after each epoch (`val_*` logs).
+          validation_batch_size: its batch size; `batch_size` by default.
+          callbacks: `spmd.callbacks.Callback`s.
+          verbose: 0 silent, 1 a progress bar, 2 a line per epoch; "auto" picks
+            1 on a terminal, else 2. Only the chief prints.
+          initial_epoch: the epoch to start from (BackupAndRestore sets it).
+
+        Returns:
+          The `History`: `history.history["loss"]`, `["val_accuracy"]`, ...
+        """
+        self.build()
+        self.dataset = self._dataset(data, batch_size, shuffle=shuffle, pad=False, what="fit")
+        history = History()
+        steps = steps_per_epoch or self.dataset.num_batches
+        verbose = (1 if sys.stdout.isatty() else 2) if verbose == "auto" else verbose
+        shown = [ProgressBar()] if verbose == 1 else [EpochLogger()] if verbose == 2 else []
+        hooks = CallbackList(
+            [history, *callbacks, *shown],
+            self,
+            {"epochs": epochs, "steps": steps, "verbose": verbose},
+        )
+        self.stop_training, self.epoch, logs = False, initial_epoch, {}
+        hooks.on_train_begin()
+        while self.epoch < epochs and not self.stop_training:
+            hooks.on_epoch_begin(self.epoch)
+            ran = self._run_epoch(hooks, steps_per_epoch)
+            if ran == 0:
+                raise BatchError(
+                    message(
+                        f"Epoch {self.epoch} received no batch: the data ran out.",
+                        received(epoch=self.epoch, data=type(data).__name__),
+                        "pass arrays, a list or a dataset (each epoch iterates it anew), "
+                        "or fewer epochs for a one-shot iterator.",
+                    )
+                )
+            logs = self.running_metrics()
+            self.state["metrics"] = self.strategy.put(self._zero_sums())
+            if validation_data is not None:
+                val = self.evaluate(validation_data, validation_batch_size or batch_size, verbose=0)
+                logs.update({f"val_{k}": v for k, v in val.items()})
+            hooks.on_epoch_end(self.epoch, logs)
+            self.epoch += 1
+        hooks.on_train_end(logs)
+        return history
+
+    def _run_epoch(self, hooks: CallbackList, steps_per_epoch: int | None) -> int:
+        """Runs one epoch's batches, K at a time; returns how many batches ran."""
+        k, ran, group = self.steps_per_execution, 0, []
+        iterator = iter(self.dataset)
+        try:
+            for batch in iterator:
+                batch = batch if isinstance(batch, tuple | list) else (batch,)
+                self._check_labels(batch)
+                group.append(tuple(batch))
+                if steps_per_epoch is not None and ran + len(group) >= steps_per_epoch:
+                    break
+                if len(group) == k:
+                    ran = self._run_group(hooks, group, ran)
+                    group = []
+                    if self.stop_training:
+                        break
+            if group:
+                ran = self._run_group(hooks, group, ran)
+        finally:
+            if hasattr(iterator, "close"):
+                iterator.close()
+        return ran
+
+    def _run_group(self, hooks: CallbackList, group: list[tuple], ran: int) -> int:
+        hooks.on_train_batch_begin(ran)
+        if len(group) == self.steps_per_execution > 1:
+            stacked = _stack(self.strategy, group)
+            self.state = self._step("many")(self.state, *stacked)
+        else:
+            for batch in group:
+                self.state = self._step("train")(self.state, *batch)
+        ran += len(group)
+        hooks.on_train_batch_end(ran - 1)
+        return ran
+
+    def evaluate(
+        self, data: Any, batch_size: int | None = None, verbose: int = 0
+    ) -> dict[str, float]:
+        """The loss and metrics over every example of `data`, each counted once.
+
+        A last partial batch is padded and masked, so nothing is dropped and
+        padding never counts. `verbose` is accepted for Keras compatibility.
+
+        Returns:
+          {"loss": ..., "accuracy": ...}: means over the real examples.
+        """
+        self.build()
+        dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="evaluate")
+        step, totals = self._step("eval"), None
+        for batch in dataset:
+            batch = batch if isinstance(batch, tuple | list) else (batch,)
+            self._check_labels(batch)
+            sums = step(self.state, *batch)
+            totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        if totals is None:
+            raise BatchError(
+                message(
+                    "evaluate received no batch.",
+                    received(data=type(data).__name__),
+                    "pass data with at least one example.",
+                )
+            )
+        return _averages(jax.device_get(totals))
+
+    def predict(self, x: Any, batch_size: int | None = None) -> np.ndarray:
+        """The model's outputs for every row of `x`, in input order, on every process.
+
+        Args:
+          x: an array of inputs, or an iterable of input batches.
+          batch_size: the global batch size (with an array).
+
+        Returns:
+          A numpy array with one row per input row.
+        """
+        self.build()
+        data = (x,) if isinstance(x, np.ndarray | jax.Array) else x
+        dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="predict")
+        step, rows = self._step("predict"), []
+        for batch in dataset:
+            batch = batch if isinstance(batch, tuple | list) else (batch,)
+            out = np.asarray(step(self.state, *batch))
+            if len(batch) > 1:  # padded: keep the real rows
+                out = out[np.asarray(batch[-1]) > 0]
+            rows.append(out)
+        return np.concatenate(rows) if rows else np.zeros((0,))
+
+
+def _averages(sums: dict) -> dict[str, float]:
+    count = float(sums["count"])
+    return {k: float(v) / max(count, 1.0) for k, v in sums.items() if k != "count"}
+
+
+def _stack(strategy: Strategy, group: list[tuple]) -> tuple:
+    """K global batches as one, stacked on a new leading axis, split on axis 1."""
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *group)
+    return jax.tree.map(lambda x: jax.device_put(x, strategy.batch_sharding(x.ndim, 1)), stacked)
