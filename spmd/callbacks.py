@@ -276,7 +276,7 @@ class EarlyStopping(Callback):
                 self.best_state = jax.tree.map(np.asarray, self.trainer.host_state())
             return
         self.wait += 1
-        if self.wait > self.patience:
+        if self.wait >= max(self.patience, 1):
             self.stopped_epoch = epoch
             self.trainer.stop_training = True
             if self.restore_best_weights and self.best_state is not None:

@@ -182,7 +182,12 @@ class Trainer:
     def model(self) -> Any:
         """The NNX module, holding the trained parameters (or the params of an (init, apply) pair)."""
         if self.state is not None and self._model.module is not None:
-            nnx.update(self._model.module, self.state["params"], self.state["rest"])
+            live = {"params": self.state["params"], "rest": self.state["rest"]}
+            if self.strategy.placement == "host":  # the module is for eager use: device memory
+                live = jax.tree.map(
+                    lambda v: jax.device_put(v, v.sharding.with_memory_kind("device")), live
+                )
+            nnx.update(self._model.module, live["params"], live["rest"])
         if self._model.module is not None:
             return self._model.module
         return self.state["params"] if self.state is not None else self._model.params
@@ -291,12 +296,11 @@ class Trainer:
         if self._labels_checked or len(batch) < 2:
             return
         x, y = batch[0], batch[1]
-        shape = jax.eval_shape(
-            lambda p, r, x: self._forward(p, r, x, False)[0],
-            self.state["params"],
-            self.state["rest"],
-            x,
+        abstract = jax.tree.map(  # shapes only: the state may live in host memory
+            lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype),
+            (self.state["params"], self.state["rest"], x),
         )
+        shape = jax.eval_shape(lambda p, r, x: self._forward(p, r, x, False)[0], *abstract)
         check_labels(
             self.loss_name,
             shape,

@@ -1,0 +1,201 @@
+"""Trainer: the same trajectory as a plain one-device NNX loop, exact evaluate/predict, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import spmd
+from spmd.testing import assert_trees_allclose
+
+N, FEATURES, CLASSES, BATCH = 1001, 6, 3, 64
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(FEATURES, 32, rngs=rngs)
+        self.out = nnx.Linear(32, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
+    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
+    return x, y
+
+
+def plain_loop(x, y, epochs, tx):
+    """The oracle: one device, plain nnx.jit, batches in order, the last partial one dropped."""
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, xb, yb):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(xb), yb).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = []
+    for _ in range(epochs):
+        epoch = [
+            float(step(model, optimizer, x[i : i + BATCH], y[i : i + BATCH]))
+            for i in range(0, N - BATCH + 1, BATCH)
+        ]
+        losses.append(float(np.mean(epoch)))
+    return model, losses
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        (spmd.MirroredStrategy, {}),
+        (lambda: spmd.ParameterServerStrategy(spmd.partitioners.FixedShardsPartitioner(4)), {}),
+        (spmd.MirroredStrategy, {"steps_per_execution": 4}),
+        (spmd.MirroredStrategy, {"grad_accum_steps": 2}),
+        (spmd.CentralStorageStrategy, {}),
+    ],
+)
+def test_fit_follows_the_one_device_trajectory(data, strategy, options):
+    x, y = data
+    oracle, oracle_losses = plain_loop(x, y, epochs=2, tx=optax.adam(1e-2))
+    trainer = spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        "sparse_categorical_crossentropy",
+        strategy=strategy(),
+        **options,
+    )
+    history = trainer.fit((x, y), batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"], oracle_losses, rtol=1e-5)
+    assert_trees_allclose(
+        nnx.state(trainer.model, nnx.Param), nnx.state(oracle, nnx.Param), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_evaluate_and_predict_are_exact_over_every_example(data):
+    x, y = data
+    trainer = spmd.Trainer(
+        MLP(nnx.Rngs(1)),
+        optax.sgd(0.1),
+        "sparse_categorical_crossentropy",
+        strategy=spmd.MirroredStrategy(),
+    )
+    trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0)
+    predictions = trainer.predict(x, batch_size=BATCH)
+    assert predictions.shape == (N, CLASSES)
+    logits = np.asarray(
+        trainer.model(jnp.asarray(x))
+    )  # the same model, one call, every row in order
+    np.testing.assert_allclose(predictions, logits, rtol=1e-5, atol=1e-5)
+    per_example = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, y))
+    result = trainer.evaluate((x, y), batch_size=BATCH)
+    assert result["loss"] == pytest.approx(per_example.mean(), rel=1e-5)
+    assert result["accuracy"] == pytest.approx((logits.argmax(-1) == y).mean(), abs=1e-9)
+
+
+def test_history_and_validation_metrics(data):
+    x, y = data
+    trainer = spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        "sparse_categorical_crossentropy",
+        strategy=spmd.MirroredStrategy(),
+    )
+    history = trainer.fit(
+        (x, y), batch_size=BATCH, epochs=2, validation_data=(x[:300], y[:300]), verbose=0
+    )
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history.epoch == [0, 1] and len(history.history["val_accuracy"]) == 2
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_init_apply_pair_and_other_losses():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 3)).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5]], np.float32)).astype(np.float32)
+
+    def init(key):
+        return {"w": jax.random.normal(key, (3, 1)) * 0.1}
+
+    def apply(params, x):
+        return x @ params["w"]
+
+    trainer = spmd.Trainer(
+        (init, apply), optax.sgd(0.1), "mse", metrics=("mae",), strategy=spmd.MirroredStrategy()
+    )
+    history = trainer.fit((x, y), batch_size=32, epochs=20, verbose=0)
+    assert history.history["loss"][-1] < 1e-3
+    np.testing.assert_allclose(np.asarray(trainer.model["w"]).ravel(), [1.0, -2.0, 0.5], atol=0.05)
+
+
+def test_early_stopping_stops_and_restores_best(data):
+    x, y = data
+
+    class Worse(spmd.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["val_loss"] = float(epoch)  # gets worse every epoch
+
+    stop = spmd.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True)
+    trainer = spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        "sparse_categorical_crossentropy",
+        strategy=spmd.MirroredStrategy(),
+    )
+    history = trainer.fit((x, y), batch_size=BATCH, epochs=10, callbacks=[Worse(), stop], verbose=0)
+    assert history.epoch == [0, 1] and stop.stopped_epoch == 1
+    best = stop.best_state["params"]["out"]["bias"]  # the weights of epoch 0, the best one
+    np.testing.assert_array_equal(
+        np.asarray(jax.device_get(trainer.state["params"]["out"]["bias"])), np.asarray(best)
+    )
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (
+            lambda x, y: spmd.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), "cross_entropy"),
+            "loss='cross_entropy'",
+        ),
+        (
+            lambda x, y: spmd.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), "mse", metrics=("f1",)),
+            "metric='f1'",
+        ),
+        (
+            lambda x, y: spmd.Trainer(
+                MLP(nnx.Rngs(0)), optax.sgd(0.1), "mse", steps_per_execution=0
+            ),
+            "steps_per_execution=0",
+        ),
+        (lambda x, y: spmd.Trainer(object(), optax.sgd(0.1), "mse"), "model='object'"),
+    ],
+)
+def test_bad_configuration_teaches(data, make, fragment):
+    with pytest.raises(spmd.ConfigurationError) as info:
+        make(*data)
+    assert fragment in str(info.value) and "To fix:" in str(info.value)
+
+
+def test_bad_data_teaches(data):
+    x, y = data
+    trainer = spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.sgd(0.1),
+        "sparse_categorical_crossentropy",
+        strategy=spmd.MirroredStrategy(),
+    )
+    with pytest.raises(spmd.BatchError, match="needs batch_size"):
+        trainer.fit((x, y), epochs=1, verbose=0)
+    with pytest.raises(spmd.BatchError, match=r"integer class ids of shape \(64,\)"):
+        trainer.fit((x, np.eye(CLASSES, dtype=np.float32)[y]), batch_size=BATCH, verbose=0)
+    with pytest.raises(spmd.BatchError, match="split evenly over the 8"):
+        trainer.fit((x, y), batch_size=60, verbose=0)
