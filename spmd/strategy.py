@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -502,6 +503,8 @@ class Step:
         self.static_argnames = static_argnames
         self.batch_axis = batch_axis
         self._compiled: dict[Any, tuple[Callable, dict]] = {}
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
         functools.update_wrapper(self, fn)
 
     def __call__(self, state: Any, *data: Any, **kwargs: Any) -> Any:
@@ -514,7 +517,8 @@ class Step:
             data = self.strategy.distribute_batch(data, self.batch_axis)
         else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
             data = jax.tree.map(_conform, data, form["data_sharding"])
-        new_pure, out = compiled(pure, data, kwargs)
+        new_pure, out, done = compiled(pure, data, kwargs)
+        self._bound_in_flight(done)
         if graphdef is not None:
             nnx_state.update(state, new_pure)
             return out
@@ -568,6 +572,20 @@ class Step:
             entry = self._compiled[key] = self._compile(graphdef, pure, data, kwargs, static)
         return graphdef, pure, *entry, fresh
 
+    def _bound_in_flight(self, done: jax.Array) -> None:
+        """On CPU, waits for the oldest step once `CPU_MAX_IN_FLIGHT` are queued.
+
+        XLA:CPU runs the simulated devices' collectives on a shared thread
+        pool; with many steps queued their rendezvous can starve each other
+        and abort the process (seen with 8 devices on 2 cores). A short queue
+        keeps the overlap of host and device work and avoids it.
+        """
+        if not self._on_cpu:
+            return
+        self._in_flight.append(done)
+        if len(self._in_flight) > CPU_MAX_IN_FLIGHT:
+            self._in_flight.popleft().block_until_ready()
+
     def cache_size(self) -> int:
         """How many programs this step has compiled, over every state structure."""
         return sum(compiled._cache_size() for compiled, _ in self._compiled.values())
@@ -598,11 +616,11 @@ class Step:
                 out, jax.tree.map(lambda _: strategy.replicated, out)
             )
             if form.get("returns") == "metrics":
-                return None, out  # the state is read, not written: nothing to copy back
+                return None, out, _done()  # the state is only read: nothing to copy back
             new_state = jax.lax.with_sharding_constraint(new_state, compute_sharding)
             if on_host:
                 new_state = jax.device_put(new_state, state_sharding)
-            return new_state, out
+            return new_state, out, _done()
 
         compiled = jax.jit(
             step,
@@ -610,6 +628,14 @@ class Step:
             donate_argnums=(0,) if self.donate else (),
         )
         return compiled, form
+
+
+CPU_MAX_IN_FLIGHT = 4  # steps queued on the CPU backend before the oldest is waited for
+
+
+def _done() -> jax.Array:
+    """A scalar the step returns and never donates: a handle on 'this call finished'."""
+    return jnp.zeros((), jnp.int8)
 
 
 _HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects

@@ -323,3 +323,19 @@ def test_a_step_that_does_not_donate_may_return_only_metrics():
         float(loss_fn(jax.device_get(state["params"]), x, y)), rel=1e-5
     )
     assert not state["params"]["hidden"]["kernel"].is_deleted()
+
+
+def test_many_queued_steps_on_cpu_finish():
+    """A thousand steps without reading a result: on XLA:CPU the queue stays bounded."""
+    strategy = spmd.MirroredStrategy()
+
+    @strategy.step
+    def step(state, x):
+        return state + jnp.mean(x), jnp.sum(x)
+
+    state = strategy.put(jnp.zeros(()))
+    x = strategy.distribute_batch(np.ones((8, 4), np.float32))
+    for _ in range(1000):
+        state, _ = step(state, x)
+    assert float(state) == 1000.0
+    assert len(step._in_flight) <= spmd.strategy.CPU_MAX_IN_FLIGHT
