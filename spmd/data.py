@@ -1,29 +1,295 @@
-"""Input distribution: global batches in, global jax.Arrays over the replicas out."""
+"""Input distribution: datasets in, global jax.Arrays over the replicas out, one batch ahead."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+import jax
+
+from spmd.errors import ConfigurationError, message, received
+from spmd.input_context import (
+    AutoShardPolicy,
+    InputContext,
+    InputOptions,
+    input_context,
+)
+from spmd.iterator import FUNCTION, DistributedDataset, DistributedIterator, Plan
+from spmd.sources import (
+    FileDataset,
+    HostBatch,
+    NumpyDataset,
+    global_batches,
+    local_batches,
+)
 
 if TYPE_CHECKING:
     from spmd.strategy import Strategy
 
-__all__ = ["distribute_dataset"]
+__all__ = [
+    "AutoShardPolicy",
+    "DistributedDataset",
+    "DistributedIterator",
+    "FileDataset",
+    "InputContext",
+    "InputOptions",
+    "NumpyDataset",
+    "distribute_dataset",
+    "distribute_datasets_from_function",
+    "make_numpy_dataset",
+]
+
+logger = logging.getLogger("spmd.data")
 
 
-def distribute_dataset(strategy: Strategy, dataset: Iterable[Any]) -> Iterator[Any]:
-    """Yields every global batch of `dataset` as global jax.Arrays split over the replicas.
+def distribute_dataset(
+    strategy: Strategy, dataset: Iterable[Any], options: InputOptions | None = None
+) -> DistributedDataset:
+    """Makes a dataset of global batches into global jax.Arrays over the replicas.
 
-    Each batch is a pytree of arrays whose leading axis is the global batch.
-    With several processes every process iterates the same global batches and
-    places only the rows its own devices hold.
+    Each element of `dataset` is a global batch: a pytree of arrays with the
+    global batch on the leading axis. With several processes each one reads
+    only its share, by `options.auto_shard_policy`: FILE for a `FileDataset`
+    (its own files), DATA otherwise (its rows of each global batch; a
+    `NumpyDataset` reads only those rows), OFF when `dataset` already is this
+    process's share. A `tf.data.Dataset` or a grain loader is read as an
+    iterable of global batches.
 
     Args:
       strategy: the strategy whose batch axes split the batches.
-      dataset: an iterable of global batches (numpy or jax arrays).
+      dataset: a `NumpyDataset` (`strategy.make_numpy_dataset`), a
+        `FileDataset`, or any iterable of global batches.
+      options: sharding, padding, prefetch and host checks; see `InputOptions`.
 
-    Yields:
-      The batches as global `jax.Array`s.
+    Returns:
+      A `DistributedDataset`.
+
+    Raises:
+      ConfigurationError: FILE for a dataset without files, or fewer files
+        than processes.
+      BatchError: a global batch size that does not split over the replicas.
     """
-    for batch in dataset:
-        yield strategy.distribute_batch(batch)
+    options = options or InputOptions()
+    ctx = input_context(strategy)
+    plan = _plan_dataset(dataset, ctx, options)
+    return DistributedDataset(strategy, plan, options)
+
+
+def distribute_datasets_from_function(
+    strategy: Strategy,
+    dataset_fn: Callable[[InputContext], Iterable[Any]],
+    options: InputOptions | None = None,
+) -> DistributedDataset:
+    """Distributes the batches each process's own pipeline makes.
+
+    `dataset_fn(ctx)` runs on every process and returns that process's part
+    of each global batch: `ctx.get_per_pipeline_batch_size(global_batch_size)`
+    rows, from its share of the data (e.g. `shard(ctx.input_pipeline_id,
+    ctx.num_input_pipelines)`). It is called now, and again for each later
+    pass over the data.
+
+    Note: tf.distribute's dataset function batches by the *per-replica* size;
+    spmd's batches by the per-pipeline (per-process) size.
+
+    Args:
+      strategy: the strategy whose batch axes split the batches.
+      dataset_fn: builds this process's pipeline from its `InputContext`.
+      options: padding, prefetch and host checks; the function does the
+        sharding, so `auto_shard_policy` must stay AUTO (or OFF).
+
+    Returns:
+      A `DistributedDataset`.
+    """
+    options = options or InputOptions()
+    if options.auto_shard_policy not in (AutoShardPolicy.AUTO, AutoShardPolicy.OFF):
+        raise ConfigurationError(
+            message(
+                "A dataset function shards its data itself, so spmd shards nothing more.",
+                received(auto_shard_policy=options.auto_shard_policy),
+                "leave auto_shard_policy at AUTO (or OFF); shard inside the function by "
+                "ctx.input_pipeline_id and ctx.num_input_pipelines.",
+            )
+        )
+    ctx = input_context(strategy)
+    first = [dataset_fn(ctx)]
+
+    def elements() -> Iterable[Any]:
+        return first.pop() if first else dataset_fn(ctx)
+
+    remainder = options.remainder or "error"
+    plan = Plan(
+        lambda epoch, start: local_batches(elements(), ctx, remainder, start),
+        FUNCTION,
+        remainder,
+        ctx,
+    )
+    return DistributedDataset(strategy, plan, options)
+
+
+def make_numpy_dataset(
+    strategy: Strategy,
+    arrays: Any,
+    batch_size: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    drop_remainder: bool = True,
+) -> NumpyDataset:
+    """In-memory arrays as a dataset of global batches, for `distribute_dataset`.
+
+    Args:
+      strategy: checks that `batch_size` splits over its replicas.
+      arrays: a pytree of arrays with the examples on the leading axis, e.g. (x, y).
+      batch_size: the global batch size.
+      shuffle: a new order each epoch, from `seed`, the same on every process.
+      seed: the seed of the shuffle.
+      drop_remainder: drop the last partial batch (training), or pad it and
+        append a mask to every batch (evaluation; see docs/input.md).
+
+    Returns:
+      A `NumpyDataset`.
+
+    Raises:
+      BatchError: `batch_size` does not split over the replicas, or the
+        arrays have different numbers of examples.
+    """
+    InputContext(num_replicas_in_sync=strategy.num_replicas_in_sync).get_per_replica_batch_size(
+        batch_size
+    )
+    return NumpyDataset(
+        arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
+    )
+
+
+def _plan_dataset(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
+    policy = _resolve_policy(dataset, ctx, options.auto_shard_policy)
+    remainder = options.remainder or getattr(dataset, "remainder", None) or "error"
+    if isinstance(dataset, NumpyDataset):
+        return _plan_numpy(dataset, ctx, policy, remainder)
+    if isinstance(dataset, FileDataset):
+        return _plan_files(dataset, ctx, policy, remainder)
+    passes = _passes(dataset)
+    batches = global_batches if policy is AutoShardPolicy.DATA else local_batches
+    return Plan(
+        lambda epoch, start: batches(passes(), ctx, remainder, start), policy.name, remainder, ctx
+    )
+
+
+def _resolve_policy(dataset: Any, ctx: InputContext, policy: AutoShardPolicy) -> AutoShardPolicy:
+    files = isinstance(dataset, FileDataset)
+    if policy is AutoShardPolicy.AUTO:
+        enough = files and len(dataset.files) >= ctx.num_input_pipelines
+        policy = AutoShardPolicy.FILE if enough else AutoShardPolicy.DATA
+        if jax.process_index() == 0:
+            logger.info(
+                "AutoShardPolicy.AUTO chose %s for %r over %d input pipeline(s).",
+                policy.name,
+                dataset
+                if isinstance(dataset, FileDataset | NumpyDataset)
+                else type(dataset).__name__,
+                ctx.num_input_pipelines,
+            )
+    if policy is AutoShardPolicy.FILE and not files:
+        raise ConfigurationError(
+            message(
+                "FILE sharding splits a dataset made of files: a spmd.FileDataset.",
+                received(auto_shard_policy="FILE", dataset=type(dataset).__name__),
+                "wrap the files in spmd.FileDataset(files, batch_size), or use "
+                "AutoShardPolicy.DATA (or AUTO).",
+            )
+        )
+    return policy
+
+
+def _passes(dataset: Any) -> Callable[[], Iterable[Any]]:
+    """A fresh pass over `dataset` each call: tf.data via as_numpy_iterator, else iter()."""
+    if hasattr(dataset, "as_numpy_iterator"):
+        return dataset.as_numpy_iterator
+    if not isinstance(dataset, Iterable):
+        raise ConfigurationError(
+            message(
+                "distribute_dataset takes an iterable of global batches.",
+                received(dataset=type(dataset).__name__),
+                "pass a list or generator of (x, y) batches, strategy.make_numpy_dataset(...), "
+                "or a spmd.FileDataset.",
+            )
+        )
+    if not isinstance(dataset, Iterator):
+        return lambda: dataset
+    passes = []
+
+    def once() -> Iterable[Any]:  # a generator can be read once: a second pass would be wrong
+        if passes:
+            raise ConfigurationError(_MSG_ONE_SHOT.format(name=type(dataset).__name__))
+        passes.append(dataset)
+        return dataset
+
+    return once
+
+
+_MSG_ONE_SHOT = """\
+A one-shot iterator (a generator) gives its batches once, so it cannot be read again
+for a second epoch, nor replayed to resume a position (set_state) or restart after close().
+Received: dataset={name}, being read a second time
+To fix: pass something that starts over on each iter(): a list, an object whose
+__iter__ returns a new generator, strategy.make_numpy_dataset(...), or use
+strategy.distribute_datasets_from_function(lambda ctx: make_generator()), which
+calls the function again for each pass."""
+
+
+def _plan_numpy(ds: NumpyDataset, ctx: InputContext, policy, remainder) -> Plan:
+    ctx.get_per_replica_batch_size(ds.batch_size)
+    if policy is AutoShardPolicy.OFF:  # this process's own arrays: its part of each batch
+        own = NumpyDataset(
+            ds.arrays, ds.batch_size // ctx.num_input_pipelines, shuffle=ds.shuffle, seed=ds.seed
+        )
+
+        def batches(epoch: int, start: int) -> Iterator[HostBatch]:
+            for b in own.host_batches(epoch, start, InputContext(), remainder):
+                yield HostBatch(b.tree, b.mask, ds.batch_size)
+
+        count = own.num_examples // own.batch_size if remainder == "drop" else own.num_batches
+    else:
+        count = ds.num_examples // ds.batch_size if remainder == "drop" else ds.num_batches
+
+        def batches(epoch: int, start: int) -> Iterator[HostBatch]:
+            return ds.host_batches(epoch, start, ctx, remainder)
+
+    if remainder == "drop":
+        examples = count * ds.batch_size
+    else:  # under OFF the other processes' arrays are not known here
+        examples = None if policy is AutoShardPolicy.OFF else ds.num_examples
+    return Plan(
+        batches,
+        policy.name,
+        remainder,
+        ctx,
+        num_batches=count,
+        num_examples=examples,
+        global_batch_size=ds.batch_size,
+        seed=ds.seed if ds.shuffle else None,
+    )
+
+
+def _plan_files(ds: FileDataset, ctx: InputContext, policy, remainder) -> Plan:
+    per = ctx.get_per_pipeline_batch_size(ds.batch_size)
+    if policy is AutoShardPolicy.FILE:
+        mine = ds.files_for(ctx)
+
+        def batches(epoch: int, start: int) -> Iterator[HostBatch]:
+            return local_batches(ds.rows(mine, per), ctx, remainder, start, per)
+
+    elif policy is AutoShardPolicy.OFF:
+
+        def batches(epoch: int, start: int) -> Iterator[HostBatch]:
+            return local_batches(ds.rows(ds.files, per), ctx, remainder, start, per)
+
+    else:
+
+        def batches(epoch: int, start: int) -> Iterator[HostBatch]:
+            return global_batches(
+                ds.rows(ds.files, ds.batch_size), ctx, remainder, start, ds.batch_size
+            )
+
+    return Plan(batches, policy.name, remainder, ctx, global_batch_size=ds.batch_size)

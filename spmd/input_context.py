@@ -1,0 +1,205 @@
+"""What an input pipeline knows about its place: InputContext, AutoShardPolicy, InputOptions."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from spmd.errors import BatchError, ConfigurationError, message, received
+
+if TYPE_CHECKING:
+    from spmd.strategy import Strategy
+
+__all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "input_context"]
+
+Remainder = Literal["error", "drop", "pad"]
+_REMAINDERS = ("error", "drop", "pad")
+
+
+class AutoShardPolicy(enum.Enum):
+    """How `distribute_dataset` gives each input pipeline (process) its share of the data.
+
+    Attributes:
+      AUTO: FILE for a dataset made of files with at least one file per
+        pipeline, DATA otherwise. Says which it picked once (logging, chief).
+      FILE: each pipeline reads its own files (`files[id::num_pipelines]`);
+        fewer files than pipelines is an error.
+      DATA: each pipeline takes its rows of every global batch; in-memory
+        arrays (`make_numpy_dataset`) read only those rows.
+      OFF: the data is already this pipeline's share: each element is this
+        process's part of the global batch (global batch / pipelines rows).
+    """
+
+    AUTO = "AUTO"
+    FILE = "FILE"
+    DATA = "DATA"
+    OFF = "OFF"
+
+    @classmethod
+    def parse(cls, policy: AutoShardPolicy | str) -> AutoShardPolicy:
+        """Accepts an `AutoShardPolicy` or its name in any case ("data", "FILE")."""
+        if isinstance(policy, cls):
+            return policy
+        if isinstance(policy, str) and policy.upper() in cls.__members__:
+            return cls[policy.upper()]
+        raise ConfigurationError(
+            message(
+                f"An auto-shard policy is one of {[m.name for m in cls]}.",
+                received(auto_shard_policy=policy),
+                'pass spmd.AutoShardPolicy.DATA or "DATA" (or AUTO, FILE, OFF).',
+            )
+        )
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """Where one input pipeline sits, as `distribute_datasets_from_function` tells `fn`.
+
+    There is one input pipeline per distinct part of the global batch that a
+    process feeds: with `MultiWorkerMirroredStrategy`, one per process.
+
+    Attributes:
+      num_input_pipelines: how many pipelines feed each global batch together.
+      input_pipeline_id: this pipeline's index, 0 to `num_input_pipelines - 1`;
+        it feeds rows `[id * n, (id + 1) * n)` of each global batch of size
+        `n * num_input_pipelines`.
+      num_replicas_in_sync: the data-parallel replicas over all pipelines.
+
+    Example:
+      >>> def dataset_fn(ctx: spmd.InputContext):
+      ...     rows = ctx.get_per_pipeline_batch_size(64)     # this process's rows per step
+      ...     return my_batches(shard=ctx.input_pipeline_id, num_shards=ctx.num_input_pipelines,
+      ...                       batch_size=rows)
+    """
+
+    num_input_pipelines: int = 1
+    input_pipeline_id: int = 0
+    num_replicas_in_sync: int = 1
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The rows each replica gets of a global batch.
+
+        Raises:
+          BatchError: the global batch does not split evenly over the replicas.
+        """
+        return self._divide(global_batch_size, self.num_replicas_in_sync, "replicas")
+
+    def get_per_pipeline_batch_size(self, global_batch_size: int) -> int:
+        """The rows this pipeline feeds of each global batch: what `fn` should batch by.
+
+        Raises:
+          BatchError: the global batch does not split evenly over the replicas.
+        """
+        self.get_per_replica_batch_size(global_batch_size)
+        return global_batch_size // self.num_input_pipelines
+
+    def _divide(self, global_batch_size: int, parts: int, what: str) -> int:
+        if global_batch_size % parts:
+            raise BatchError(
+                message(
+                    f"The global batch must split evenly over the {parts} {what}.",
+                    received(global_batch_size=global_batch_size, num_replicas_in_sync=parts),
+                    f"use a global batch size that is a multiple of {parts} "
+                    f"(e.g. {_round_up(global_batch_size, parts)}).",
+                )
+            )
+        return global_batch_size // parts
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """How a distributed dataset shards, pads, prefetches and checks its input.
+
+    Attributes:
+      auto_shard_policy: how each process gets its share (see `AutoShardPolicy`).
+      prefetch: how many batches a background thread places on the devices
+        ahead of the step; 0 turns the thread off.
+      remainder: what to do with a last batch smaller than the others:
+        "drop" it, "pad" it (every batch then carries a mask, see
+        docs/input.md), or raise ("error"). None takes the dataset's own choice
+        (`drop_remainder=` of `make_numpy_dataset` / `FileDataset`), else "error".
+      check_hosts: with several processes, check before each batch that every
+        process has one and that their shapes agree; a disagreement is an
+        error on every process instead of a hang.
+      host_timeout: seconds to wait for the other processes' batch before that
+        check gives up with an error.
+    """
+
+    auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO
+    prefetch: int = 2
+    remainder: Remainder | None = None
+    check_hosts: bool = True
+    host_timeout: float = 300.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "auto_shard_policy", AutoShardPolicy.parse(self.auto_shard_policy))
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ConfigurationError(
+                message(
+                    "prefetch is the number of batches to place ahead: an int >= 0.",
+                    received(prefetch=self.prefetch),
+                    "pass prefetch=2 (the default), or 0 to turn prefetching off.",
+                )
+            )
+        if self.remainder is not None and self.remainder not in _REMAINDERS:
+            raise ConfigurationError(
+                message(
+                    f"remainder is one of {_REMAINDERS} (or None for the dataset's own choice).",
+                    received(remainder=self.remainder),
+                    'pass remainder="drop" for training or remainder="pad" for evaluation.',
+                )
+            )
+        if self.host_timeout <= 0:
+            raise ConfigurationError(
+                message(
+                    "host_timeout is a positive number of seconds.",
+                    received(host_timeout=self.host_timeout),
+                    "pass e.g. host_timeout=300.",
+                )
+            )
+
+
+def input_context(strategy: Strategy) -> InputContext:
+    """The input pipeline this process is, for a strategy's batch layout.
+
+    A process feeds the rows of the global batch its devices hold. Those rows
+    must form one contiguous block; the blocks of all processes cut the batch
+    into `num_input_pipelines` equal parts (processes that hold the same block
+    share a pipeline id and read the same data).
+
+    Raises:
+      ConfigurationError: this process holds no device of the mesh, or its
+        rows are not one aligned block (a batch axis order that interleaves
+        processes).
+    """
+    replicas = strategy.num_replicas_in_sync
+    index_map = strategy.batch_sharding(1).addressable_devices_indices_map((replicas,))
+    rows = set()
+    for index in index_map.values():
+        rows.update(range(*index[0].indices(replicas)))
+    if not rows:
+        raise ConfigurationError(
+            message(
+                "An input pipeline runs in a process that holds devices of the strategy's mesh.",
+                received(strategy=strategy, mesh_devices=len(strategy.devices)),
+                "build the strategy over devices of every process (e.g. MultiWorkerMirroredStrategy()).",
+            )
+        )
+    lo, hi = min(rows), max(rows) + 1
+    size = hi - lo
+    if len(rows) != size or replicas % size or lo % size:
+        raise ConfigurationError(
+            message(
+                "Each process must hold one contiguous block of the global batch.",
+                received(batch_axes=strategy.batch_axes, replica_rows=sorted(rows)),
+                "put the axis that crosses processes first in batch_axes "
+                "(hosts outermost, as spmd.make_mesh lays them out).",
+            )
+        )
+    return InputContext(replicas // size, lo // size, replicas)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return math.ceil(n / multiple) * multiple

@@ -1,0 +1,326 @@
+"""The distributed dataset and its iterator: global batches on the devices, with a position."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from spmd.errors import ConfigurationError, message, received
+from spmd.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
+from spmd.prefetch import HostCheck, Prefetcher
+from spmd.sources import HostBatch, with_mask
+
+if TYPE_CHECKING:
+    from spmd.strategy import Strategy
+
+__all__ = ["FUNCTION", "DistributedDataset", "DistributedIterator", "Plan"]
+
+STATE_VERSION = 1
+FUNCTION = "FUNCTION"  # the policy named in the state of a dataset function's iterator
+# Under these, a position counts per-pipeline batches: it only means the same
+# data with the same number of pipelines.
+_PER_PIPELINE = ("FILE", "OFF", FUNCTION)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a distributed dataset reads, resolved for this process.
+
+    Attributes:
+      batches: `batches(epoch, start)` yields this process's rows of batches
+        `start, start + 1, ...` of `epoch`.
+      policy: the auto-shard policy in force, or "FUNCTION".
+      remainder: what happens to a smaller last batch.
+      ctx: this process's input pipeline.
+      num_batches: batches per epoch, when known ahead.
+      num_examples: real examples per epoch, when known ahead.
+      global_batch_size: when known ahead.
+      seed: the shuffle seed, if the dataset shuffles.
+    """
+
+    batches: Callable[[int, int], Iterator[HostBatch]]
+    policy: str
+    remainder: Remainder
+    ctx: InputContext
+    num_batches: int | None = None
+    num_examples: int | None = None
+    global_batch_size: int | None = None
+    seed: int | None = None
+
+
+class DistributedDataset:
+    """A dataset whose every element is a global batch of `jax.Array`s over the replicas.
+
+    Iterate it once per epoch (each `iter()` is a new epoch), or hold the
+    iterator for a step-based loop. Made by `strategy.distribute_dataset` and
+    `strategy.distribute_datasets_from_function`.
+
+    Example:
+      >>> dist = strategy.distribute_dataset(strategy.make_numpy_dataset((x, y), 64, shuffle=True))
+      >>> for epoch in range(3):
+      ...     for xb, yb in dist:
+      ...         state, metrics = train_step(state, xb, yb)
+    """
+
+    def __init__(self, strategy: Strategy, plan: Plan, options: InputOptions):
+        self._strategy = strategy
+        self._plan = plan
+        self._options = options
+        self._next = (0, 0)  # (epoch, batch) where the next iter() starts
+        self._latest: weakref.ref[DistributedIterator] | None = None
+
+    def __iter__(self) -> DistributedIterator:
+        epoch, batch = self._next
+        self._next = (epoch + 1, 0)
+        iterator = DistributedIterator(
+            self._strategy, self._plan, self._options, self, epoch, batch
+        )
+        self._latest = weakref.ref(iterator)
+        return iterator
+
+    @property
+    def num_batches(self) -> int | None:
+        """Global batches per epoch, or None when not known before reading."""
+        return self._plan.num_batches
+
+    @property
+    def num_examples(self) -> int | None:
+        """Real examples per epoch (padding not counted), or None when not known ahead."""
+        return self._plan.num_examples
+
+    @property
+    def auto_shard_policy(self) -> AutoShardPolicy | None:
+        """The policy in force (AUTO resolved), or None for a dataset function."""
+        policy = self._plan.policy
+        return None if policy == FUNCTION else AutoShardPolicy[policy]
+
+    def get_state(self) -> dict:
+        """The position of the latest iterator, or where the next one starts."""
+        latest = self._latest() if self._latest is not None else None
+        if latest is not None:
+            return latest.get_state()
+        return _state(self._plan, *self._next, self._plan.global_batch_size)
+
+    def set_state(self, state: dict) -> None:
+        """Makes the next `iter()` start at `state` (from `get_state()`, e.g. a checkpoint)."""
+        self._next = _check_state(state, self._plan)
+
+    def _note_epoch(self, epoch: int) -> None:
+        self._next = (epoch + 1, 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedDataset(policy={self._plan.policy}, remainder={self._plan.remainder!r}, "
+            f"num_batches={self.num_batches}, strategy={self._strategy!r})"
+        )
+
+
+class DistributedIterator:
+    """Yields global batches placed on the devices, prefetched by a background thread.
+
+    It has a position: `get_state()` returns a JSON-serialisable dict, the
+    same on every process, and `set_state(state)` makes the next batch the
+    first one not yet seen at that position. `close()` (or `with`, or
+    dropping the iterator) stops the prefetch thread.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        plan: Plan,
+        options: InputOptions,
+        dataset: DistributedDataset,
+        epoch: int,
+        batch: int,
+    ):
+        self._strategy, self._plan, self._options = strategy, plan, options
+        self._dataset = dataset
+        self._epoch, self._batch = epoch, batch
+        self._global_batch_size = plan.global_batch_size
+        self._source: Prefetcher | Iterator[Any] | None = None
+        self._finished = False  # the epoch ended (or failed)
+        self._exhausted = False  # it ended at the end of the data
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        if self._source is None:
+            self._source = self._start()
+        try:
+            element = next(self._source)
+        except StopIteration:
+            self._finish(exhausted=True)
+            raise
+        except BaseException:
+            self._finish(exhausted=False)
+            raise
+        self._batch += 1
+        if self._global_batch_size is None:
+            self._global_batch_size = _leading(element)
+        return element
+
+    def get_state(self) -> dict:
+        """The position: epoch and batch of the next element, with what they depend on.
+
+        Returns:
+          A JSON-serialisable dict: `epoch`, `batch` (elements of that epoch
+          already handed out), `seed`, `global_batch_size`,
+          `auto_shard_policy`, `num_input_pipelines` and `version`.
+        """
+        if self._exhausted:
+            return _state(self._plan, self._epoch + 1, 0, self._global_batch_size)
+        return _state(self._plan, self._epoch, self._batch, self._global_batch_size)
+
+    def set_state(self, state: dict) -> None:
+        """Moves to `state`: the next element is the first one not seen at that position.
+
+        Raises:
+          ConfigurationError: the state is malformed or belongs to other data
+            (another seed, global batch size, or number of input pipelines).
+        """
+        epoch, batch = _check_state(state, self._plan, self._global_batch_size)
+        self.close()
+        self._epoch, self._batch = epoch, batch
+        self._finished = self._exhausted = False
+        self._dataset._note_epoch(epoch)
+
+    def close(self) -> None:
+        """Stops the prefetch thread; a later `next()` starts it again where the iterator is."""
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
+
+    def __enter__(self) -> DistributedIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> Prefetcher | Iterator[Any]:
+        stop = threading.Event()
+        check = HostCheck.create(self._options.host_timeout) if self._options.check_hosts else None
+        items = _device_batches(self._strategy, self._plan, self._epoch, self._batch, check, stop)
+        if self._options.prefetch:
+            return Prefetcher(items, self._options.prefetch, stop)
+        return items
+
+    def _finish(self, exhausted: bool) -> None:
+        self.close()
+        self._finished, self._exhausted = True, exhausted
+
+
+def _device_batches(
+    strategy: Strategy,
+    plan: Plan,
+    epoch: int,
+    start: int,
+    check: HostCheck | None,
+    stop: threading.Event,
+) -> Iterator[Any]:
+    """Places each host batch on the devices, after every process agrees it has one."""
+    host = plan.batches(epoch, start)
+    for step in itertools.count():
+        try:
+            batch = next(host, None)
+        except Exception as error:
+            if check is not None:  # tell the others, then raise this process's own error
+                with contextlib.suppress(Exception):
+                    check.post(step, {"error": f"{type(error).__name__}: {error}".splitlines()[0]})
+            raise
+        if check is not None:
+            check.agree(step, {"end": True} if batch is None else {"shape": _describe(batch)}, stop)
+        if batch is None:
+            return
+        yield _place(strategy, batch)
+
+
+def _place(strategy: Strategy, batch: HostBatch) -> Any:
+    """Makes this process's rows of a batch into global arrays over the replicas (+ mask)."""
+    tree = batch.tree if batch.mask is None else (batch.tree, batch.mask)
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [np.asarray(x) for x in leaves]
+    shardings = [strategy.batch_sharding(x.ndim) for x in leaves]
+    if jax.process_count() == 1:  # the rows are the whole batch: one device_put for all
+        placed = jax.device_put(leaves, shardings)
+    else:
+        placed = [
+            jax.make_array_from_process_local_data(
+                s, x, (batch.global_size, *x.shape[1:]) if x.ndim else ()
+            )
+            for s, x in zip(shardings, leaves, strict=True)
+        ]
+    tree = jax.tree.unflatten(treedef, placed)
+    return tree if batch.mask is None else with_mask(*tree)
+
+
+def _describe(batch: HostBatch) -> str:
+    """The structure, shapes and dtypes of a host batch, to compare across processes."""
+    leaves, treedef = jax.tree.flatten(batch.tree)
+    shapes = ", ".join(f"{np.asarray(x).dtype}{list(np.shape(x))}" for x in leaves)
+    masked = " + mask" if batch.mask is not None else ""
+    return f"{treedef}: {shapes}{masked} of global {batch.global_size}"
+
+
+def _leading(element: Any) -> int | None:
+    sizes = [x.shape[0] for x in jax.tree.leaves(element) if np.ndim(x)]
+    return sizes[0] if sizes else None
+
+
+def _state(plan: Plan, epoch: int, batch: int, global_batch_size: int | None) -> dict:
+    return {
+        "version": STATE_VERSION,
+        "epoch": epoch,
+        "batch": batch,
+        "seed": plan.seed,
+        "global_batch_size": global_batch_size,
+        "auto_shard_policy": plan.policy,
+        "num_input_pipelines": plan.ctx.num_input_pipelines,
+    }
+
+
+def _check_state(state: dict, plan: Plan, global_batch_size: int | None = None) -> tuple[int, int]:
+    """(epoch, batch) of `state`, after checking that it belongs to this data."""
+    if not isinstance(state, dict) or not all(
+        isinstance(state.get(k), int) and state[k] >= 0 for k in ("epoch", "batch")
+    ):
+        raise ConfigurationError(
+            message(
+                "An iterator state is the dict get_state() returned, with int epoch and batch.",
+                received(state=state),
+                "pass what iterator.get_state() returned (saved as JSON).",
+            )
+        )
+    ours = _state(plan, 0, 0, global_batch_size or plan.global_batch_size)
+    keys = ["seed", "global_batch_size"]
+    if state.get("auto_shard_policy") in _PER_PIPELINE or plan.policy in _PER_PIPELINE:
+        keys.append("num_input_pipelines")
+    differ = {
+        k: (state.get(k), ours[k])
+        for k in keys
+        if state.get(k) is not None and ours[k] is not None and state.get(k) != ours[k]
+    }
+    if differ:
+        raise ConfigurationError(
+            message(
+                "A saved position only means the same batches for the same data: the same "
+                "seed and global batch size (and, when each process reads its own part, the "
+                "same number of input pipelines).",
+                received(
+                    **{k: f"{saved!r} saved, {now!r} now" for k, (saved, now) in differ.items()}
+                ),
+                "restore with the dataset and process count the state was saved with, or "
+                "start the epoch over from {'epoch': e, 'batch': 0}.",
+            )
+        )
+    return state["epoch"], state["batch"]

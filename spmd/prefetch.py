@@ -1,0 +1,235 @@
+"""Background prefetch to the devices, and the check that every process has the same batch."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from spmd.errors import BatchError, message, received
+
+__all__ = ["HostCheck", "Prefetcher"]
+
+logger = logging.getLogger("spmd.data")
+
+_POLL_S = 0.1  # how often a waiting thread looks at its stop event
+_JOIN_S = 10.0  # how long close() waits for the producer thread to end
+# Each started input pipeline gets the next number, in the same order on every
+# process (they run the same program), so their records in the coordination
+# service's key-value store meet under one name.
+_SERIALS = itertools.count()
+
+
+class _Stopped(Exception):
+    """The consumer closed the iterator while the producer was waiting."""
+
+
+class HostCheck:
+    """Checks, batch by batch, that every process has a batch and that they match.
+
+    Each process posts a one-line record per batch to the key-value store of
+    JAX's coordination service (no device collective, so it can run in a
+    background thread beside the steps) and reads every other process's. A
+    missing batch, a different shape, or another process's failure becomes
+    a `BatchError` on every process instead of a hang in the next collective.
+    """
+
+    def __init__(self, client: Any, timeout: float):
+        self._client = client
+        self._timeout = timeout
+        self._prefix = f"spmd/input/{next(_SERIALS)}"
+        self._process, self._count = jax.process_index(), jax.process_count()
+
+    @classmethod
+    def create(cls, timeout: float) -> HostCheck | None:
+        """A check for this run, or None with one process (or no coordination service)."""
+        if jax.process_count() == 1:
+            return None
+        client = _coordination_client()
+        if client is None:
+            logger.warning("No jax.distributed client: input batches are not checked across hosts.")
+            return None
+        return cls(client, timeout)
+
+    def agree(self, step: int, record: dict, stop: threading.Event) -> None:
+        """Posts this process's record for `step` and checks it against every process's.
+
+        Args:
+          step: the batch index within this pipeline run.
+          record: {"shape": str} for a batch, {"end": True} at the end of the
+            data, {"error": str} when producing the batch failed.
+          stop: set when the consumer closes the iterator.
+
+        Raises:
+          BatchError: the processes disagree, one failed, or one did not post
+            within the timeout.
+        """
+        self.post(step, record)
+        key = f"{self._prefix}/{step}"
+        records = [self._get(f"{key}/{p}", p, step, stop) for p in range(self._count)]
+        if step:
+            self._client.key_value_delete(f"{self._prefix}/{step - 1}/{self._process}")
+        _compare(records, step)
+
+    def post(self, step: int, record: dict) -> None:
+        """Posts this process's record for `step` without waiting for the others."""
+        self._client.key_value_set(f"{self._prefix}/{step}/{self._process}", json.dumps(record))
+
+    def _get(self, key: str, process: int, step: int, stop: threading.Event) -> dict:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                return json.loads(self._client.blocking_key_value_get(key, int(_POLL_S * 1000)))
+            except Exception:  # the client raises on its timeout; poll again
+                if stop.is_set():
+                    raise _Stopped() from None
+                if time.monotonic() > deadline:
+                    raise BatchError(
+                        message(
+                            f"Every process reaches each batch of an input pipeline within "
+                            f"host_timeout={self._timeout:g} s.",
+                            received(missing_process=process, batch_index=step),
+                            "create the same distributed datasets and iterators in the same "
+                            "order on every process; raise InputOptions(host_timeout=...) if "
+                            "a process is slow to produce its first batch.",
+                        )
+                    ) from None
+
+
+def _compare(records: list[dict], step: int) -> None:
+    """Raises unless every process's record for `step` says the same."""
+    failed = {p: r["error"] for p, r in enumerate(records) if "error" in r}
+    if failed:
+        raise BatchError(
+            message(
+                "Every process produces each batch of its input pipeline.",
+                received(batch_index=step, failed=failed),
+                "read the failing process's error above (each process reports its own).",
+            )
+        )
+    if len({json.dumps(r, sort_keys=True) for r in records}) > 1:
+        said = {p: "end of data" if r.get("end") else r["shape"] for p, r in enumerate(records)}
+        raise BatchError(
+            message(
+                "Every process has the same number of batches, of the same shapes: the steps "
+                "run on all of them together.",
+                received(batch_index=step, per_process=said),
+                "give every input pipeline the same number of examples (equal files, or the "
+                "same rows per pipeline from the dataset function); pad or drop the last "
+                "batch the same way everywhere.",
+            )
+        )
+
+
+def _coordination_client() -> Any:
+    try:
+        from jax._src import distributed  # private: guarded, JAX may move it
+    except ImportError:
+        return None
+    state = getattr(distributed, "global_state", None)
+    return getattr(state, "client", None)
+
+
+class _End:
+    """Put in the queue after the last element."""
+
+
+class _Failure:
+    """Put in the queue when the producer raised."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Prefetcher:
+    """Runs an iterator in a background thread, up to `depth` elements ahead.
+
+    The thread holds no reference to the Prefetcher, so dropping the last
+    reference (or `close()`) stops it; an exception in the producer is raised
+    by the `next()` that reaches it.
+
+    Args:
+      items: produces the elements (runs in the thread).
+      depth: how many elements may wait in the queue.
+      stop: set to stop the producer; `items` may watch it while it waits.
+    """
+
+    def __init__(self, items: Iterator[Any], depth: int, stop: threading.Event):
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = stop
+        thread = threading.Thread(
+            target=_produce, args=(items, self._queue, stop), name="spmd-prefetch", daemon=True
+        )
+        thread.start()
+        self._thread = thread
+        self._finalizer = weakref.finalize(self, _shutdown, stop, self._queue, thread)
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._finalizer.alive:
+            raise StopIteration
+        item = self._queue.get()
+        if isinstance(item, _End):
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stops the producer thread and waits for it to end."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the producer thread is still running."""
+        return self._thread.is_alive()
+
+
+def _produce(items: Iterator[Any], out: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for item in items:
+            if not _put(out, item, stop):
+                return
+        _put(out, _End(), stop)
+    except _Stopped:
+        pass
+    except BaseException as error:  # noqa: BLE001 - handed to the consumer
+        _put(out, _Failure(error), stop)
+    finally:
+        close: Callable[[], None] | None = getattr(items, "close", None)
+        if close is not None:
+            close()
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Puts `item` unless the consumer stops first; returns whether it was put."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _shutdown(stop: threading.Event, out: queue.Queue, thread: threading.Thread) -> None:
+    stop.set()
+    while True:  # free the producer if it waits on a full queue
+        try:
+            out.get_nowait()
+        except queue.Empty:
+            break
+    if thread is not threading.current_thread():
+        thread.join(_JOIN_S)

@@ -1,0 +1,401 @@
+"""Host-side input: in-memory and file datasets, and each process's rows of every batch."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd.errors import BatchError, ConfigurationError, message, received
+from spmd.input_context import InputContext, Remainder
+
+__all__ = ["FileDataset", "HostBatch", "NumpyDataset", "global_batches", "local_batches"]
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """This process's rows of one global batch, still on the host.
+
+    Attributes:
+      tree: the rows (a pytree of numpy arrays, batch axis first).
+      mask: 1.0 for real rows and 0.0 for padding, when the dataset pads.
+      global_size: the leading size of the global batch the rows belong to.
+    """
+
+    tree: Any
+    mask: np.ndarray | None
+    global_size: int
+
+
+class NumpyDataset:
+    """In-memory arrays cut into global batches; each process reads only its rows.
+
+    Build it with `strategy.make_numpy_dataset` and give it to
+    `strategy.distribute_dataset`. Epoch `e` visits the examples in the order
+    `np.random.default_rng([seed, e]).permutation(n)` when shuffling (the same
+    on every process), else in order.
+
+    Args:
+      arrays: a pytree of arrays with the examples on the leading axis, e.g. (x, y).
+      batch_size: the global batch size.
+      shuffle: visit the examples in a new order each epoch.
+      seed: the seed of that order.
+      drop_remainder: drop a last batch smaller than `batch_size` (True), or
+        pad it and give every batch a mask (False); see docs/input.md.
+
+    Raises:
+      BatchError: the arrays have different numbers of examples.
+    """
+
+    def __init__(
+        self,
+        arrays: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_remainder: bool = True,
+    ):
+        self.arrays = jax.tree.map(np.asarray, arrays)
+        self.num_examples = leading_size(self.arrays, what="arrays")
+        _check_batch_size(batch_size)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.drop_remainder = drop_remainder
+
+    @property
+    def remainder(self) -> Remainder:
+        """ "drop" or "pad", from `drop_remainder`."""
+        return "drop" if self.drop_remainder else "pad"
+
+    @property
+    def num_batches(self) -> int:
+        """The global batches in one epoch."""
+        rounding = math.floor if self.drop_remainder else math.ceil
+        return int(rounding(self.num_examples / self.batch_size))
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The example indices of `epoch`, in the order they are visited."""
+        if not self.shuffle:
+            return np.arange(self.num_examples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+
+    def host_batches(
+        self, epoch: int, start: int, ctx: InputContext, remainder: Remainder
+    ) -> Iterator[HostBatch]:
+        """This process's rows of batches `start, start + 1, ...` of `epoch`."""
+        order, size = self.order(epoch), self.batch_size
+        per = size // ctx.num_input_pipelines
+        mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
+        rounding = math.floor if remainder == "drop" else math.ceil
+        count = int(rounding(self.num_examples / size))
+        for b in range(start, count):
+            index = order[b * size : (b + 1) * size]
+            real = len(index)
+            if real < size and remainder == "error":
+                raise BatchError(_partial_message(b, real, size))
+            index = np.concatenate([index, np.full(size - real, index[-1])])[mine]
+            mask = (np.arange(size) < real).astype(np.float32)[mine]
+            tree = jax.tree.map(lambda a, i=index: a[i], self.arrays)
+            yield HostBatch(tree, mask if remainder == "pad" else None, size)
+
+    def batches(self, epoch: int = 0) -> Iterator[Any]:
+        """The global batches of `epoch` as numpy, a mask appended when padding."""
+        for batch in self.host_batches(epoch, 0, InputContext(), self.remainder):
+            yield with_mask(batch.tree, batch.mask)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.batches(0)
+
+    def __repr__(self) -> str:
+        return (
+            f"NumpyDataset(num_examples={self.num_examples}, batch_size={self.batch_size}, "
+            f"shuffle={self.shuffle}, seed={self.seed}, drop_remainder={self.drop_remainder})"
+        )
+
+
+def _load(path: str) -> Any:
+    """Reads a .npy file (an array) or a .npz file (a dict of arrays)."""
+    if path.endswith(".npz"):
+        with np.load(path) as data:
+            return dict(data)
+    return np.load(path)
+
+
+class FileDataset:
+    """A dataset made of files, each holding some examples; FILE sharding splits the files.
+
+    Under `AutoShardPolicy.FILE` pipeline `i` of `n` reads `files[i::n]` and
+    cuts its rows into batches of `batch_size / n` (its part of each global
+    batch); under DATA every process reads every file and keeps its rows of
+    each global batch.
+
+    Args:
+      files: the paths, in order.
+      batch_size: the global batch size.
+      read: `read(path)` returns a pytree of arrays with the file's examples on
+        the leading axis. By default `np.load` (.npy: an array, .npz: a dict).
+      drop_remainder: drop a last batch smaller than the others (True), or
+        pad it and give every batch a mask (False).
+
+    Example:
+      >>> ds = spmd.FileDataset(sorted(glob.glob("/data/train-*.npz")), batch_size=256)
+      >>> dist = strategy.distribute_dataset(ds)     # AUTO picks FILE
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str | os.PathLike[str]],
+        batch_size: int,
+        *,
+        read: Callable[[str], Any] | None = None,
+        drop_remainder: bool = True,
+    ):
+        if isinstance(files, str | os.PathLike):
+            files = [files]
+        self.files = tuple(os.fspath(f) for f in files)
+        _check_batch_size(batch_size)
+        self.batch_size = batch_size
+        self.read = read or _load
+        self.drop_remainder = drop_remainder
+
+    @property
+    def remainder(self) -> Remainder:
+        """ "drop" or "pad", from `drop_remainder`."""
+        return "drop" if self.drop_remainder else "pad"
+
+    def files_for(self, ctx: InputContext) -> tuple[str, ...]:
+        """The files pipeline `ctx.input_pipeline_id` reads under FILE sharding.
+
+        Raises:
+          ConfigurationError: fewer files than input pipelines.
+        """
+        n = ctx.num_input_pipelines
+        if len(self.files) < n:
+            raise ConfigurationError(
+                message(
+                    f"FILE sharding gives each of the {n} input pipelines (processes) at "
+                    "least one file of its own.",
+                    received(num_files=len(self.files), num_input_pipelines=n),
+                    f"split the data into at least {n} files (a multiple of {n} keeps the "
+                    "pipelines even), or use AutoShardPolicy.DATA.",
+                )
+            )
+        return self.files[ctx.input_pipeline_id :: n]
+
+    def rows(self, files: Sequence[str], batch_size: int) -> Iterator[Any]:
+        """The examples of `files`, in order, cut into batches of `batch_size` rows."""
+        return rebatch((jax.tree.map(np.asarray, self.read(f)) for f in files), batch_size)
+
+    def __repr__(self) -> str:
+        return f"FileDataset({len(self.files)} files, batch_size={self.batch_size})"
+
+
+def rebatch(chunks: Iterable[Any], size: int) -> Iterator[Any]:
+    """Cuts a stream of pytrees with a leading example axis into batches of `size` rows.
+
+    The last batch holds what is left (fewer rows).
+    """
+    pending, count = [], 0
+    for chunk in chunks:
+        pending.append(chunk)
+        count += leading_size(chunk, what="file")
+        while count >= size:
+            joined = _concat(pending)
+            yield jax.tree.map(lambda x: x[:size], joined)
+            rest = jax.tree.map(lambda x: x[size:], joined)
+            pending, count = [rest], count - size
+    if count:
+        yield _concat(pending)
+
+
+def _concat(trees: list[Any]) -> Any:
+    return trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *trees)
+
+
+def global_batches(
+    elements: Iterable[Any],
+    ctx: InputContext,
+    remainder: Remainder,
+    start: int = 0,
+    batch_size: int | None = None,
+) -> Iterator[HostBatch]:
+    """This process's rows of each global batch of `elements` (DATA sharding).
+
+    Args:
+      elements: global batches (pytrees of arrays, batch axis first); every
+        batch but the last must have the same size.
+      ctx: this process's pipeline.
+      remainder: what to do with a smaller last batch.
+      start: how many batches to skip (a resumed position).
+      batch_size: the global batch size, if known before the first batch.
+    """
+    for index, batch, expected, real in _sized(elements, remainder, start, batch_size):
+        _check_divisible(expected, ctx.num_replicas_in_sync, index)
+        batch, mask = _pad(batch, real, expected, remainder)
+        per = expected // ctx.num_input_pipelines
+        mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
+        tree = jax.tree.map(lambda x, m=mine: x[m] if np.ndim(x) else x, batch)
+        yield HostBatch(tree, None if mask is None else mask[mine], expected)
+
+
+def local_batches(
+    elements: Iterable[Any],
+    ctx: InputContext,
+    remainder: Remainder,
+    start: int = 0,
+    batch_size: int | None = None,
+) -> Iterator[HostBatch]:
+    """Each element is already this pipeline's part of a global batch (FILE, OFF, a function).
+
+    Args are as for `global_batches`, with `batch_size` the rows per pipeline.
+    """
+    pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
+    for index, batch, expected, real in _sized(elements, remainder, start, batch_size):
+        _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
+        batch, mask = _pad(batch, real, expected, remainder)
+        yield HostBatch(batch, mask, expected * pipelines)
+
+
+def _sized(
+    elements: Iterable[Any], remainder: Remainder, start: int, batch_size: int | None
+) -> Iterator[tuple[int, Any, int, int]]:
+    """(index, batch, expected size, real size) for each batch from `start` that is kept."""
+    expected = batch_size
+    for index, (batch, is_last) in enumerate(_with_last(elements)):
+        batch = jax.tree.map(np.asarray, batch)
+        size = leading_size(batch, what="batch", index=index)
+        expected = expected or size
+        if index < start:
+            continue
+        if size == expected:
+            yield index, batch, expected, size
+            continue
+        if size > expected or not is_last or size == 0:
+            raise BatchError(
+                message(
+                    "Every batch but the last must have the same size, and the last no more.",
+                    received(batch_index=index, batch_size=size, first_batch_size=expected),
+                    "batch the data with one batch size (drop_remainder=True, or let spmd "
+                    "pad the last batch with remainder='pad').",
+                )
+            )
+        if remainder == "error":
+            raise BatchError(_partial_message(index, size, expected))
+        if remainder == "drop":
+            return
+        yield index, batch, expected, size
+
+
+def _with_last(elements: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """Pairs each element with whether it is the last one (one element of lookahead).
+
+    An error while looking ahead is raised after the element before it, where
+    it belongs.
+    """
+    iterator = iter(elements)
+    try:
+        previous = next(iterator)
+    except StopIteration:
+        return
+    while True:
+        try:
+            element = next(iterator)
+        except StopIteration:
+            yield previous, True
+            return
+        except Exception:
+            yield previous, True
+            raise
+        yield previous, False
+        previous = element
+
+
+def _pad(batch: Any, real: int, size: int, remainder: Remainder) -> tuple[Any, np.ndarray | None]:
+    """Pads `batch` to `size` rows by repeating its last real row; the mask marks real rows.
+
+    Padding repeats a real example (not zeros) so that what the step computes
+    on padding stays finite: a NaN times a zero weight is still NaN.
+    """
+    if remainder != "pad":
+        return batch, None
+    mask = (np.arange(size) < real).astype(np.float32)
+    if real == size:
+        return batch, mask
+    fill = np.full(size - real, real - 1)
+    padded = jax.tree.map(
+        lambda x: np.concatenate([x, x[fill]]) if np.ndim(x) else x,
+        batch,
+    )
+    return padded, mask
+
+
+def with_mask(tree: Any, mask: np.ndarray | jax.Array | None) -> Any:
+    """The element a padding dataset yields: `(*tree, mask)` for a tuple, else `(tree, mask)`."""
+    if mask is None:
+        return tree
+    return (*tree, mask) if type(tree) is tuple else (tree, mask)
+
+
+def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
+    """The common leading size of the leaves of `tree` (those with a batch axis).
+
+    Raises:
+      BatchError: the leaves' leading sizes differ (a ragged batch), or none has one.
+    """
+    sizes = {np.shape(x)[0] for x in jax.tree.leaves(tree) if np.ndim(x) > 0}
+    if len(sizes) == 1:
+        return sizes.pop()
+    where = {} if index is None else {"batch_index": index}
+    raise BatchError(
+        message(
+            f"Every array of a {what} must have the same leading (batch) size.",
+            received(**where, leading_sizes=sorted(sizes)),
+            "give x, y and every other leaf the same number of examples.",
+        )
+    )
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, int | np.integer) or batch_size < 1:
+        raise ConfigurationError(
+            message(
+                "batch_size is the global batch size: a positive int.",
+                received(batch_size=batch_size),
+                "pass e.g. batch_size=64 (a multiple of strategy.num_replicas_in_sync).",
+            )
+        )
+
+
+def _check_divisible(size: int, replicas: int, index: int, per_pipeline: int | None = None):
+    if size % replicas == 0:
+        return
+    extra = {} if per_pipeline is None else {"per_pipeline_batch_size": per_pipeline}
+    raise BatchError(
+        message(
+            f"The global batch must split evenly over the {replicas} replicas.",
+            received(
+                batch_index=index, global_batch_size=size, **extra, num_replicas_in_sync=replicas
+            ),
+            f"batch with a global batch size that is a multiple of {replicas} "
+            f"(e.g. {math.ceil(size / replicas) * replicas}); in a dataset function, batch by "
+            "ctx.get_per_pipeline_batch_size(global_batch_size).",
+        )
+    )
+
+
+def _partial_message(index: int, size: int, expected: int) -> str:
+    return message(
+        "The last batch is smaller than the others, and the dataset does not say what to do "
+        "with it.",
+        received(batch_index=index, batch_size=size, global_batch_size=expected),
+        "drop it (drop_remainder=True, or InputOptions(remainder='drop')) for training, or "
+        "pad it (drop_remainder=False, or InputOptions(remainder='pad')) for evaluation; "
+        "padded batches carry a mask.",
+    )
