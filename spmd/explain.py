@@ -18,7 +18,7 @@ __all__ = ["Collective", "Explanation", "explain", "parse_collectives"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(
-    r"=\s*(?P<type>\([^=]*?\)|[\w\[\],{}:]+)\s+(?P<op>"
+    r"=\s*(?P<type>\(.*?\)|[\w\[\],{}:]+)\s+(?P<op>"
     + "|".join(COLLECTIVES)
     + r")(?P<start>-start)?\("
 )

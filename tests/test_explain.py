@@ -125,3 +125,8 @@ def test_parse_collectives():
     assert found["all-reduce"].count == 1 and found["all-reduce"].bytes == (128 + 128 * 256 + 1) * 4
     assert found["all-gather"].count == 2
     assert found["all-gather"].bytes == 256 * 128 * 4 + 64 * 4 * 2
+
+
+def test_parse_collectives_reads_tuples_with_index_comments():
+    hlo = "  %ar = (f32[4]{0}, /*index=5*/f32[2,2]{1,0}) all-reduce(%a, %b), channel_id=3\n"
+    assert parse_collectives(hlo)["all-reduce"].bytes == (4 + 4) * 4
