@@ -1,0 +1,47 @@
+"""The benchmark command runs (a smoke run: few steps, no timing asserted) and writes its page."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.bench
+def test_bench_quick_writes_the_performance_page(tmp_path):
+    out = tmp_path / "performance.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--output",
+            str(out),
+            "--only",
+            "bench_step",
+            "bench_input",
+            "bench_multiprocess",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = out.read_text()
+    for section in (
+        "## step overhead",
+        "## steps_per_execution",
+        "## strategies",
+        "## input pipeline",
+        "## multi-process",
+    ):
+        assert section in text
+    assert "x |" in text  # ratios were computed
