@@ -16,7 +16,17 @@ from spmd.errors import ConfigurationError, message, received
 if TYPE_CHECKING:
     from spmd.trainer import Trainer
 
-__all__ = ["Callback", "CallbackList", "EarlyStopping", "History", "ProgressBar"]
+__all__ = [
+    "BackupAndRestore",
+    "Callback",
+    "CallbackList",
+    "EarlyStopping",
+    "EpochLogger",
+    "History",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "TensorBoard",
+]
 
 
 class Callback:
@@ -281,3 +291,238 @@ class EarlyStopping(Callback):
             self.trainer.stop_training = True
             if self.restore_best_weights and self.best_state is not None:
                 self.trainer.load_state(self.best_state)
+
+
+def _better(mode: str, value: float, best: float) -> bool:
+    return value > best if mode == "max" else value < best
+
+
+class ModelCheckpoint(Callback):
+    """Saves the train state with `spmd.CheckpointManager` (Orbax) every epoch or N batches.
+
+    Every process calls the manager; Orbax decides who writes what. Each
+    checkpoint is named by the global step and carries `{"epoch", "logs"}`
+    as metadata. Restore one with `spmd.CheckpointManager(directory).restore(
+    target=trainer.state)` or `trainer.load_state(...)`.
+
+    Args:
+      directory: where the checkpoints go (shared by every process).
+      monitor: the log key `save_best_only` compares.
+      save_best_only: save an epoch only if `monitor` improved.
+      mode: "min", "max" or "auto" (max for accuracy-like keys).
+      save_freq: "epoch", or a number of batches.
+      max_to_keep: how many checkpoints to keep.
+      async_save: write in background threads.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        monitor: str = "val_loss",
+        save_best_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+    ) -> None:
+        _check_freq(save_freq, "ModelCheckpoint")
+        self.directory, self.monitor, self.save_best_only = directory, monitor, save_best_only
+        self.mode = ("max" if "acc" in monitor else "min") if mode == "auto" else mode
+        self.save_freq, self.max_to_keep, self.async_save = save_freq, max_to_keep, async_save
+        self.manager = None
+        self.best = -math.inf if self.mode == "max" else math.inf
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        from spmd.checkpoint import CheckpointManager
+
+        self.manager = CheckpointManager(
+            self.directory,
+            max_to_keep=self.max_to_keep,
+            async_save=self.async_save,
+            preemption="off",
+        )
+
+    def _save(self, logs: dict | None) -> None:
+        meta = {"epoch": self.trainer.epoch, "logs": {k: float(v) for k, v in (logs or {}).items()}}
+        self.manager.save(self.trainer.iterations, self.trainer.state, metadata=meta, force=True)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if isinstance(self.save_freq, int) and self.trainer.iterations % self.save_freq == 0:
+            self._save(None)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.save_freq != "epoch":
+            return
+        if self.save_best_only:
+            if self.monitor not in (logs or {}):
+                raise ConfigurationError(
+                    message(
+                        f"ModelCheckpoint(save_best_only=True) watches '{self.monitor}', which the logs do not have.",
+                        received(monitor=self.monitor, logs=sorted(logs or {})),
+                        "watch one of the log keys (pass validation_data for val_* keys).",
+                    )
+                )
+            if not _better(self.mode, float(logs[self.monitor]), self.best):
+                return
+            self.best = float(logs[self.monitor])
+        self._save(logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.manager is not None:
+            self.manager.close()  # waits for async saves to commit
+            self.manager = None
+
+
+class BackupAndRestore(Callback):
+    """Resumes an interrupted fit where it stopped: same epoch, same batch, same weights.
+
+    At the start of fit it restores the latest backup (state, optimizer, RNGs,
+    running metrics and the data position); it backs up at every epoch end (or
+    every `save_freq` batches); a preemption notice (SIGTERM) makes every
+    process back up at the same step and exit with code 42, which
+    `spmd launch --max-restarts` relaunches. A fit that completes deletes the
+    backup, as Keras does.
+
+    Args:
+      backup_dir: where the backup lives (shared by every process).
+      save_freq: "epoch", or a number of batches.
+      delete_checkpoint: delete the backup when fit completes.
+    """
+
+    def __init__(
+        self, backup_dir: str, save_freq: str | int = "epoch", delete_checkpoint: bool = True
+    ) -> None:
+        _check_freq(save_freq, "BackupAndRestore")
+        self.backup_dir, self.save_freq, self.delete_checkpoint = (
+            backup_dir,
+            save_freq,
+            delete_checkpoint,
+        )
+        self.manager = None
+        self.restored_step: int | None = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        from spmd.checkpoint import CheckpointManager
+
+        interval = (
+            self.save_freq if isinstance(self.save_freq, int) else 2**62
+        )  # epochs force their saves
+        self.manager = CheckpointManager(
+            self.backup_dir, max_to_keep=1, save_interval_steps=interval
+        )
+        step = self.manager.latest_step()
+        self.restored_step = step
+        if step is None:
+            return
+        trainer = self.trainer
+        trainer.state = self.manager.restore(step, target=trainer.state, data=trainer.dataset)
+        trainer.epoch = int(self.manager.metadata(step)["epoch"])
+        trainer.iterations = step
+
+    def _save(self, epoch: int, force: bool) -> None:
+        trainer = self.trainer
+        self.manager.save(
+            trainer.iterations,
+            trainer.state,
+            data=trainer.dataset,
+            metadata={"epoch": epoch},
+            force=force,
+        )
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._save(self.trainer.epoch, force=False)  # writes at its interval, or at a preemption
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch + 1, force=True)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.manager is None:
+            return
+        self.manager.close()
+        self.manager = None
+        if self.delete_checkpoint:
+            _remove_everywhere(self.backup_dir)
+
+
+def _remove_everywhere(directory: str) -> None:
+    """The chief deletes a shared folder once every process is done with it."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"spmd-remove:{directory}")
+    if jax.process_index() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"spmd-removed:{directory}")
+
+
+def _check_freq(save_freq: Any, owner: str) -> None:
+    if save_freq == "epoch" or (isinstance(save_freq, int) and save_freq > 0):
+        return
+    raise ConfigurationError(
+        message(
+            f'{owner}.save_freq is "epoch" or a positive number of batches.',
+            received(save_freq=save_freq),
+            'pass save_freq="epoch" or e.g. save_freq=100.',
+        )
+    )
+
+
+class TensorBoard(Callback):
+    """Writes the logs as TensorBoard scalars (real event files), from the chief only.
+
+    Training scalars go to `log_dir/train`, validation ones (`val_*`, without
+    the prefix) to `log_dir/validation`, per epoch; with `update_freq=N` the
+    running training metrics also every N batches. Needs `tensorboardX`
+    (`pip install "spmd[tensorboard]"`).
+
+    Args:
+      log_dir: the folder TensorBoard reads (`tensorboard --logdir log_dir`).
+      update_freq: "epoch", or a number of batches.
+    """
+
+    def __init__(self, log_dir: str, update_freq: str | int = "epoch") -> None:
+        _check_freq(update_freq, "TensorBoard")
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError as error:
+            raise ConfigurationError(
+                message(
+                    "The TensorBoard callback writes event files with the tensorboardX package.",
+                    received(tensorboardX="not installed"),
+                    'pip install "spmd[tensorboard]" (or pip install tensorboardX).',
+                )
+            ) from error
+        self.log_dir, self.update_freq = log_dir, update_freq
+        self._writers: dict[str, Any] = {}
+
+    def _writer(self, name: str):
+        if name not in self._writers:
+            from tensorboardX import SummaryWriter
+
+            self._writers[name] = SummaryWriter(f"{self.log_dir}/{name}")
+        return self._writers[name]
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if jax.process_index() or not isinstance(self.update_freq, int):
+            return
+        if self.trainer.iterations % self.update_freq == 0:
+            for key, value in self.trainer.running_metrics().items():
+                self._writer("train").add_scalar(f"batch_{key}", value, self.trainer.iterations)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if jax.process_index():
+            return
+        for key, value in (logs or {}).items():
+            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            self._writer(split).add_scalar(f"epoch_{name}", float(value), epoch)
+        for writer in self._writers.values():
+            writer.flush()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}

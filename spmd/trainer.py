@@ -151,6 +151,7 @@ class Trainer:
         self._model = _wrap_model(model, seed)
         self.state: Any = None
         self.epoch = 0
+        self.iterations = 0  # batches trained, over every fit (BackupAndRestore restores it)
         self.stop_training = False
         self.dataset: Any = None
         self._steps: dict[str, Any] = {}
@@ -445,6 +446,7 @@ class Trainer:
             for batch in group:
                 self.state = self._step("train")(self.state, *batch)
         ran += len(group)
+        self.iterations += len(group)
         hooks.on_train_batch_end(ran - 1)
         return ran
 

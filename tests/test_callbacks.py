@@ -1,0 +1,159 @@
+"""Callbacks: TensorBoard event files parse, ModelCheckpoint saves, BackupAndRestore resumes exactly."""
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import spmd
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def _data(n=256):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32)
+
+
+def _trainer():
+    return spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        "sparse_categorical_crossentropy",
+        strategy=spmd.MirroredStrategy(),
+    )
+
+
+def _read_events(path: Path) -> list:
+    """Decodes a TensorBoard event file (TFRecord framing + Event protos)."""
+    from tensorboardX.proto import event_pb2
+
+    events, raw = [], path.read_bytes()
+    offset = 0
+    while offset < len(raw):
+        (length,) = struct.unpack("<Q", raw[offset : offset + 8])
+        data = raw[offset + 12 : offset + 12 + length]
+        offset += 12 + length + 4
+        event = event_pb2.Event()
+        event.ParseFromString(data)
+        events.append(event)
+    return events
+
+
+def test_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
+    x, y = _data()
+    trainer = _trainer()
+    trainer.fit(
+        (x, y),
+        batch_size=64,
+        epochs=2,
+        validation_data=(x, y),
+        callbacks=[spmd.callbacks.TensorBoard(str(tmp_path))],
+        verbose=0,
+    )
+    scalars = {}
+    for split in ("train", "validation"):
+        (event_file,) = (tmp_path / split).glob("events.out.tfevents.*")
+        for event in _read_events(event_file):
+            for value in event.summary.value:
+                scalars.setdefault((split, value.tag), []).append((event.step, value.simple_value))
+    assert [s for s, _ in scalars[("train", "epoch_loss")]] == [0, 1]
+    assert ("validation", "epoch_accuracy") in scalars
+    assert scalars[("train", "epoch_loss")][1][1] < scalars[("train", "epoch_loss")][0][1]
+
+
+def test_model_checkpoint_saves_best_only(tmp_path):
+    x, y = _data()
+    trainer = _trainer()
+    callback = spmd.callbacks.ModelCheckpoint(
+        str(tmp_path), monitor="val_loss", save_best_only=True, async_save=False
+    )
+    trainer.fit(
+        (x, y), batch_size=64, epochs=3, validation_data=(x, y), callbacks=[callback], verbose=0
+    )
+    manager = spmd.CheckpointManager(tmp_path)
+    steps = manager.all_steps()
+    assert steps and steps[-1] == trainer.iterations == 12  # val_loss improved every epoch
+    restored = manager.restore(target=trainer.state)
+    np.testing.assert_array_equal(
+        np.asarray(jax.device_get(restored["params"]["out"]["kernel"])),
+        np.asarray(jax.device_get(trainer.state["params"]["out"]["kernel"])),
+    )
+    assert manager.metadata()["epoch"] == 2
+    manager.close()
+
+
+@pytest.mark.parametrize("bad", ["batch", 0])
+def test_bad_save_freq_teaches(bad):
+    with pytest.raises(spmd.ConfigurationError, match="save_freq"):
+        spmd.callbacks.BackupAndRestore("/tmp/x", save_freq=bad)
+
+
+WORKER = """
+import sys, os, signal
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np, optax, spmd
+from flax import nnx
+sys.path.insert(0, {tests!r})
+from test_callbacks import MLP, _data
+backup, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+class Kill(spmd.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if self.trainer.iterations == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+x, y = _data()
+trainer = spmd.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), "sparse_categorical_crossentropy",
+                       strategy=spmd.MirroredStrategy())
+callbacks = [spmd.callbacks.BackupAndRestore(backup, save_freq=3), Kill()]
+trainer.fit((x, y), batch_size=32, epochs=3, shuffle=True, callbacks=callbacks, verbose=0)
+np.savez(out, **{{"/".join(map(str, p)): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(
+    jax.device_get(trainer.state["params"]))[0]}})
+"""
+
+
+def test_backup_and_restore_resumes_to_the_same_weights(tmp_path):
+    """Killed mid-epoch (SIGKILL) and relaunched, fit ends with the weights of an uninterrupted fit."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(ROOT / "tests")))
+
+    def run(backup, out, kill_at):
+        return subprocess.run(
+            [sys.executable, str(script), str(backup), str(out), str(kill_at)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
+
+    whole = run(tmp_path / "b1", tmp_path / "whole.npz", -1)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run(
+        tmp_path / "b2", tmp_path / "resumed.npz", 13
+    )  # epoch 1, batch 5; last backup at 12
+    assert killed.returncode == -9
+    assert (tmp_path / "b2").exists()
+    resumed = run(tmp_path / "b2", tmp_path / "resumed.npz", -1)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert not (tmp_path / "b2").exists()  # a completed fit deletes its backup
+    want, got = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
+    for key in want.files:
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)  # bitwise
