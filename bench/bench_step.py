@@ -194,7 +194,9 @@ def strategies_side_by_side(quick: bool) -> list[dict]:
     train_step = common.make_train_step(_big_apply)
     runners, reports = {}, {}
     for name, strategy in strategies.items():
-        reports[name] = strategy.explain(train_step, strategy.abstract_state(_big_init, jax.random.key(0)), x, y)
+        reports[name] = strategy.explain(
+            train_step, strategy.abstract_state(_big_init, jax.random.key(0)), x, y
+        )
         state = strategy.init(_big_init, jax.random.key(0))
         step = strategy.step(train_step)
         data = strategy.distribute_batch((x, y))
@@ -216,10 +218,14 @@ def strategies_side_by_side(quick: bool) -> list[dict]:
                 "case": name,
                 "step": common.fmt_time(times[name]),
                 "ratio": common.ratio(times[name], times["Mirrored"]),
-                "state/device": f"{device_mb:.1f} MiB" + (f" ({report.state_bytes / base:.3f} of mirrored)" if base else ""),
+                "state/device": f"{device_mb:.1f} MiB"
+                + (f" ({report.state_bytes / base:.3f} of mirrored)" if base else ""),
                 "state/host": f"{report.state_host_bytes / 2**20:.1f} MiB",
                 "temporaries": f"{report.temp_bytes / 2**20:.1f} MiB",
-                "collectives": ", ".join(f"{c.kind} x{c.count}" for c in report.collectives.values()) or "none",
+                "collectives": ", ".join(
+                    f"{c.kind} x{c.count}" for c in report.collectives.values()
+                )
+                or "none",
             }
         )
     return rows
@@ -240,4 +246,9 @@ if __name__ == "__main__":
     print(common.table(overhead, ["case", "floor", "spmd", "ratio", "target"]))
     print()
     side = [r for r in rows if r["benchmark"] == "strategies"]
-    print(common.table(side, ["case", "step", "ratio", "state/device", "state/host", "temporaries", "collectives"]))
+    print(
+        common.table(
+            side,
+            ["case", "step", "ratio", "state/device", "state/host", "temporaries", "collectives"],
+        )
+    )

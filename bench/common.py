@@ -68,7 +68,10 @@ def cnn_init(key: jax.Array) -> dict:
     k1, k2, k3 = jax.random.split(key, 3)
     params = {
         "conv": {"kernel": jax.random.normal(k1, (3, 3, 1, 32)) * 0.1, "bias": jnp.zeros(32)},
-        "dense": {"kernel": jax.random.normal(k2, (26 * 26 * 32, 64)) * 0.01, "bias": jnp.zeros(64)},
+        "dense": {
+            "kernel": jax.random.normal(k2, (26 * 26 * 32, 64)) * 0.01,
+            "bias": jnp.zeros(64),
+        },
         "out": {"kernel": jax.random.normal(k3, (64, 10)) * 0.1, "bias": jnp.zeros(10)},
     }
     return {"params": params, "opt": TX.init(params)}
