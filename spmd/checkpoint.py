@@ -1,0 +1,400 @@
+"""CheckpointManager: the state, PRNG keys, data position and metadata saved together, over Orbax."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from spmd import checkpoint_tree as ct
+from spmd.checkpoint_store import make_store
+from spmd.errors import CheckpointError, ConfigurationError, message, received
+from spmd.preemption import Mode, Preempted, PreemptionWatcher
+
+__all__ = ["CheckpointManager"]
+
+_log = logging.getLogger(__name__)
+FORMAT = 1  # the layout of a checkpoint's items (see the class docstring); saved in each step
+
+
+class CheckpointManager:
+    """Saves and restores a train state with its data position; every process calls it.
+
+    Built on `orbax.checkpoint.CheckpointManager`. Each step is one Orbax
+    checkpoint of three items: `state` (the arrays, as an Orbax PyTree: each
+    process writes the shards it owns), `data` (the input position, JSON) and
+    `metadata` (your JSON plus the PRNG key implementations). Orbax writes a
+    step into a temporary folder and renames it when every process is done,
+    so a save that did not finish is never listed or restored.
+
+    Call `save(step, ...)` after every train step: it writes every
+    `save_interval_steps` steps, and at the step all processes agree on after a
+    preemption notice (SIGTERM), after which it raises `Preempted` (exit code
+    42) so that `spmd launch` restarts the job and `restore_or_init` resumes it.
+
+    Args:
+      directory: where checkpoints go, one folder per step. With several
+        processes, a folder every process sees (a shared filesystem, or an
+        object store such as gs://), unless `shared_filesystem=False`.
+      max_to_keep: how many of the latest checkpoints to keep (None: all).
+      save_interval_steps: `save` writes only at multiples of this step count.
+      async_save: write in background threads; `save` returns once the arrays
+        are copied to host memory.
+      shared_filesystem: False when the hosts have no folder in common (each
+        its own disk): process 0 then writes the whole state (arrays sharded
+        over processes are all-gathered first) to its own `directory`, and
+        restoring broadcasts it from there. Every method is then a collective.
+      preemption: how a preemption notice is caught and agreed on: "auto",
+        "jax", "signal" or "off" (see `spmd.preemption.PreemptionWatcher`).
+      exit_on_preemption: after the preemption checkpoint, close and raise
+        `Preempted`; if False, `save` returns True and `preempted_step` is set.
+      preemption_check_steps: with the "signal" mechanism and several
+        processes, agree on notices every this many steps.
+
+    Raises:
+      ConfigurationError: an argument is out of range.
+
+    Example:
+      >>> ckpt = spmd.CheckpointManager("/tmp/run", max_to_keep=3)  # doctest: +SKIP
+      >>> state, start = ckpt.restore_or_init(create_state, key, data=batches)  # doctest: +SKIP
+      >>> for step in range(start, total_steps):  # doctest: +SKIP
+      ...     state, metrics = train_step(state, *next(batches))
+      ...     ckpt.save(step + 1, state, data=batches)
+      >>> ckpt.close()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 3,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+        *,
+        shared_filesystem: bool = True,
+        preemption: Mode = "auto",
+        exit_on_preemption: bool = True,
+        preemption_check_steps: int = 1,
+    ):
+        if max_to_keep is not None:
+            _check_positive(max_to_keep, "max_to_keep", "or None to keep every checkpoint")
+        _check_positive(save_interval_steps, "save_interval_steps", "e.g. 100")
+        self._root = _absolute(directory)
+        self._interval = save_interval_steps
+        self._watcher = PreemptionWatcher(preemption, preemption_check_steps)
+        self._exit_on_preemption = exit_on_preemption
+        self._store = make_store(
+            self._root, max_to_keep, save_interval_steps, async_save, shared_filesystem
+        )
+        self._closed = False
+
+    # -- what is there ----------------------------------------------------------
+
+    @property
+    def directory(self) -> epath.Path:
+        """The checkpoint folder (with `shared_filesystem=False`, process 0's)."""
+        return self._store.directory
+
+    @property
+    def preempted_step(self) -> int | None:
+        """The step at which the processes agreed to stop after a preemption notice, if any."""
+        return self._watcher.step
+
+    def all_steps(self) -> list[int]:
+        """Every complete checkpoint's step, oldest first. Unfinished saves are never listed."""
+        return self._store.all_steps()
+
+    def latest_step(self) -> int | None:
+        """The latest complete checkpoint's step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether `step` is where every process agreed to save and stop (see `save`)."""
+        return self._watcher.reached(step)
+
+    # -- save -------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        data: Any = None,
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
+        """Saves `state` (and the data position) as checkpoint `step`, if it is time to.
+
+        Every process calls it, at every step, with the same step numbers.
+
+        Args:
+          step: the number of steps done; checkpoints are named by it.
+          state: a pytree of arrays (optax states, typed PRNG keys included) or
+            flax NNX objects (their `nnx.state` is saved).
+          data: the input position: an iterator with `get_state() -> dict`, or
+            a JSON dict, or None.
+          metadata: a small JSON dict saved with the step; read it back with
+            `metadata(step)`.
+          force: save even if `step` is not a multiple of `save_interval_steps`.
+
+        Returns:
+          Whether a checkpoint was written at this step. A step already saved
+          is never overwritten.
+
+        Raises:
+          Preempted: after saving the step every process agreed on after a
+            preemption notice (with `exit_on_preemption=True`).
+          CheckpointError: `data` or `metadata` is not JSON, or the manager is closed.
+        """
+        self._check_open("save")
+        preempted = self._watcher.reached(step)
+        saved = False
+        if force or preempted or step % self._interval == 0:
+            arrays, keys = ct.to_saveable(_leaves(state))
+            meta = {"format": FORMAT, "prng_keys": keys, "user": _json(metadata, "metadata")}
+            saved = self._store.save(step, arrays, _position(data), meta)
+        if preempted:
+            self._stop(step)
+        return saved
+
+    def _stop(self, step: int) -> None:
+        self._store.wait()
+        if self._exit_on_preemption:
+            self.close()
+            raise Preempted(step, str(self._root))
+
+    # -- restore ----------------------------------------------------------------
+
+    def restore(self, step: int | None = None, target: Any = None, *, data: Any = None) -> Any:
+        """Restores checkpoint `step` (the latest by default) into `target`'s layout.
+
+        Args:
+          step: which checkpoint; None for the latest complete one.
+          target: the state's form and placement: a placed state, or an
+            abstract one (`ShapeDtypeStruct`s with shardings, e.g. from
+            `strategy.abstract_state`), or NNX objects (updated in place).
+            Any strategy and device count: the arrays are resharded. Leaves
+            without a sharding take the current strategy's layout. None
+            returns the saved tree as nested dicts of numpy arrays (PRNG keys
+            as their key data), for inspection.
+          data: an iterator with `set_state(dict)`, or a dict, to restore the
+            data position into.
+
+        Returns:
+          The state, shaped and placed like `target` (NNX objects: `target` itself).
+
+        Raises:
+          CheckpointError: no such checkpoint, or `target`'s tree differs from
+            the saved one (the message names the paths).
+        """
+        self._check_open("restore")
+        step = self._resolve_step(step)
+        result = self._restore_numpy(step) if target is None else self._restore_into(step, target)
+        if data is not None:
+            _set_position(data, self._store.read_json(step, "data")["position"], step)
+        return result
+
+    def restore_data(self, step: int | None = None) -> dict | None:
+        """The data position saved with checkpoint `step` (latest by default), or None."""
+        self._check_open("restore_data")
+        return self._store.read_json(self._resolve_step(step), "data")["position"]
+
+    def metadata(self, step: int | None = None) -> dict | None:
+        """The `metadata` dict saved with checkpoint `step` (latest by default), or None."""
+        self._check_open("metadata")
+        return self._store.read_json(self._resolve_step(step), "metadata")["user"]
+
+    def restore_or_init(
+        self,
+        create_fn: Callable[..., Any],
+        *args: Any,
+        data: Any = None,
+        strategy: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Any, int]:
+        """Restores the latest complete checkpoint, or creates a fresh state if there is none.
+
+        The fault-tolerant start of a training loop: after a crash or a
+        preemption, the relaunched job resumes where the last checkpoint left off.
+
+        Args:
+          create_fn, *args, **kwargs: make the state, as for `strategy.init`;
+            on restore only their shapes are used (`strategy.abstract_state`).
+          data: an iterator or dict whose position is restored too.
+          strategy: where the state goes; the current strategy by default.
+
+        Returns:
+          (state, step): step 0 for a fresh state, else the restored step.
+        """
+        from spmd.strategy import get_strategy
+
+        strategy = strategy or get_strategy()
+        step = self.latest_step()
+        if step is None:
+            return strategy.init(create_fn, *args, **kwargs), 0
+        target = strategy.abstract_state(create_fn, *args, **kwargs)
+        _log.info("restoring step %d from %s", step, self.directory)
+        return self.restore(step, target=target, data=data), step
+
+    def _resolve_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if step is None and steps:
+            return steps[-1]
+        if step in steps:
+            return step
+        raise CheckpointError(
+            message(
+                "restore needs a complete checkpoint at the step asked for.",
+                received(step=step, directory=str(self.directory), complete_steps=steps),
+                "save one first, pick one of the complete steps, or use restore_or_init() "
+                "to start fresh when there is none.",
+            )
+        )
+
+    def _restore_numpy(self, step: int) -> dict:
+        return ct.nest(self._store.restore_numpy(step))
+
+    def _restore_into(self, step: int, target: Any) -> Any:
+        flat, rebuild = ct.flatten(target)
+        shardings = ct.target_shardings(target, flat)
+        abstract = {p: ct.abstract_leaf(leaf, shardings[p]) for p, leaf in flat.items()}
+        wanted = {p: (a.shape, np.dtype(a.dtype)) for p, a in abstract.items()}
+        ct.check_match(self._store.saved_tree(step), wanted, step)
+        values = self._store.restore_placed(step, abstract)
+        return rebuild(ct.wrap_keys(values, flat))
+
+    # -- lifetime ---------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Blocks until every save in flight is written and committed."""
+        if not self._closed:
+            self._store.wait()
+
+    def close(self) -> None:
+        """Waits for saves in flight, stops Orbax's threads, puts back the SIGTERM handler."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._store.close()
+        finally:
+            self._watcher.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self._root)!r})"
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CheckpointError(
+                message(
+                    f"{what}() needs an open CheckpointManager.",
+                    received(directory=str(self._root), closed=True),
+                    "create a new CheckpointManager for the directory (close() is final).",
+                )
+            )
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def _absolute(directory: str | os.PathLike[str]) -> epath.Path:
+    if not isinstance(directory, str | os.PathLike) or not str(directory):
+        raise ConfigurationError(
+            message(
+                "directory is a path (local, or a URL such as gs://bucket/run).",
+                received(directory=directory),
+                'pass e.g. "/tmp/run/checkpoints".',
+            )
+        )
+    text = os.fspath(directory)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def _check_positive(value: Any, name: str, hint: str) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return
+    raise ConfigurationError(
+        message(f"{name} must be an integer >= 1.", received(**{name: value}), f"pass {hint}.")
+    )
+
+
+def _leaves(state: Any) -> ct.Flat:
+    """The state's leaves by path; a state without arrays is an error."""
+    flat = ct.flatten(state)[0]
+    if not flat:
+        raise CheckpointError(
+            message(
+                "save needs a state with at least one array.",
+                received(state_type=type(state).__name__, leaves=0),
+                "pass the train state itself (params, optimizer state, ...).",
+            )
+        )
+    return flat
+
+
+def _json(value: Any, name: str) -> Any:
+    """`value` if it serializes as JSON, else a CheckpointError naming the argument."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            message(
+                f"{name} is saved as JSON: dicts, lists, strings, numbers, booleans, None.",
+                received(**{name: value}, error=str(e)),
+                "convert numpy or jax values with int()/float()/.tolist() first.",
+            )
+        ) from e
+    return value
+
+
+def _position(data: Any) -> dict | None:
+    """The data position to save: `data.get_state()`, a dict, or None."""
+    if data is None:
+        return None
+    if hasattr(data, "get_state"):
+        return _json(data.get_state(), "data.get_state()")
+    if isinstance(data, Mapping):
+        return _json(dict(data), "data")
+    raise CheckpointError(
+        message(
+            "data is the input position: an iterator with get_state() -> dict, or a dict.",
+            received(data_type=type(data).__name__),
+            "pass the iterator itself (e.g. the one from spmd.data), or {'position': n}.",
+        )
+    )
+
+
+def _set_position(data: Any, position: dict | None, step: int) -> None:
+    """Restores `position` into an iterator (`set_state`) or a dict (in place)."""
+    if position is None:
+        raise CheckpointError(
+            message(
+                "restore(data=...) needs a checkpoint saved with a data position.",
+                received(step=step, saved_position=None),
+                "pass data=... to save(), or leave data out of restore().",
+            )
+        )
+    if hasattr(data, "set_state"):
+        data.set_state(position)
+    elif isinstance(data, MutableMapping):
+        data.clear()
+        data.update(position)
+    else:
+        raise CheckpointError(
+            message(
+                "data is restored into an iterator with set_state(dict), or a dict.",
+                received(data_type=type(data).__name__),
+                "pass the iterator you saved with, or a dict to fill.",
+            )
+        )

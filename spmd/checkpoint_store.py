@@ -1,0 +1,235 @@
+"""Where checkpoints live: one folder every process sees, or process 0's own disk."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
+from jax.sharding import Sharding
+
+from spmd import checkpoint_tree as ct
+
+__all__ = ["ChiefStore", "SharedStore", "make_store"]
+
+_SAVE = {"state": ocp.args.PyTreeSave, "data": ocp.args.JsonSave, "metadata": ocp.args.JsonSave}
+_RESTORE = {"state": ocp.args.PyTreeRestore, "data": ocp.args.JsonRestore}
+_RESTORE["metadata"] = ocp.args.JsonRestore
+
+
+class SharedStore:
+    """Orbax's multi-host checkpointing: each process writes the shards it owns into one folder.
+
+    Process 0 writes the metadata and renames the step's temporary folder once
+    every process is done. Needs a folder every process sees: a shared
+    filesystem, or an object store such as gs://.
+    """
+
+    def __init__(
+        self,
+        directory: epath.Path,
+        max_to_keep: int | None,
+        interval: int,
+        async_save: bool,
+        multiprocessing: ocp.options.MultiprocessingOptions | None = None,
+    ):
+        multiprocessing = multiprocessing or ocp.options.MultiprocessingOptions()
+        chief_only = multiprocessing.active_processes is not None
+        if chief_only:  # Orbax creates the root folder only when all processes write
+            directory.mkdir(parents=True, exist_ok=True)
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(interval),
+            preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            create=not chief_only,
+            multiprocessing_options=multiprocessing,
+        )
+        self.manager = ocp.CheckpointManager(
+            directory, options=options, handler_registry=_registry(multiprocessing)
+        )
+        # Orbax deletes leftover temporary folders in a background thread. Wait for it: a
+        # program that ends right after (an error at startup) would race interpreter shutdown.
+        await_cleanup = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
+        if await_cleanup is not None:  # private: guarded, Orbax may move it
+            await_cleanup()
+
+    @property
+    def directory(self) -> epath.Path:
+        """The folder of the step folders."""
+        return self.manager.directory
+
+    def all_steps(self) -> list[int]:
+        """The complete steps, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, arrays: ct.Flat, data: Any, meta: dict) -> bool:
+        """Writes one step (in the background if async); False if it already exists."""
+        if step in self.manager.all_steps():
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeSave(ct.nest(arrays)),
+            data=ocp.args.JsonSave({"position": data}),
+            metadata=ocp.args.JsonSave(meta),
+        )
+        self.manager.save(step, args=args, force=True)
+        return True
+
+    def saved_tree(self, step: int) -> dict[str, tuple]:
+        """path -> (shape, dtype) of the arrays saved at `step`."""
+        meta = self.manager.item_metadata(step)["state"]
+        tree = getattr(meta, "tree", meta)
+        leaves = ct.unnest(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+        return {p: (tuple(m.shape), np.dtype(m.dtype)) for p, m in leaves.items()}
+
+    def restore_numpy(self, step: int) -> ct.Flat:
+        """path -> whole numpy array, on every process."""
+        as_numpy = {p: ocp.RestoreArgs(restore_type=np.ndarray) for p in self.saved_tree(step)}
+        args = ocp.args.PyTreeRestore(restore_args=ct.nest(as_numpy))
+        return ct.unnest(self.manager.restore(step, args=ocp.args.Composite(state=args)).state)
+
+    def restore_placed(self, step: int, abstract: ct.Flat) -> ct.Flat:
+        """path -> jax.Array laid out as `abstract`'s ShapeDtypeStructs; Orbax reshards."""
+        item = ct.nest(abstract)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(item)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+        return ct.unnest(self.manager.restore(step, args=ocp.args.Composite(state=args)).state)
+
+    def read_json(self, step: int, item: str) -> Any:
+        """The JSON item ("data" or "metadata") of `step`."""
+        args = ocp.args.Composite(**{item: ocp.args.JsonRestore()})
+        return self.manager.restore(step, args=args)[item]
+
+    def wait(self) -> None:
+        """Blocks until saves in flight are committed."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits, then stops Orbax's threads."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+class ChiefStore:
+    """Process 0 writes the whole state to its own disk; restoring broadcasts it to the others.
+
+    For hosts without a shared filesystem (the seeds' per-worker paths). Every
+    call is a collective: all processes make it, in the same order. Saving
+    gathers arrays sharded over processes to every host; restoring reads on
+    process 0 and broadcasts each array. The checkpoint lives on process 0's
+    disk alone: lose that host and the checkpoint is lost with it.
+    """
+
+    def __init__(self, directory: epath.Path, max_to_keep: int | None, interval: int, async_save):
+        self.is_chief = jax.process_index() == 0
+        self._directory = directory
+        self._inner: SharedStore | None = None
+        if self.is_chief:
+            only_me = ocp.options.MultiprocessingOptions(
+                primary_host=0, active_processes={0}, barrier_sync_key_prefix="spmd_chief"
+            )
+            self._inner = SharedStore(directory, max_to_keep, interval, async_save, only_me)
+
+    @property
+    def directory(self) -> epath.Path:
+        """The folder of the step folders, on process 0's disk."""
+        return self._directory
+
+    def all_steps(self) -> list[int]:
+        """Process 0's complete steps, on every process."""
+        return _broadcast_json(self._inner.all_steps() if self._inner else None)
+
+    def save(self, step: int, arrays: ct.Flat, data: Any, meta: dict) -> bool:
+        """Gathers every array (collective); process 0 writes them as numpy arrays."""
+        host = {p: _to_host(x) for p, x in arrays.items()}
+        return self._inner.save(step, host, data, meta) if self._inner else True
+
+    def saved_tree(self, step: int) -> dict[str, tuple]:
+        """path -> (shape, dtype) of process 0's checkpoint, on every process."""
+        tree = self._inner.saved_tree(step) if self._inner else None
+        sent = _broadcast_json(tree and {p: [list(s), d.name] for p, (s, d) in tree.items()})
+        return {p: (tuple(s), np.dtype(d)) for p, (s, d) in sent.items()}
+
+    def restore_numpy(self, step: int) -> ct.Flat:
+        """Process 0 reads, then broadcasts each array to every process."""
+        shapes = self.saved_tree(step)
+        read = self._inner.restore_numpy(step) if self._inner else {}
+        return {
+            p: np.asarray(
+                multihost_utils.broadcast_one_to_all(read[p] if self.is_chief else np.zeros(s, d))
+            )
+            for p, (s, d) in sorted(shapes.items())
+        }
+
+    def restore_placed(self, step: int, abstract: ct.Flat) -> ct.Flat:
+        """The broadcast arrays placed as `abstract`; each process fills its own shards."""
+        host = self.restore_numpy(step)
+        return {p: _place(host[p], a.sharding) for p, a in abstract.items()}
+
+    def read_json(self, step: int, item: str) -> Any:
+        """Process 0's JSON item, on every process."""
+        return _broadcast_json(self._inner.read_json(step, item) if self._inner else None)
+
+    def wait(self) -> None:
+        """Blocks until process 0's saves in flight are committed."""
+        if self._inner:
+            self._inner.wait()
+
+    def close(self) -> None:
+        """Waits, then stops Orbax's threads on process 0."""
+        if self._inner:
+            self._inner.close()
+
+
+def make_store(
+    directory: epath.Path,
+    max_to_keep: int | None,
+    interval: int,
+    async_save: bool,
+    shared_filesystem: bool,
+) -> SharedStore | ChiefStore:
+    """The store for this job: shared unless asked otherwise with several processes."""
+    if shared_filesystem or jax.process_count() == 1:
+        return SharedStore(directory, max_to_keep, interval, async_save)
+    return ChiefStore(directory, max_to_keep, interval, async_save)
+
+
+def _registry(
+    multiprocessing: ocp.options.MultiprocessingOptions,
+) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """The three items of every checkpoint and the Orbax handlers that write them."""
+    handlers = {
+        "state": ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing),
+        "data": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+        "metadata": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+    }
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for item, handler in handlers.items():
+        registry.add(item, _SAVE[item], handler)
+        registry.add(item, _RESTORE[item], handler)
+    return registry
+
+
+def _to_host(x: Any) -> np.ndarray:
+    """A whole array in this process's memory; arrays sharded over processes are all-gathered."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x)
+
+
+def _place(x: np.ndarray, sharding: Sharding) -> jax.Array:
+    """A host array placed with `sharding`; each process fills only its own shards."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _broadcast_json(value: Any) -> Any:
+    """Process 0's JSON value, on every process (two small collectives)."""
+    text = json.dumps(value).encode() if jax.process_index() == 0 else b""
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+    buffer = np.zeros(size, np.uint8)
+    buffer[: len(text)] = np.frombuffer(text, np.uint8)
+    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(buffer))))
