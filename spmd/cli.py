@@ -171,11 +171,21 @@ def _run_env(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ spmd demo
+
+
+def _add_demo(subparsers: Subparsers) -> None:
+    """Registers `spmd demo [...]`, defined in spmd/demo.py."""
+    from spmd.demo import add_subcommand
+
+    add_subcommand(subparsers)
+
+
 # ------------------------------------------------------------------ main
 
 # One function per subcommand, each adding its parser with `run=` (and `parser=`)
-# defaults. `spmd demo` adds itself here when it exists.
-SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_launch, _add_env)
+# defaults.
+SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (_add_demo, _add_launch, _add_env)
 
 
 def build_parser() -> argparse.ArgumentParser:

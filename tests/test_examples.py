@@ -10,7 +10,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 # Arguments that keep each example short in CI; an example missing here runs as is.
-FAST_ARGS = {"quickstart.py": ["--steps", "10"]}
+FAST_ARGS = {
+    "quickstart.py": ["--steps", "10"],
+    "01_keras_fit_mirrored.py": ["--epochs", "2"],
+    "02_custom_training_loop.py": ["--steps", "20"],
+    "03_multi_worker_tf_config.py": ["--epochs", "2"],
+    "04_central_storage.py": ["--steps", "10"],
+    "07_sharded_transformer_lm.py": ["--steps", "10"],
+}
+# Examples that start several processes themselves.
+MULTIPROCESS = {"03_multi_worker_tf_config.py"}
 
 
 def _run(command, timeout=240):
@@ -25,7 +34,13 @@ def _run(command, timeout=240):
     return result.stdout
 
 
-@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.py")))
+@pytest.mark.parametrize(
+    "example",
+    [
+        pytest.param(name, marks=[pytest.mark.multiprocess] if name in MULTIPROCESS else [])
+        for name in sorted(p.name for p in EXAMPLES.glob("*.py"))
+    ],
+)
 def test_example_runs(example):
     _run([sys.executable, str(EXAMPLES / example), *FAST_ARGS.get(example, [])])
 
