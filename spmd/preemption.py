@@ -18,7 +18,7 @@ from spmd.launch import PREEMPTED_EXIT_CODE
 __all__ = ["MODES", "Preempted", "PreemptionWatcher", "jax_service_available"]
 
 Mode = Literal["auto", "jax", "signal", "off"]
-MODES: tuple[str, ...] = ("auto", "jax", "signal", "off")
+MODES: tuple[str, ...] = ("auto", "signal", "jax", "off")
 _log = logging.getLogger(__name__)
 
 
@@ -62,23 +62,24 @@ def jax_service_available() -> bool:
 class PreemptionWatcher:
     """Answers, at every step, whether all processes agreed to save and stop here.
 
-    Two mechanisms, one answer:
+    Two mechanisms:
 
-    - "jax": JAX's preemption sync manager (on with `jax.distributed`, the
-      default under `spmd.initialize()` with several processes). Its SIGTERM
-      handler catches the notice on any process; the coordination service
-      spreads it and picks the sync step (the largest step any process has
-      reached, plus one): `reached(step)` is True there on every process.
-    - "signal": a Python SIGTERM handler sets a flag; with several processes
-      they all-gather their flags every `check_every` steps (one tiny
-      collective), and the first step where any flag is up is the sync step.
-      Used with one process, or when JAX's service is off.
+    - "signal" (what "auto" picks): a Python SIGTERM handler sets a flag; with
+      several processes they all-gather their flags every `check_every` steps
+      (a 4-byte collective), and the first step where any flag is up is the
+      agreed step, the same on every process by construction.
+    - "jax": JAX's preemption sync manager alone (it runs under
+      `jax.distributed`): its own SIGTERM handler, the coordination service
+      spreads the notice and picks the step (the largest any process has
+      reached, plus one). No per-step collective, but each process learns the
+      step asynchronously: under load we saw one process ask at the agreed step
+      before it had learned it, pass it, and the job hang. Use it only with
+      steps much longer than the coordination service's round trips.
 
-    "auto" picks "jax" where its service runs, else "signal"; "off" never
-    answers True and installs nothing.
+    "off" never answers True and installs nothing.
 
     Args:
-      mode: "auto", "jax", "signal" or "off".
+      mode: "auto", "signal", "jax" or "off".
       check_every: in "signal" mode with several processes, agree every this
         many steps (a notice waits at most this many steps).
 
@@ -153,20 +154,17 @@ def _resolve_mode(mode: str) -> str:
                 'leave it at "auto" unless you need a specific mechanism.',
             )
         )
-    available = jax_service_available()
-    if mode == "jax" and not available:
+    if mode == "jax" and not jax_service_available():
         raise ConfigurationError(
             message(
                 'preemption="jax" needs JAX\'s preemption sync manager, which runs only under '
                 "jax.distributed with jax_enable_preemption_service on.",
                 received(preemption=mode, process_count=jax.process_count()),
-                'use preemption="auto" (it falls back to "signal"), or start the job with '
-                "spmd.initialize() on several processes.",
+                'use preemption="auto" (a SIGTERM handler and a per-step agreement), or start '
+                "the job with spmd.initialize() on several processes.",
             )
         )
-    if mode == "auto":
-        return "jax" if available else "signal"
-    return mode
+    return "signal" if mode == "auto" else mode
 
 
 def _positive(value: Any, name: str) -> int:

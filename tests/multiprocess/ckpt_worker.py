@@ -1,7 +1,7 @@
 """One worker of a fault-tolerant training run: resumes from its checkpoints, may kill itself.
 
 Usage: python ckpt_worker.py CKPT_DIR OUT.npz [--steps N] [--kill-at K] [--signal KILL|TERM]
-                             [--victim I] [--preemption auto|signal] [--local]
+                             [--victim I] [--preemption auto|signal|jax] [--local]
 
 With --local every process gets its own folder, CKPT_DIR/host<index>, as hosts
 without a shared filesystem would (shared_filesystem=False).
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import time
 
 parser = argparse.ArgumentParser()
 parser.add_argument("ckpt_dir")
@@ -156,10 +155,6 @@ with strategy.scope():
         for step in range(start, args.steps):
             if restart_count() == 0 and info.process_index == args.victim and step == args.kill_at:
                 os.kill(os.getpid(), getattr(signal, f"SIG{args.signal}"))
-                # JAX's preemption service agrees on the stop step by RPCs, a few steps
-                # later; on a loaded machine a short run could end first. A real notice
-                # comes with a grace period of many steps; this pause stands in for it.
-                time.sleep(1.0)
             x, y, index = next(batches)
             extra, example = next(real)
             state, loss = step_fn(state, x, y, index, extra, example)
