@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -598,7 +599,28 @@ def _set_up(info: ClusterInfo, cpu_collectives: str, timeouts: tuple[int, int]) 
     if join:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
         _start_distributed(info, *timeouts)
+        _exit_promptly_on_errors()
     return _adopt_distributed(info)
+
+
+def _exit_promptly_on_errors() -> None:
+    """An uncaught exception ends this process at once, so its peers are not left waiting.
+
+    Otherwise the failing process waits in jax.distributed's shutdown barrier
+    while the others wait in a collective for it: nobody exits until a
+    timeout, and `spmd launch` cannot tell that a process failed. The
+    traceback is printed first; `SystemExit` (e.g. a preemption's code 42)
+    exits normally.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
 
 
 def initialize(

@@ -187,3 +187,29 @@ def test_run_processes_check_quotes_the_failed_stderr():
         run_processes(code, 2, timeout=30)
     results = run_processes(code, 2, timeout=30, check=False)
     assert results[1].returncode == 1 and results[0].returncode < 0  # 0 was stopped
+
+
+RAISES_WHILE_PEER_WAITS = """
+import spmd
+spmd.initialize()
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+multihost_utils.sync_global_devices("joined")
+if jax.process_index() == 1:
+    raise RuntimeError("process 1 broke")
+multihost_utils.sync_global_devices("never reached by process 1")  # process 0 waits here
+"""
+
+
+@pytest.mark.multiprocess
+def test_an_exception_in_one_jax_process_ends_the_group_promptly(capsys):
+    """Without spmd's hook the raising process would sit in jax.distributed's shutdown barrier."""
+    start = time.monotonic()
+    code = launch(
+        [PY, "-c", RAISES_WHILE_PEER_WAITS], 2, devices_per_process=1, env=child_env(), timeout=100
+    )
+    elapsed = time.monotonic() - start
+    out, err = capsys.readouterr()
+    assert code == 1 and elapsed < 60, (code, elapsed)
+    assert "RuntimeError: process 1 broke" in out + err
+    assert "process 1 exited with code 1" in err
