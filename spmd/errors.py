@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from enum import Enum
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=Enum)
 
 
 class SpmdError(Exception):
@@ -50,3 +53,22 @@ def message(expected: str, got: str, fix: str) -> str:
       The message, one part a line.
     """
     return f"{expected}\n{got}\nTo fix: {fix}"
+
+
+def enum_member(cls: type[E], value: E | str, *, field: str, fix: str) -> E:
+    """`value` as a member of the enum `cls`: a member, or its name in any case.
+
+    Raises:
+      ConfigurationError: `value` names no member (the message lists them).
+    """
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    raise ConfigurationError(
+        message(
+            f"{field} is one of {[m.name for m in cls]}.",
+            received(**{field.replace(" ", "_").replace("-", "_"): value}),
+            fix,
+        )
+    )

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from spmd.errors import BatchError, ConfigurationError, message, received
+from spmd.errors import BatchError, ConfigurationError, enum_member, message, received
 
 if TYPE_CHECKING:
     from spmd.strategy import Strategy
@@ -40,16 +40,11 @@ class AutoShardPolicy(enum.Enum):
     @classmethod
     def parse(cls, policy: AutoShardPolicy | str) -> AutoShardPolicy:
         """Accepts an `AutoShardPolicy` or its name in any case ("data", "FILE")."""
-        if isinstance(policy, cls):
-            return policy
-        if isinstance(policy, str) and policy.upper() in cls.__members__:
-            return cls[policy.upper()]
-        raise ConfigurationError(
-            message(
-                f"An auto-shard policy is one of {[m.name for m in cls]}.",
-                received(auto_shard_policy=policy),
-                'pass spmd.AutoShardPolicy.DATA or "DATA" (or AUTO, FILE, OFF).',
-            )
+        return enum_member(
+            cls,
+            policy,
+            field="auto_shard_policy",
+            fix='pass spmd.AutoShardPolicy.DATA or "DATA" (or AUTO, FILE, OFF).',
         )
 
 

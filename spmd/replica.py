@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spmd.errors import ConfigurationError, message, received
+from spmd.errors import ConfigurationError, enum_member, message, received
 
 __all__ = [
     "PerReplica",
@@ -35,16 +35,8 @@ class ReduceOp(enum.Enum):
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
         """Accepts a `ReduceOp` or its name in any case ("sum", "MEAN")."""
-        if isinstance(op, cls):
-            return op
-        if isinstance(op, str) and op.upper() in cls.__members__:
-            return cls[op.upper()]
-        raise ConfigurationError(
-            message(
-                f"A reduce op is one of {[m.name for m in cls]}.",
-                received(op=op),
-                'pass spmd.ReduceOp.SUM or "SUM" (or MEAN, MAX, MIN).',
-            )
+        return enum_member(
+            cls, op, field="op", fix='pass spmd.ReduceOp.SUM or "SUM" (or MEAN, MAX, MIN).'
         )
 
 
