@@ -625,10 +625,7 @@ class Step:
         axis = self.batch_axis
         data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x), axis), data)
         kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
-        form = {
-            "data_sharding": data_sharding,
-            "flat_data_sharding": jax.tree.leaves(data_sharding),
-        }
+        form = {"flat_data_sharding": jax.tree.leaves(data_sharding)}
         fn, donate = self.fn, self.donate
 
         def step(pure_state, data, kwargs):
