@@ -77,7 +77,7 @@ def _blocked_seconds(
 
 def _checksum_seconds(state: dict, repeats: int) -> list[float]:
     """Seconds to checksum every array of `state`, as save does (first call compiles: not counted)."""
-    from spmd.checkpoint_integrity import checksums
+    from spmd.checkpoint.integrity import checksums
 
     times = []
     for i in range(repeats + 1):

@@ -13,6 +13,7 @@ parser.add_argument("--steps", type=int, default=50)
 args = parser.parse_args()
 
 import spmd  # noqa: E402
+from spmd.strategy.strategies import by_name  # noqa: E402
 
 # Every process, before any JAX computation: joins the cluster under `spmd launch`
 # or TF_CONFIG; on CPU it also sets the simulated device count.
@@ -73,7 +74,7 @@ def train(strategy):
     return jax.device_get(state["params"]), {k: float(v) for k, v in metrics.items()}
 
 
-strategy = spmd.strategies.by_name(args.strategy)
+strategy = by_name(args.strategy)
 if info.is_chief:
     print(f"{strategy} with {strategy.num_replicas_in_sync} replicas")
 params, metrics = train(strategy)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 if TYPE_CHECKING:
-    from spmd.strategy import Step
+    from spmd.strategy.base import Step
 
 __all__ = ["Collective", "Explanation", "explain", "parse_collectives"]
 

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.checkpoint_integrity import checksums
+from spmd.checkpoint.integrity import checksums
 
 ROOT = Path(__file__).resolve().parents[1]
 

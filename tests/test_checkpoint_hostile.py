@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd.checkpoint_integrity import checksums, json_checksum
+from spmd.checkpoint.integrity import Damaged, checksums, json_checksum
+from spmd.checkpoint.store import SharedStore
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -311,10 +312,10 @@ def test_an_io_error_reading_a_step_is_an_error_that_sets_nothing_aside(tmp_path
     def broken_disk(self, step, item):
         raise OSError(errno.EIO, "Input/output error", str(self.step_dir(step) / item))
 
-    monkeypatch.setattr(spmd.checkpoint_store.SharedStore, "read_json", broken_disk)
+    monkeypatch.setattr(SharedStore, "read_json", broken_disk)
     with spmd.CheckpointManager(tmp_path) as ckpt, pytest.raises(spmd.CheckpointError) as raised:
         ckpt.restore_or_init(make_state, 0, strategy=spmd.MirroredStrategy())
-    assert not isinstance(raised.value, spmd.checkpoint_integrity.Damaged)
+    assert not isinstance(raised.value, Damaged)
     text = str(raised.value)
     assert "step=2" in text and "EIO" in text and str(tmp_path / "2") in text, text
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["1", "2"]

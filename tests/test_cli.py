@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd import cli
+from spmd.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

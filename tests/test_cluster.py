@@ -1,4 +1,4 @@
-"""Tests of spmd.cluster: TF_CONFIG, explicit and launcher resolution, initialize()."""
+"""Tests of spmd.clusters: TF_CONFIG, explicit and launcher resolution, initialize()."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.cluster import (
+from spmd.clusters.initialize import (
     ClusterInfo,
     parse_tf_config,
     resolve,
@@ -351,7 +351,7 @@ def test_a_strategy_under_spmd_launch_without_initialize_is_an_error(monkeypatch
     import spmd
     from spmd.errors import InitializationError
 
-    monkeypatch.setattr(importlib.import_module("spmd.cluster"), "_INFO", None)
+    monkeypatch.setattr(importlib.import_module("spmd.clusters.initialize"), "_INFO", None)
     monkeypatch.setenv("SPMD_NUM_PROCESSES", "2")
     monkeypatch.setenv("SPMD_PROCESS_ID", "1")
     with pytest.raises(InitializationError, match=r"spmd.initialize\(\) was not called"):
@@ -371,7 +371,7 @@ def test_a_strategy_under_spmd_launch_without_initialize_is_an_error(monkeypatch
     ],
 )
 def test_coordinator_binds_only_where_it_is_reached(coordinator, bind, monkeypatch):
-    from spmd.distributed import bind_address
+    from spmd.clusters.distributed import bind_address
 
     monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
     assert bind_address(coordinator) == bind
@@ -380,7 +380,7 @@ def test_coordinator_binds_only_where_it_is_reached(coordinator, bind, monkeypat
 
 
 def test_a_local_address_binds_there():
-    from spmd.distributed import bind_address
+    from spmd.clusters.distributed import bind_address
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(("192.0.2.1", 9))  # no packet is sent: this picks the outgoing interface

@@ -23,7 +23,7 @@ from jax._src.clusters import cloud_tpu_cluster
 from jax._src.clusters import cluster as jax_cluster
 from jax._src.clusters.k8s_cluster import K8sCluster
 
-from spmd.cluster import resolve
+from spmd.clusters.initialize import resolve
 from spmd.errors import ClusterError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "multihost.md"

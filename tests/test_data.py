@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd.input_context import input_context
+from spmd.data.input_context import input_context
 
 N, BATCH, FEATURES, CLASSES = 1001, 64, 5, 3
 

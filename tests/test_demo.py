@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spmd import cli
+from spmd.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY = re.compile(r"accuracy +(\d+\.\d)% on (\d+) held-out examples \(target 95%: met\)")

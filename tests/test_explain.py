@@ -50,7 +50,7 @@ def _real_bytes_per_device(state):
         lambda: spmd.ParameterServerStrategy(FixedShardsPartitioner(8)),
         lambda: spmd.Strategy(
             spmd.make_mesh({"data": 4, "model": 2}),
-            rules=[(r".*w", spmd.strategy.PartitionSpec(None, "model"))],
+            rules=[(r".*w", jax.sharding.PartitionSpec(None, "model"))],
         ),
     ],
 )

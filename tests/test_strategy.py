@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import spmd
 from spmd.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+from spmd.strategy.step import CPU_MAX_IN_FLIGHT
 from spmd.testing import assert_compiles_once, assert_layout, assert_trees_allclose
 
 STRATEGIES = {
@@ -338,7 +339,7 @@ def test_many_queued_steps_on_cpu_finish():
     for _ in range(1000):
         state, _ = step(state, x)
     assert float(state) == 1000.0
-    assert len(step._in_flight) <= spmd.strategy.CPU_MAX_IN_FLIGHT
+    assert len(step._in_flight) <= CPU_MAX_IN_FLIGHT
 
 
 # -- issue 12 item 9: variable_partitioner is any TF-protocol callable, checked ----------

@@ -200,7 +200,7 @@ def test_a_nan_loss_stops_fit_naming_the_epoch_and_step():
     x, y = _data()
     y = y.copy()
     y[16 * 5 + 2] = CLASSES  # batch 5 of epoch 0: past the first-batch check
-    with pytest.raises(spmd.trainer.NonFiniteLossError) as info:
+    with pytest.raises(spmd.NonFiniteLossError) as info:
         _trainer().fit((x, y), batch_size=16, epochs=3, shuffle=False, verbose=0)
     assert "epoch=0" in str(info.value) and "batch_in_epoch=5" in str(info.value)
     assert isinstance(info.value, FloatingPointError)

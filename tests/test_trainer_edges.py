@@ -445,7 +445,7 @@ def test_nan_inputs_stop_fit_with_iterations_the_steps_applied():
     bad = x.copy()
     bad[20] = np.nan
     trainer = _trainer(steps_per_execution=2)
-    with pytest.raises(spmd.trainer.NonFiniteLossError):
+    with pytest.raises(spmd.NonFiniteLossError):
         trainer.fit((bad, y), batch_size=16, shuffle=False, verbose=0)
     assert trainer.iterations == int(trainer.host_state()["step"]) >= 2
 

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from spmd.launch import free_port
+from spmd.clusters.launch import free_port
 
 from .support import clean_env
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 import spmd
-from spmd import cluster_gloo
-from spmd.cluster_gloo import ENV_GLOO_INTERFACE, check_interface, gloo_address, use_gloo_address
+from spmd.clusters import gloo as cluster_gloo
+from spmd.clusters.gloo import ENV_GLOO_INTERFACE, check_interface, gloo_address, use_gloo_address
 from spmd.errors import ConfigurationError, InitializationError
 
 from .support import clean_env

@@ -64,7 +64,7 @@ elif SCENARIO == "early" and INDEX == "1":
     time.sleep(60)
 elif SCENARIO.startswith("block"):
     if SCENARIO == "block_save":
-        from spmd.preemption import PreemptionWatcher
+        from spmd.checkpoint.preemption import PreemptionWatcher
 
         watcher = PreemptionWatcher(grace_period=2)
     print("READY", flush=True)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import spmd
-from spmd.launch import process_env
+from spmd.clusters.launch import free_port, process_env
 
 from .procs import child_env as _env
 
@@ -30,7 +29,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 def _job(phase: str, directory: Path, prefix: tuple[str, ...] = ()) -> dict[int, dict]:
     """Runs both processes of one phase; each one's JSON report and return code."""
-    coordinator = f"127.0.0.1:{spmd.launch.free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     command = [*prefix, sys.executable, str(WORKER), phase, str(directory), str(TIMEOUT_S)]
     procs = [
         subprocess.Popen(

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import spmd
-from spmd.launch import process_env
+from spmd.clusters.launch import free_port, process_env
 
 from .procs import child_env as _env
 
@@ -28,7 +27,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 def _job(scenario: str, directory: Path) -> dict[int, dict]:
     """Runs both processes; each one's JSON report (process 1 of chief_only is killed)."""
-    coordinator = f"127.0.0.1:{spmd.launch.free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), scenario, str(directory), str(TIMEOUT_S)],

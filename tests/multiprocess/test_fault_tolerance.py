@@ -1,6 +1,6 @@
 """Kill a worker, relaunch, lose nothing: real processes, real signals, loopback only.
 
-Each run is `spmd launch -n 2 --devices-per-process 2` (through `spmd.launch.launch`)
+Each run is `spmd launch -n 2 --devices-per-process 2` (through `spmd.clusters.launch.launch`)
 of ckpt_worker.py: ParameterServerStrategy over both processes, a checkpoint
 every 2 steps, batches that are a function of their position. An uninterrupted
 run is the oracle: a run that was killed and relaunched must end bitwise equal.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.launch import launch, process_env, run_group
+from spmd.clusters.launch import free_port, launch, process_env, run_group
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -189,7 +189,7 @@ def test_dead_worker_ends_the_others_within_the_heartbeat_timeout():
     worker = HERE / "ckpt_heartbeat_worker.py"
     jobs = {}
     for victim in (0, 1):
-        coordinator = f"127.0.0.1:{spmd.launch.free_port()}"
+        coordinator = f"127.0.0.1:{free_port()}"
         jobs[victim] = [
             subprocess.Popen(
                 [sys.executable, str(worker), str(victim), str(heartbeat)],

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.launch import free_port
+from spmd.clusters.launch import free_port
 from spmd.testing import run_processes
 
 HERE = Path(__file__).parent

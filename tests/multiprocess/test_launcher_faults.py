@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd import cli
-from spmd.launch import launch
+from spmd.cli import main as cli
+from spmd.clusters.launch import launch
 
 from .procs import alive, child_env, wait_gone
 
@@ -171,7 +171,7 @@ def test_verbose_shows_gloo_lines(capsys):
 
 BLOCKED_WITH_A_WATCHER = """
 import time
-from spmd.preemption import PreemptionWatcher
+from spmd.checkpoint.preemption import PreemptionWatcher
 watcher = PreemptionWatcher(grace_period=1)
 print("READY", flush=True)
 time.sleep(60)  # the handler sets a flag; nothing would ever save or exit

@@ -13,18 +13,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd import nnx_state, per_replica, step_checks
 from spmd.errors import BatchError, ConfigurationError, ScopeError, message, received
 from spmd.logical import LogicalRules, check_rules, flax_context
-from spmd.replica import (
-    ReduceOp,
-    current_strategy,
-    in_cross_replica_context,
-    running_strategy,
-)
 from spmd.rules import Rule, is_key, resolve_sources, resolve_specs
-from spmd.step import CPU_MAX_IN_FLIGHT, Step, put_leaf
-from spmd.strategy_checks import (
+from spmd.strategy import nnx_state, per_replica, step_checks
+from spmd.strategy.checks import (
     check_batch_axis,
     check_donate,
     check_host_memory,
@@ -32,9 +25,16 @@ from spmd.strategy_checks import (
     check_rules_list,
     static_names,
 )
+from spmd.strategy.replica import (
+    ReduceOp,
+    current_strategy,
+    in_cross_replica_context,
+    running_strategy,
+)
+from spmd.strategy.step import CPU_MAX_IN_FLIGHT, Step, put_leaf
 
 if TYPE_CHECKING:
-    from spmd.data import DistributedDataset, InputContext, InputOptions, NumpyDataset
+    from spmd.data.dataset import DistributedDataset, InputContext, InputOptions, NumpyDataset
 
 __all__ = [
     "CPU_MAX_IN_FLIGHT",
@@ -366,7 +366,7 @@ class Strategy:
         Returns a `spmd.DistributedDataset`; `options` is a `spmd.InputOptions`
         (sharding policy, padding, prefetch). See `spmd.data.distribute_dataset`.
         """
-        from spmd.data import distribute_dataset
+        from spmd.data.dataset import distribute_dataset
 
         return distribute_dataset(self, dataset, options)
 
@@ -379,7 +379,7 @@ class Strategy:
 
         See `spmd.data.distribute_datasets_from_function`.
         """
-        from spmd.data import distribute_datasets_from_function
+        from spmd.data.dataset import distribute_datasets_from_function
 
         return distribute_datasets_from_function(self, dataset_fn, options)
 
@@ -396,7 +396,7 @@ class Strategy:
 
         See `spmd.data.make_numpy_dataset`.
         """
-        from spmd.data import make_numpy_dataset
+        from spmd.data.dataset import make_numpy_dataset
 
         return make_numpy_dataset(
             self, arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder

@@ -12,12 +12,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from spmd import nnx_state
 from spmd.errors import BatchError, ConfigurationError, message, received
 from spmd.rules import path_str
+from spmd.strategy import nnx_state
 
 if TYPE_CHECKING:
-    from spmd.strategy import Strategy
+    from spmd.strategy.base import Strategy
 
 __all__ = ["check_arguments", "register", "static_key"]
 

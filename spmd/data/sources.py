@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from spmd.data.input_context import InputContext, Remainder
 from spmd.errors import BatchError, ConfigurationError, message, received
-from spmd.input_context import InputContext, Remainder
 
 __all__ = [
     "FileDataset",

@@ -7,8 +7,9 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from spmd.cluster_gloo import check_interface, gloo_address, use_gloo_address
-from spmd.cluster_spec import (
+from spmd.clusters.distributed import EXIT_TIMEOUT, backends_started, distributed_state, join
+from spmd.clusters.gloo import check_interface, gloo_address, use_gloo_address
+from spmd.clusters.spec import (
     ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,
     ENV_NUM_PROCESSES,
@@ -20,7 +21,6 @@ from spmd.cluster_spec import (
     parse_tf_config,
     worker_info,
 )
-from spmd.distributed import EXIT_TIMEOUT, backends_started, distributed_state, join
 from spmd.errors import ClusterError, InitializationError, message, received
 
 __all__ = [

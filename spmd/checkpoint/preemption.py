@@ -15,9 +15,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from spmd import distributed
+from spmd.clusters import distributed
+from spmd.clusters.launch_results import PREEMPTED_EXIT_CODE
 from spmd.errors import ConfigurationError, message, received
-from spmd.launch_results import PREEMPTED_EXIT_CODE
 
 __all__ = ["MODES", "Preempted", "PreemptionWatcher", "jax_service_available"]
 

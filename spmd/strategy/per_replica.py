@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd.errors import ConfigurationError, ContextError, message, received
-from spmd.replica import (
+from spmd.strategy.replica import (
     PerReplica,
     ReduceOp,
     ReplicaContext,
@@ -20,10 +20,10 @@ from spmd.replica import (
     replica_context,
     running_strategy,
 )
-from spmd.step import conform
+from spmd.strategy.step import conform
 
 if TYPE_CHECKING:
-    from spmd.strategy import Strategy
+    from spmd.strategy.base import Strategy
 
 __all__ = ["gather", "local_results", "reduce", "run"]
 

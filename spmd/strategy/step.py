@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from spmd import nnx_state
-from spmd import step_checks as checks
 from spmd.errors import ConfigurationError, ContextError, message, received
-from spmd.replica import in_replica_context
 from spmd.rules import path_str
+from spmd.strategy import nnx_state
+from spmd.strategy import step_checks as checks
+from spmd.strategy.replica import in_replica_context
 
 if TYPE_CHECKING:
-    from spmd.strategy import Strategy
+    from spmd.strategy.base import Strategy
 
 __all__ = ["CPU_MAX_IN_FLIGHT", "Step"]
 

@@ -19,12 +19,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from spmd import strategies
-from spmd.cli_types import positive_int
-from spmd.cluster import ENV_DEVICES_PER_PROCESS, initialize
+from spmd.cli.types import positive_int
+from spmd.clusters.initialize import ENV_DEVICES_PER_PROCESS, initialize
 from spmd.errors import ConfigurationError, SpmdError, message, received
-from spmd.strategy import Strategy
-from spmd.trainer import Trainer
+from spmd.strategy import strategies
+from spmd.strategy.base import Strategy
+from spmd.trainer.trainer import Trainer
 
 __all__ = [
     "CNN",
@@ -283,7 +283,7 @@ def _strategy_key(name: str) -> str:
 
 def _launch(args: argparse.Namespace) -> int:
     """Re-runs this demo as `args.processes` workers through spmd launch."""
-    from spmd.launch import launch
+    from spmd.clusters.launch import launch
 
     n, total = args.processes, args.devices or DEFAULT_DEVICES
     if total % n:
@@ -407,7 +407,7 @@ def _train(strategy: Strategy, data: Data, args: argparse.Namespace, chief: bool
 
 def _save(directory: str, step: int, state: Any) -> str:
     """Saves the trained state as checkpoint `step` under `directory`; every process calls it."""
-    from spmd.checkpoint import CheckpointManager
+    from spmd.checkpoint.manager import CheckpointManager
 
     ckpt = CheckpointManager(os.path.abspath(directory), max_to_keep=1, async_save=False)
     try:

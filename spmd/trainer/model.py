@@ -14,7 +14,7 @@ from flax import nnx
 from spmd.errors import ConfigurationError, message, received
 
 if TYPE_CHECKING:
-    from spmd.strategy import Strategy
+    from spmd.strategy.base import Strategy
 
 __all__ = ["Model", "averages", "cast", "example_weights", "first_nan", "stack", "wrap_model"]
 

@@ -10,12 +10,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd.cluster import check_initialized_under_launcher
+from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import ConfigurationError, message, received
 from spmd.logical import LogicalRules
 from spmd.mesh import make_mesh, order_devices, prime_factors, resolve_devices
 from spmd.rules import MinSizePartitioner, Partitioner
-from spmd.strategy import Strategy, _default_strategy
+from spmd.strategy.base import Strategy, _default_strategy
 
 __all__ = [
     "CentralStorageStrategy",

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from spmd.cli_types import non_negative_int, positive_float, positive_int
+from spmd.cli.types import non_negative_int, positive_float, positive_int
+from spmd.clusters.launch_results import EXIT_GRACE
 from spmd.errors import SpmdError
-from spmd.launch_results import EXIT_GRACE
 
 __all__ = ["build_parser", "main"]
 
@@ -66,7 +66,7 @@ def _add_launch(subparsers: Subparsers) -> None:
 
 def _run_launch(args: argparse.Namespace) -> int:
     """Runs `spmd launch`."""
-    from spmd.launch import launch
+    from spmd.clusters.launch import launch
 
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
@@ -123,7 +123,7 @@ def _device_ids(devices: Sequence[Any]) -> str:
 
 def _print_strategy(name: str) -> None:
     """Prints one strategy's mesh and devices, or why it cannot be built here."""
-    from spmd import strategies
+    from spmd.strategy import strategies
 
     try:
         s = strategies.by_name(name)
@@ -143,8 +143,8 @@ def _run_env(args: argparse.Namespace) -> int:
 
     import jax
 
-    from spmd import strategies
-    from spmd.cluster import initialize
+    from spmd.clusters.initialize import initialize
+    from spmd.strategy import strategies
 
     info = initialize(local_device_count=args.devices)
     print("cluster:")
@@ -166,7 +166,7 @@ def _run_env(args: argparse.Namespace) -> int:
 
 def _add_demo(subparsers: Subparsers) -> None:
     """Registers `spmd demo [...]`, defined in spmd/demo.py."""
-    from spmd.demo import add_subcommand
+    from spmd.cli.demo import add_subcommand
 
     add_subcommand(subparsers)
 

@@ -8,15 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from spmd.errors import BatchError, ConfigurationError, message, received
-from spmd.input_context import (
+from spmd.data.input_context import (
     AutoShardPolicy,
     InputContext,
     InputOptions,
     input_context,
 )
-from spmd.iterator import FUNCTION, DistributedDataset, DistributedIterator, Plan
-from spmd.sources import (
+from spmd.data.iterator import FUNCTION, DistributedDataset, DistributedIterator, Plan
+from spmd.data.sources import (
     FileDataset,
     HostBatch,
     NumpyDataset,
@@ -25,9 +24,10 @@ from spmd.sources import (
     local_batches,
     partial_message,
 )
+from spmd.errors import BatchError, ConfigurationError, message, received
 
 if TYPE_CHECKING:
-    from spmd.strategy import Strategy
+    from spmd.strategy.base import Strategy
 
 __all__ = [
     "AutoShardPolicy",

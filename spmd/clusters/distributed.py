@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from spmd.clusters.launch_results import PREEMPTED_EXIT_CODE
 from spmd.errors import InitializationError, message, received
-from spmd.launch_results import PREEMPTED_EXIT_CODE
 
 __all__ = [
     "EXIT_TIMEOUT",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 from spmd.errors import BatchError, ConfigurationError, enum_member, message, received
 
 if TYPE_CHECKING:
-    from spmd.strategy import Strategy
+    from spmd.strategy.base import Strategy
 
 __all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "input_context"]
 

@@ -11,14 +11,13 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from spmd import checkpoint_guard as guard
-from spmd import checkpoint_integrity as integrity
-from spmd import checkpoint_tree as ct
-from spmd.checkpoint_integrity import Damaged, checksums
-from spmd.checkpoint_store import make_store
-from spmd.cluster import check_initialized_under_launcher
+from spmd.checkpoint import guard, integrity
+from spmd.checkpoint import tree as ct
+from spmd.checkpoint.integrity import Damaged, checksums
+from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
+from spmd.checkpoint.store import make_store
+from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
-from spmd.preemption import Mode, Preempted, PreemptionWatcher
 
 __all__ = ["CheckpointManager"]
 
@@ -312,7 +311,7 @@ class CheckpointManager:
         Returns:
           (state, step): step 0 for a fresh state, else the restored step.
         """
-        from spmd.strategy import get_strategy
+        from spmd.strategy.base import get_strategy
 
         strategy = strategy or get_strategy()
         if self.latest_step() is None and not self.damaged_steps():

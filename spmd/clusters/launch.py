@@ -18,18 +18,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from spmd.cluster_spec import (
-    ENV_COORDINATOR_ADDRESS,
-    ENV_DEVICES_PER_PROCESS,
-    ENV_NUM_PROCESSES,
-    ENV_PROCESS_ID,
-    ENV_RESTART_COUNT,
-    TF_CONFIG,
-)
-from spmd.distributed import FOLLOWER
-from spmd.errors import ConfigurationError, message, received
-from spmd.launch_keeper import Keeper, group_alive, signal_groups
-from spmd.launch_results import (
+from spmd.clusters.distributed import FOLLOWER
+from spmd.clusters.launch_keeper import Keeper, group_alive, signal_groups
+from spmd.clusters.launch_results import (
     EXIT_GRACE,
     GRACE_PERIOD,
     PREEMPTED_EXIT_CODE,
@@ -38,6 +29,15 @@ from spmd.launch_results import (
     ProcessResult,
     signal_name,
 )
+from spmd.clusters.spec import (
+    ENV_COORDINATOR_ADDRESS,
+    ENV_DEVICES_PER_PROCESS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RESTART_COUNT,
+    TF_CONFIG,
+)
+from spmd.errors import ConfigurationError, message, received
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",

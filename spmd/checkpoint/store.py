@@ -14,8 +14,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Sharding
 
-from spmd import checkpoint_tree as ct
-from spmd.checkpoint_integrity import Damaged, damage
+from spmd.checkpoint import tree as ct
+from spmd.checkpoint.integrity import Damaged, damage
 from spmd.errors import CheckpointError
 
 __all__ = ["ChiefStore", "SharedStore", "make_store"]

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from spmd.data.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
+from spmd.data.prefetch import HostCheck, Prefetcher
+from spmd.data.sources import HostBatch, with_mask
 from spmd.errors import ConfigurationError, message, received
-from spmd.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
-from spmd.prefetch import HostCheck, Prefetcher
-from spmd.sources import HostBatch, with_mask
 
 if TYPE_CHECKING:
-    from spmd.strategy import Strategy
+    from spmd.strategy.base import Strategy
 
 __all__ = ["FUNCTION", "DistributedDataset", "DistributedIterator", "Plan"]
 

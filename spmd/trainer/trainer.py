@@ -12,18 +12,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from spmd.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
 from spmd.errors import BatchError, ConfigurationError, SpmdError, message, received
-from spmd.losses import (
-    Metric,
-    check_fit,
-    check_labels,
-    check_outputs,
-    resolve_loss,
-    resolve_metrics,
-)
-from spmd.strategy import Strategy, get_strategy
-from spmd.trainer_data import (
+from spmd.strategy.base import Strategy, get_strategy
+from spmd.trainer.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
+from spmd.trainer.data import (
     BatchSpecs,
     as_dataset,
     check_count,
@@ -36,7 +28,15 @@ from spmd.trainer_data import (
     split_batch,
     train_args,
 )
-from spmd.trainer_model import averages, cast, example_weights, first_nan, stack, wrap_model
+from spmd.trainer.losses import (
+    Metric,
+    check_fit,
+    check_labels,
+    check_outputs,
+    resolve_loss,
+    resolve_metrics,
+)
+from spmd.trainer.model import averages, cast, example_weights, first_nan, stack, wrap_model
 
 __all__ = ["NonFiniteLossError", "Trainer"]
 
