@@ -1,6 +1,8 @@
 """The package layout: the public names `import spmd` gives stay exactly these."""
 
+import ast
 import importlib
+from pathlib import Path
 
 import spmd
 
@@ -76,3 +78,120 @@ def test_cluster_is_the_function_not_the_package():
     """The cluster family is `spmd.clusters`, so `spmd.cluster` stays the public function."""
     importlib.import_module("spmd.clusters.initialize")
     assert callable(spmd.cluster) and spmd.cluster.__module__ == "spmd.clusters.initialize"
+
+
+SPMD = Path(spmd.__file__).resolve().parent
+MAX_LINES = 600
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of spmd/ by dotted name (a package by its own name)."""
+    found = {}
+    for path in sorted(SPMD.rglob("*.py")):
+        parts = path.relative_to(SPMD.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _type_checking_only(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST):
+    """The import statements that run at some point: in functions too, under
+    `if TYPE_CHECKING:` not."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            yield from (n for child in node.orelse for n in _imports_of(child))
+            continue
+        yield from _imports_of(node)
+
+
+def _imports_of(node: ast.AST):
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        yield node
+    else:
+        yield from _imports(node)
+
+
+def _targets(name: str, node: ast.Import | ast.ImportFrom, modules: dict) -> set[str]:
+    """The spmd modules an import statement of module `name` runs."""
+    if isinstance(node, ast.Import):
+        bases = [alias.name for alias in node.names]
+    else:
+        package = name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = node.module or ""
+        base = f"{package}.{base}".strip(".") if node.level else base
+        bases = [base] + [f"{base}.{alias.name}" for alias in node.names]
+    found = set()
+    for base in bases:
+        parts = base.split(".")
+        # importing a.b.c runs a, a.b and a.b.c; the packages around `name` itself don't count
+        for i in range(1, len(parts) + 1):
+            target = ".".join(parts[:i])
+            if target in modules and not name.startswith(target + ".") and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {
+        name: set().union(
+            *(_targets(name, n, modules) for n in _imports(ast.parse(path.read_text())))
+        )
+        for name, path in modules.items()
+    }
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_sees_imports_in_functions_and_skips_type_checking():
+    code = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import spmd.b\ndef f():\n    from spmd import c\n"
+    modules = {"spmd.a": Path("a.py"), "spmd.b": Path("b.py"), "spmd.c": Path("c.py")}
+    found = set().union(*(_targets("spmd.a", n, modules) for n in _imports(ast.parse(code))))
+    assert found == {"spmd.c"}
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_inside_spmd():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_module_over_600_lines():
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them): {long}"

@@ -18,6 +18,7 @@ from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
 from spmd.checkpoint.store import make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
+from spmd.strategy.base import get_strategy
 
 __all__ = ["CheckpointManager"]
 
@@ -311,7 +312,6 @@ class CheckpointManager:
         Returns:
           (state, step): step 0 for a fresh state, else the restored step.
         """
-        from spmd.strategy.base import get_strategy
 
         strategy = strategy or get_strategy()
         if self.latest_step() is None and not self.damaged_steps():

@@ -146,10 +146,6 @@ class PreemptionWatcher:
         """Whether this process has had a preemption notice ("signal" mode)."""
         return self._notice.is_set()
 
-    def notify(self) -> None:
-        """Records a preemption notice on this process, as SIGTERM does ("signal" mode)."""
-        self._notice.set()
-
     def close(self) -> None:
         """Puts back the SIGTERM handler that was there before; SIGTERM ends the process again."""
         if self.mode != "off":

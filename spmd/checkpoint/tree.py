@@ -12,6 +12,7 @@ from jax.sharding import Sharding
 
 from spmd.errors import CheckpointError, message, received
 from spmd.strategy import nnx_state
+from spmd.strategy.base import get_strategy
 
 __all__ = [
     "Flat",
@@ -143,7 +144,6 @@ def target_shardings(target: Any, flat: Flat) -> dict[str, Sharding]:
     shardings = {p: sharding_of(leaf) for p, leaf in flat.items()}
     if all(s is not None for s in shardings.values()):
         return shardings
-    from spmd.strategy.base import get_strategy
 
     tree = get_strategy().state_sharding(target)
     if isinstance(tree, nnx.State):

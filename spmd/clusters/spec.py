@@ -19,9 +19,8 @@ ENV_DEVICES_PER_PROCESS = "SPMD_DEVICES_PER_PROCESS"  # simulated CPU devices pe
 ENV_RESTART_COUNT = "SPMD_RESTART_COUNT"  # 0 on the first attempt, then 1, 2, ...
 TF_CONFIG = "TF_CONFIG"
 
-# The task types TF_CONFIG may name, and the ones that train together.
+# The task types TF_CONFIG may name.
 TASK_TYPES = ("chief", "worker", "evaluator", "ps")
-TRAINING_TASK_TYPES = ("chief", "worker")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -207,11 +207,6 @@ class Prefetcher:
         """Stops the producer thread and waits for it to end."""
         self._finalizer()
 
-    @property
-    def alive(self) -> bool:
-        """Whether the producer thread is still running."""
-        return self._thread.is_alive()
-
 
 def _produce(items: Iterator[Any], out: queue.Queue, stop: threading.Event) -> None:
     try:

@@ -13,7 +13,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd.data.dataset import (
+    distribute_dataset,
+    distribute_datasets_from_function,
+    make_numpy_dataset,
+)
 from spmd.errors import BatchError, ConfigurationError, ScopeError, message, received
+from spmd.explain import explain
 from spmd.logical import LogicalRules, check_rules, flax_context
 from spmd.rules import Rule, is_key, resolve_sources, resolve_specs
 from spmd.strategy import nnx_state, per_replica, step_checks
@@ -91,7 +97,6 @@ class Strategy:
     strict: bool = False
     name: str = "Strategy"
     logical_axis_rules: LogicalRules = ()
-    _is_default: bool = field(default=False, repr=False)
     _replicate_unmapped: bool = field(default=False, repr=False)
 
     def __post_init__(self):
@@ -366,7 +371,6 @@ class Strategy:
         Returns a `spmd.DistributedDataset`; `options` is a `spmd.InputOptions`
         (sharding policy, padding, prefetch). See `spmd.data.distribute_dataset`.
         """
-        from spmd.data.dataset import distribute_dataset
 
         return distribute_dataset(self, dataset, options)
 
@@ -379,7 +383,6 @@ class Strategy:
 
         See `spmd.data.distribute_datasets_from_function`.
         """
-        from spmd.data.dataset import distribute_datasets_from_function
 
         return distribute_datasets_from_function(self, dataset_fn, options)
 
@@ -396,7 +399,6 @@ class Strategy:
 
         See `spmd.data.make_numpy_dataset`.
         """
-        from spmd.data.dataset import make_numpy_dataset
 
         return make_numpy_dataset(
             self, arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
@@ -473,7 +475,6 @@ class Strategy:
         Example:
           >>> print(strategy.explain(train_step, strategy.abstract_state(create, key), x, y))
         """
-        from spmd.explain import explain
 
         if isinstance(step_fn, Step):
             step = (
@@ -565,9 +566,7 @@ def _round_up(n: int, multiple: int) -> int:
 def _default_strategy() -> Strategy:
     device = jax.local_devices()[0]
     mesh = Mesh(np.asarray([device], dtype=object), ("replica",))
-    return Strategy(
-        mesh, batch_axes=(), name="DefaultStrategy", _is_default=True, _replicate_unmapped=True
-    )
+    return Strategy(mesh, batch_axes=(), name="DefaultStrategy", _replicate_unmapped=True)
 
 
 def get_strategy() -> Strategy:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from spmd.checkpoint.manager import CheckpointManager
 from spmd.errors import ConfigurationError, message, received
 
 if TYPE_CHECKING:
@@ -333,7 +334,6 @@ class ModelCheckpoint(Callback):
         self.best = -math.inf if self.mode == "max" else math.inf
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from spmd.checkpoint.manager import CheckpointManager
 
         self._saves = self.trainer.iterations // self.save_freq if self.save_freq != "epoch" else 0
         self.manager = CheckpointManager(
@@ -412,7 +412,6 @@ class BackupAndRestore(Callback):
         self._saves = 0  # multiples of save_freq crossed so far
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        from spmd.checkpoint.manager import CheckpointManager
 
         interval = (
             self.save_freq if isinstance(self.save_freq, int) else 2**62

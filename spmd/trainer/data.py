@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.data.dataset import DistributedDataset, InputOptions
 from spmd.data.sources import PaddedBatch
 from spmd.errors import BatchError, ConfigurationError, message, received
 
 if TYPE_CHECKING:
-    from spmd.data.dataset import DistributedDataset
     from spmd.strategy.base import Strategy
 
 __all__ = [
@@ -86,7 +86,6 @@ def as_dataset(
         nothing, or (with `pad`) to drop examples.
       ConfigurationError: data of a kind the Trainer does not read (e.g. a dict).
     """
-    from spmd.data.dataset import DistributedDataset, InputOptions
 
     if isinstance(data, DistributedDataset):
         check_distributed(data, pad=pad, what=what)
@@ -254,7 +253,6 @@ def host_first(data: Any, batch_size: int | None, what: str) -> Any:
     element; a distributed dataset or a one-shot iterator None (reading would
     use up a batch or move the dataset to its next epoch).
     """
-    from spmd.data.dataset import DistributedDataset
 
     if data is None or isinstance(data, DistributedDataset | Iterator):
         return None
