@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from spmd.errors import ConfigurationError, message, received
+from spmd.validate import is_integer
 
 __all__ = ["make_mesh", "order_devices", "prime_factors", "resolve_devices"]
 
@@ -27,7 +28,7 @@ def _resolve_shape(axes: Mapping[str, int], num_devices: int) -> tuple[int, ...]
     """Replaces a single -1 by what the device count implies, then checks the product."""
     sizes = list(axes.values())
     inferred = [i for i, s in enumerate(sizes) if s == -1]
-    bad = [s for s in sizes if not isinstance(s, int) or (s < 1 and s != -1)]
+    bad = [s for s in sizes if not is_integer(s) or (s < 1 and s != -1)]
     if bad or len(inferred) > 1:
         raise ConfigurationError(
             message(

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from spmd.errors import ConfigurationError, message, received
 from spmd.logical import Annotation, LogicalRules, annotations, to_spec
+from spmd.validate import positive_int
 
 __all__ = [
     "FixedShardsPartitioner",
@@ -62,14 +63,8 @@ def _nbytes(shape: Sequence[int], dtype: Any, bytes_per_string: int) -> int:
 
 
 def _check_positive(name: str, value: int | None, cls: str) -> None:
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ConfigurationError(
-            message(
-                f"{cls}.{name} must be a positive integer.",
-                received(**{name: value}),
-                f"pass e.g. {cls}({name}=2).",
-            )
-        )
+    if value is not None:
+        positive_int(value, f"{cls}.{name}", fix=f"pass e.g. {cls}({name}=2).")
 
 
 def _counts(shape: Sequence[int], num_shards: int) -> list[int]:

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from etils import epath
 
+from spmd.clusters.jax_state import coordination_client
 from spmd.errors import CheckpointError, message, received
 
 __all__ = [
@@ -223,9 +224,7 @@ def _gather(client: Any, prefix: str, value: str, what: str, deadline: float, ti
 
 
 def _client() -> Any:
-    from jax._src import distributed  # the coordination service's client: JAX has no public one
-
-    client = distributed.global_state.client
+    client = coordination_client()
     if client is None:
         raise CheckpointError(
             message(

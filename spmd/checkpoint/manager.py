@@ -19,6 +19,7 @@ from spmd.checkpoint.store import make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
 from spmd.strategy.base import get_strategy
+from spmd.validate import positive_int, positive_number
 
 __all__ = ["CheckpointManager"]
 
@@ -498,23 +499,11 @@ def _absolute(directory: str | os.PathLike[str]) -> epath.Path:
 
 
 def _check_timeout(value: Any) -> float:
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise ConfigurationError(
-        message(
-            "coordination_timeout is a number of seconds > 0.",
-            received(coordination_timeout=value),
-            "pass e.g. 30.",
-        )
-    )
+    return positive_number(value, "coordination_timeout", fix="pass e.g. 30.")
 
 
 def _check_positive(value: Any, name: str, hint: str) -> None:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return
-    raise ConfigurationError(
-        message(f"{name} must be an integer >= 1.", received(**{name: value}), f"pass {hint}.")
-    )
+    positive_int(value, name, fix=f"pass {hint}.")
 
 
 def _leaves(state: Any) -> ct.Flat:

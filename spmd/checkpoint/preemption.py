@@ -16,8 +16,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from spmd.clusters import distributed
+from spmd.clusters.jax_state import coordination_client, preemption_sync_manager
 from spmd.clusters.launch_results import PREEMPTED_EXIT_CODE
 from spmd.errors import ConfigurationError, message, received
+from spmd.validate import positive_int
 
 __all__ = ["MODES", "Preempted", "PreemptionWatcher", "jax_service_available"]
 
@@ -53,14 +55,7 @@ class Preempted(SystemExit):
 
 def jax_service_available() -> bool:
     """Whether JAX's preemption sync manager runs here (jax.distributed, service enabled)."""
-    try:
-        from jax._src import distributed  # private: guarded, JAX may move it
-    except ImportError:
-        return False
-    state = getattr(distributed, "global_state", None)
-    return getattr(state, "client", None) is not None and (
-        getattr(state, "preemption_sync_manager", None) is not None
-    )
+    return coordination_client() is not None and preemption_sync_manager() is not None
 
 
 class PreemptionWatcher:
@@ -262,8 +257,4 @@ def _resolve_mode(mode: str) -> str:
 
 
 def _positive(value: Any, name: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return value
-    raise ConfigurationError(
-        message(f"{name} must be an integer >= 1.", received(**{name: value}), f"pass {name}=1.")
-    )
+    return positive_int(value, name, fix=f"pass {name}=1.")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from spmd.clusters.jax_state import global_state
 from spmd.clusters.launch_results import PREEMPTED_EXIT_CODE
 from spmd.errors import InitializationError, message, received
 
@@ -23,7 +24,6 @@ __all__ = [
     "FOLLOWER",
     "PEER_POLL",
     "SIGTERM_GRACE",
-    "backends_started",
     "bind_address",
     "distributed_state",
     "expect_save",
@@ -55,27 +55,9 @@ _state: dict[str, Any] = {
 # ------------------------------------------------------------------ what JAX knows
 
 
-def backends_started() -> bool:
-    """Whether JAX has created its backends (after which its setup is fixed)."""
-    try:
-        from jax._src import xla_bridge  # private: guarded, JAX may move it
-    except ImportError:
-        return False
-    started = getattr(xla_bridge, "backends_are_initialized", lambda: False)
-    return bool(started())
-
-
-def _global_state() -> Any:
-    try:
-        from jax._src import distributed  # private: guarded, JAX may move it
-    except ImportError:
-        return None
-    return getattr(distributed, "global_state", None)
-
-
 def distributed_state() -> tuple[int, int, str | None] | None:
     """(process_id, num_processes, coordinator) if jax.distributed is initialized."""
-    state = _global_state()
+    state = global_state()
     if state is None or state.client is None:
         return None
     return state.process_id, state.num_processes, state.coordinator_address
@@ -260,7 +242,7 @@ def join(
 
 def _shutdown_quietly() -> None:
     """Leaves jax.distributed's half-built state so that exiting does not crash."""
-    state = _global_state()
+    state = global_state()
     if state is None:
         return
     for part in ("preemption_sync_manager", "client", "service"):
@@ -274,7 +256,7 @@ def _shutdown_quietly() -> None:
 
 
 def _client() -> Any:
-    state = _global_state()
+    state = global_state()
     return None if state is None else state.client
 
 

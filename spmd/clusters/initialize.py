@@ -7,8 +7,9 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from spmd.clusters.distributed import EXIT_TIMEOUT, backends_started, distributed_state, join
+from spmd.clusters.distributed import EXIT_TIMEOUT, distributed_state, join
 from spmd.clusters.gloo import check_interface, gloo_address, use_gloo_address
+from spmd.clusters.jax_state import backends_started
 from spmd.clusters.spec import (
     ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from spmd.errors import ClusterError, message, received
+from spmd.validate import integer
 
 __all__ = ["ClusterInfo", "check_address", "parse_tf_config"]
 
@@ -102,13 +103,7 @@ def check_int(value: Any, field: str, low: int, high: int | None, fix: str) -> i
     """Checks that `value` is an int in [low, high) (high None: unbounded) and returns it."""
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if is_int and value >= low and (high is None or value < high):
-        return value
-    bounds = f"{low} .. {high - 1}" if high is not None else f">= {low}"
-    raise ClusterError(
-        message(f"{field} must be an integer, {bounds}.", received(**{field: value}), fix)
-    )
+    return integer(value, field, low=low, high=high, fix=fix, error=ClusterError)
 
 
 # ------------------------------------------------------------------ TF_CONFIG

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from spmd.errors import BatchError, ConfigurationError, enum_member, message, received
+from spmd.validate import positive_number
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
@@ -153,14 +154,7 @@ class InputOptions:
                     'pass remainder="drop" for training or remainder="pad" for evaluation.',
                 )
             )
-        if self.host_timeout <= 0:
-            raise ConfigurationError(
-                message(
-                    "host_timeout is a positive number of seconds.",
-                    received(host_timeout=self.host_timeout),
-                    "pass e.g. host_timeout=300.",
-                )
-            )
+        positive_number(self.host_timeout, "host_timeout", fix="pass e.g. host_timeout=300.")
 
 
 def input_context(strategy: Strategy) -> InputContext:

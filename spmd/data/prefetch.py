@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from spmd.clusters.jax_state import coordination_client
 from spmd.errors import BatchError, message, received
 
 __all__ = ["HostCheck", "Prefetcher"]
@@ -146,12 +147,7 @@ def _compare(records: list[dict], step: int) -> None:
 
 
 def _coordination_client() -> Any:
-    try:
-        from jax._src import distributed  # private: guarded, JAX may move it
-    except ImportError:
-        return None
-    state = getattr(distributed, "global_state", None)
-    return getattr(state, "client", None)
+    return coordination_client()
 
 
 class _End:

@@ -21,6 +21,7 @@ from spmd.strategy.replica import (
     running_strategy,
 )
 from spmd.strategy.step import conform
+from spmd.validate import is_integer
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
@@ -282,7 +283,7 @@ def _replica_axes(x: jax.Array, axis: int | None) -> tuple[int, ...]:
 
 
 def _check_axis_type(axis: Any, where: str) -> None:
-    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+    if not is_integer(axis):
         raise ConfigurationError(
             message(
                 f"{where}'s axis is an int (negative counts from the end)"

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd.errors import ConfigurationError, enum_member, message, received
+from spmd.validate import is_integer
 
 __all__ = [
     "PerReplica",
@@ -212,7 +213,7 @@ def compute_average_loss(
 
 def _check_global_batch_size(size: Any) -> None:
     """A positive integer scalar; a traced one is checked for dtype and rank only."""
-    is_int = isinstance(size, int | np.integer) and not isinstance(size, bool)
+    is_int = is_integer(size)
     if isinstance(size, jax.Array | np.ndarray):
         is_int = size.ndim == 0 and jnp.issubdtype(size.dtype, jnp.integer)
         if is_int and isinstance(size, jax.core.Tracer):

@@ -13,6 +13,7 @@ import numpy as np
 
 from spmd.checkpoint.manager import CheckpointManager
 from spmd.errors import ConfigurationError, message, received
+from spmd.validate import positive_int
 
 if TYPE_CHECKING:
     from spmd.trainer.trainer import Trainer
@@ -476,15 +477,10 @@ def _remove_everywhere(directory: str) -> None:
 
 
 def _check_freq(save_freq: Any, owner: str) -> None:
-    if save_freq == "epoch" or (isinstance(save_freq, int) and save_freq > 0):
+    if isinstance(save_freq, str) and save_freq == "epoch":
         return
-    raise ConfigurationError(
-        message(
-            f'{owner}.save_freq is "epoch" or a positive number of batches.',
-            received(save_freq=save_freq),
-            'pass save_freq="epoch" or e.g. save_freq=100.',
-        )
-    )
+    fix = 'pass save_freq="epoch", or a number of batches, e.g. save_freq=100.'
+    positive_int(save_freq, f"{owner}.save_freq", fix=fix)
 
 
 class TensorBoard(Callback):

@@ -12,6 +12,7 @@ import numpy as np
 from spmd.data.dataset import DistributedDataset, InputOptions
 from spmd.data.sources import PaddedBatch
 from spmd.errors import BatchError, ConfigurationError, message, received
+from spmd.validate import positive_int
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
@@ -270,17 +271,9 @@ def check_count(name: str, value: Any, *, allow_none: bool) -> None:
     """Raises unless `value` is a positive int (or None where allowed)."""
     if value is None and allow_none:
         return
-    if isinstance(value, int | np.integer) and not isinstance(value, bool) and value > 0:
-        return
-    raise ConfigurationError(
-        message(
-            f"{name} is a positive number of {'batches' if 'steps' in name else 'epochs'}"
-            + (" (or None)." if allow_none else "."),
-            received(**{name: value}),
-            f"pass {name}=1 or more"
-            + (", or leave it None for the whole dataset." if allow_none else "."),
-        )
-    )
+    unit = "batches" if "steps" in name else "epochs"
+    or_none = ", or leave it None for the whole dataset" if allow_none else ""
+    positive_int(value, name, fix=f"pass {name}=1 or more {unit}{or_none}.")
 
 
 def check_microbatches(batch: tuple, steps: int, replicas: int) -> None:
