@@ -20,7 +20,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
 
-MODULES = ("bench_step", "bench_input", "bench_checkpoint", "bench_multiprocess", "bench_peers")
+MODULES = (
+    "bench_step",
+    "bench_input",
+    "bench_checkpoint",
+    "bench_multiprocess",
+    "bench_peers",
+    "bench_scale",
+)
 HIDDEN = {"benchmark", "median_s"}
 
 
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     common.set_cpu_devices(8)
     start, rows = time.perf_counter(), []
     for name in args.only or MODULES:
+        name = name if name.startswith("bench_") else f"bench_{name}"
         module = importlib.import_module(f"bench.{name}")
         print(f"running {name} ...", flush=True)
         rows += module.main(args.quick)
