@@ -44,6 +44,13 @@ def _add_launch(subparsers: Subparsers) -> None:
     p.add_argument("--max-restarts", type=non_negative_int, default=0, metavar="R")
     p.add_argument("--max-preemptions", type=non_negative_int, default=10, metavar="P")
     p.add_argument(
+        "--min-processes",
+        type=positive_int,
+        metavar="M",
+        help="elastic: once --max-restarts are used up, relaunch on one process fewer, down "
+        "to M, with --max-restarts again at each size (default: N, never fewer)",
+    )
+    p.add_argument(
         "--timeout",
         type=positive_float,
         metavar="S",
@@ -81,6 +88,7 @@ def _run_launch(args: argparse.Namespace) -> int:
             max_preemptions=args.max_preemptions,
             exit_grace=args.exit_grace,
             verbose=args.verbose,
+            min_processes=args.min_processes,
         )
     except KeyboardInterrupt:
         print("spmd launch: interrupted; stopped every process.", file=sys.stderr)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import dataclasses
 import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,8 +16,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
-from spmd.clusters.distributed import FOLLOWER
 from spmd.clusters.launch_keeper import Keeper, group_alive, signal_groups
+from spmd.clusters.launch_printer import FOLLOWER_LINE, Printer, summary
 from spmd.clusters.launch_results import (
     EXIT_GRACE,
     GRACE_PERIOD,
@@ -52,7 +50,6 @@ __all__ = [
 _POLL = 0.05  # seconds between checks of the processes
 # Seconds to wait, once processes failed, for the one they say they end for to end too.
 _LEADER_WAIT = 3.0
-_FOLLOWER_LINE = re.compile(rf"^spmd: {FOLLOWER} (\d+) failed")
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
 OnLine = Callable[[int, str, str], None]  # (process index, "stdout" | "stderr", line)
@@ -299,7 +296,7 @@ def _noting_followers(followers: dict[int, int], on_line: OnLine | None) -> OnLi
     """`on_line`, noting in `followers` each process that ends because a peer failed."""
 
     def note(index: int, name: str, line: str) -> None:
-        match = _FOLLOWER_LINE.match(line)
+        match = FOLLOWER_LINE.match(line)
         if name == "stderr" and match:
             followers.setdefault(index, int(match[1]))
         if on_line is not None:
@@ -386,73 +383,6 @@ def _check_launch_args(
         )
 
 
-_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to ")
-_TRACEBACK = "Traceback (most recent call last):"
-_KEPT_LINES = 200  # lines of each process's stderr kept for the failure summary
-
-
-class _Printer:
-    """Writes the processes' lines prefixed with their index, one whole line at a time.
-
-    Keeps the last lines of each process's stderr, to say at the end what
-    failed first, and hides gloo's "[Gloo] Rank N is connected" lines unless
-    `verbose`.
-    """
-
-    def __init__(self, verbose: bool = False) -> None:
-        self._lock = threading.Lock()
-        self._verbose = verbose
-        self._stderr: dict[int, collections.deque[str]] = {}
-
-    def __call__(self, index: int, stream: str, line: str) -> None:
-        if stream == "stderr":
-            kept = self._stderr.setdefault(index, collections.deque(maxlen=_KEPT_LINES))
-            kept.append(line.rstrip("\n"))
-        if not self._verbose and _GLOO_CONNECTED.match(line):
-            return
-        out = sys.stdout if stream == "stdout" else sys.stderr
-        text = f"[{index}] {line}" if line.endswith("\n") else f"[{index}] {line}\n"
-        with self._lock:
-            out.write(text)
-            out.flush()
-
-    def exception(self, index: int) -> str | None:
-        """The last Python exception process `index` printed ("Type: message"), if any."""
-        lines = list(self._stderr.get(index, ()))
-        starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
-        if not starts:
-            return None
-        after = lines[starts[-1] + 1 :]
-        last = [line for line in after if line and not line[0].isspace()]
-        return last[0] if last else None
-
-    def follows(self, index: int) -> int | None:
-        """The peer process `index` said it ended for ("spmd: ending: process K failed")."""
-        found = [_FOLLOWER_LINE.match(line) for line in self._stderr.get(index, ())]
-        return next((int(m[1]) for m in found if m), None)
-
-    def forget(self) -> None:
-        """Drops what was kept, before a restart."""
-        self._stderr.clear()
-
-
-def _summary(result: GroupResult, printer: _Printer) -> str | None:
-    """One paragraph on the first failure: process, exception type and message."""
-    if not result.failed:
-        return None
-    first = result.processes[result.failed[0]]
-    who, index = first.describe(), first.process_index
-    leader = printer.follows(index)  # every failed process ended for a peer (stopped since)
-    if leader is not None:
-        who, index = f"process {leader} (process {index} ended because it failed)", leader
-    exception = printer.exception(index)
-    what = f"raised {exception}" if exception else "printed no Python exception"
-    return (
-        f"first failure: {who}; it {what}. The other processes' output "
-        "after that (C++ check failures, collectives that lost a peer) follows from it."
-    )
-
-
 def _report(text: str) -> None:
     """Tells the user what the launcher did, on stderr."""
     print(f"spmd launch: {text}", file=sys.stderr, flush=True)
@@ -484,6 +414,7 @@ class _Settings:
     grace_period: float
     exit_grace: float
     verbose: bool
+    min_processes: int
 
 
 def launch(
@@ -498,6 +429,7 @@ def launch(
     grace_period: float = GRACE_PERIOD,
     exit_grace: float = EXIT_GRACE,
     verbose: bool = False,
+    min_processes: int | None = None,
 ) -> int:
     """Runs `command` as `num_processes` local processes that form one spmd cluster.
 
@@ -515,6 +447,12 @@ def launch(
     SIGKILL of the launcher kills them and their children too (Linux; a keeper
     process, spmd.launch_keeper, stops every worker's process group).
 
+    Elastic: with `min_processes` below `num_processes`, a failure with no
+    restarts left relaunches the job on one process fewer (down to
+    `min_processes`), with `max_restarts` restarts again at that size. The
+    program resumes from its checkpoint on the smaller mesh; SPMD_NUM_PROCESSES
+    says how many processes this attempt has.
+
     Args:
       command: the program and its arguments, e.g. ["python", "train.py"].
       num_processes: how many processes to start.
@@ -526,6 +464,8 @@ def launch(
       grace_period: seconds between SIGTERM and SIGKILL when stopping processes.
       exit_grace: seconds the other processes have to end after one exits with 0.
       verbose: also show gloo's "[Gloo] Rank N is connected" lines.
+      min_processes: the fewest processes to relaunch the job on once the
+        restarts are used up (None: `num_processes`, never fewer).
 
     Returns:
       0 if every process of an attempt succeeded; else the failed process's exit
@@ -541,8 +481,9 @@ def launch(
     """
     budget = {"max_restarts": max_restarts, "max_preemptions": max_preemptions}
     _check_launch_args(command, num_processes, devices_per_process, budget)
+    fewest = check_min_processes(min_processes, num_processes)
     settings = _Settings(
-        num_processes, devices_per_process, timeout, env, grace_period, exit_grace, verbose
+        num_processes, devices_per_process, timeout, env, grace_period, exit_grace, verbose, fewest
     )
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _raise_terminated) for s in _STOP_SIGNALS} if in_main else {}
@@ -561,8 +502,9 @@ def _attempts(command: Sequence[str], settings: _Settings, budget: dict[str, int
     timeout = settings.timeout
     deadline = None if timeout is None else time.monotonic() + timeout
     used = {"max_restarts": 0, "max_preemptions": 0}
-    printer = _Printer(settings.verbose)
-    for attempt in range(sum(budget.values()) + 1):
+    printer = Printer(settings.verbose)
+    size, attempt = settings.num_processes, 0
+    while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             _report(f"timed out after {timeout:g} s before restarting.")
@@ -570,7 +512,7 @@ def _attempts(command: Sequence[str], settings: _Settings, budget: dict[str, int
         printer.forget()
         result = run_group(
             command,
-            settings.num_processes,
+            size,
             devices_per_process=settings.devices_per_process,
             env=settings.env,
             timeout=left,
@@ -585,15 +527,60 @@ def _attempts(command: Sequence[str], settings: _Settings, budget: dict[str, int
             _report(f"timed out after {timeout:g} s; stopped every process.")
             return TIMEOUT_EXIT_CODE
         _report(result.describe() + ".")
-        summary = _summary(result, printer)
-        if summary is not None:
-            _report(summary)
-        kind = "max_preemptions" if result.preempted else "max_restarts"
-        if used[kind] >= budget[kind]:
-            _report(f"giving up: no restarts left ({kind}={budget[kind]}).")
+        first = summary(result, printer)
+        if first is not None:
+            _report(first)
+        size = _next_size(result, size, settings.min_processes, budget, used)
+        if size == 0:
             return result.exit_code
+        attempt += 1
+
+
+def _next_size(
+    result: GroupResult, size: int, fewest: int, budget: dict[str, int], used: dict[str, int]
+) -> int:
+    """How many processes the next attempt has (0: none, give up); counts the restart.
+
+    A failure with no restarts left shrinks the job by one process while it has
+    more than `fewest`, with a fresh restart budget; a preemption never does.
+    """
+    kind = "max_preemptions" if result.preempted else "max_restarts"
+    if used[kind] < budget[kind]:
         used[kind] += 1
         why = "preemption" if result.preempted else "restart"
-        n = settings.num_processes
-        _report(f"restarting all {n} processes ({why} {used[kind]} of {budget[kind]}).")
-    return result.exit_code
+        _report(f"restarting all {size} processes ({why} {used[kind]} of {budget[kind]}).")
+        return size
+    if kind == "max_restarts" and size > fewest:
+        used[kind] = 0
+        _report(
+            f"no restarts left at {size} processes (max_restarts={budget[kind]}); relaunching "
+            f"on {size - 1} (min_processes={fewest}): the job resumes from its checkpoint."
+        )
+        return size - 1
+    _report(f"giving up: no restarts left ({kind}={budget[kind]}).")
+    return 0
+
+
+def check_min_processes(min_processes: int | None, num_processes: int) -> int:
+    """`min_processes` checked against `num_processes` (None: `num_processes`).
+
+    Raises:
+      ConfigurationError: it is not an integer from 1 to `num_processes`.
+    """
+    if min_processes is None:
+        return num_processes
+    if (
+        not isinstance(min_processes, int)
+        or isinstance(min_processes, bool)
+        or not 1 <= min_processes <= num_processes
+    ):
+        raise ConfigurationError(
+            message(
+                "min_processes is the fewest processes to relaunch the job on: an integer "
+                "from 1 to num_processes.",
+                received(min_processes=min_processes, num_processes=num_processes),
+                f"pass e.g. min_processes={max(1, num_processes // 2)} "
+                f"(on the command line: --min-processes {max(1, num_processes // 2)}).",
+            )
+        )
+    return min_processes

@@ -376,7 +376,9 @@ def _check_state(state: dict, plan: Plan, global_batch_size: int | None = None) 
                     **{k: f"{saved!r} saved, {now!r} now" for k, (saved, now) in differ.items()}
                 ),
                 "restore with the dataset and process count the state was saved with, or "
-                "start the epoch over from {'epoch': e, 'batch': 0}.",
+                "start the epoch over from {'epoch': e, 'batch': 0}; for a job whose process "
+                "count changes (spmd launch --min-processes), read with "
+                "InputOptions(auto_shard_policy='DATA'), whose position maps to any count.",
             )
         )
     return state["epoch"], state["batch"]

@@ -1,0 +1,81 @@
+"""How `spmd launch` shows its processes' output, and names the first failure."""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+import threading
+
+from spmd.clusters.distributed import FOLLOWER
+from spmd.clusters.launch_results import GroupResult
+
+__all__ = ["FOLLOWER_LINE", "Printer", "summary"]
+
+# What a process that ends because a peer failed says last, naming the peer.
+FOLLOWER_LINE = re.compile(rf"^spmd: {FOLLOWER} (\d+) failed")
+_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to ")
+_TRACEBACK = "Traceback (most recent call last):"
+_KEPT_LINES = 200  # lines of each process's stderr kept for the failure summary
+
+
+class Printer:
+    """Writes the processes' lines prefixed with their index, one whole line at a time.
+
+    Keeps the last lines of each process's stderr, to say at the end what
+    failed first, and hides gloo's "[Gloo] Rank N is connected" lines unless
+    `verbose`.
+    """
+
+    def __init__(self, verbose: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._verbose = verbose
+        self._stderr: dict[int, collections.deque[str]] = {}
+
+    def __call__(self, index: int, stream: str, line: str) -> None:
+        if stream == "stderr":
+            kept = self._stderr.setdefault(index, collections.deque(maxlen=_KEPT_LINES))
+            kept.append(line.rstrip("\n"))
+        if not self._verbose and _GLOO_CONNECTED.match(line):
+            return
+        out = sys.stdout if stream == "stdout" else sys.stderr
+        text = f"[{index}] {line}" if line.endswith("\n") else f"[{index}] {line}\n"
+        with self._lock:
+            out.write(text)
+            out.flush()
+
+    def exception(self, index: int) -> str | None:
+        """The last Python exception process `index` printed ("Type: message"), if any."""
+        lines = list(self._stderr.get(index, ()))
+        starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
+        if not starts:
+            return None
+        after = lines[starts[-1] + 1 :]
+        last = [line for line in after if line and not line[0].isspace()]
+        return last[0] if last else None
+
+    def follows(self, index: int) -> int | None:
+        """The peer process `index` said it ended for ("spmd: ending: process K failed")."""
+        found = [FOLLOWER_LINE.match(line) for line in self._stderr.get(index, ())]
+        return next((int(m[1]) for m in found if m), None)
+
+    def forget(self) -> None:
+        """Drops what was kept, before a restart."""
+        self._stderr.clear()
+
+
+def summary(result: GroupResult, printer: Printer) -> str | None:
+    """One paragraph on the first failure: process, exception type and message."""
+    if not result.failed:
+        return None
+    first = result.processes[result.failed[0]]
+    who, index = first.describe(), first.process_index
+    leader = printer.follows(index)  # every failed process ended for a peer (stopped since)
+    if leader is not None:
+        who, index = f"process {leader} (process {index} ended because it failed)", leader
+    exception = printer.exception(index)
+    what = f"raised {exception}" if exception else "printed no Python exception"
+    return (
+        f"first failure: {who}; it {what}. The other processes' output "
+        "after that (C++ check failures, collectives that lost a peer) follows from it."
+    )
