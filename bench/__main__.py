@@ -20,7 +20,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench import common  # noqa: E402
 
-MODULES = ("bench_step", "bench_feed", "bench_input", "bench_checkpoint", "bench_multiprocess", "bench_peers")
+MODULES = (
+    "bench_step",
+    "bench_feed",
+    "bench_input",
+    "bench_checkpoint",
+    "bench_multiprocess",
+    "bench_peers",
+)
 HIDDEN = {"benchmark", "median_s"}
 
 
