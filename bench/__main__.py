@@ -22,6 +22,7 @@ from bench import common  # noqa: E402
 
 MODULES = (
     "bench_step",
+    "bench_feed",
     "bench_input",
     "bench_checkpoint",
     "bench_multiprocess",

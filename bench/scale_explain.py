@@ -78,8 +78,9 @@ def train_step(state: dict, tokens: Any) -> tuple[dict, Any]:
 
 def strategies(num_devices: int) -> dict[str, Any]:
     """Data parallel, HSDP (sharded inside a host, replicated across) and FSDP over every device."""
-    import spmd
     from jax.sharding import PartitionSpec as P
+
+    import spmd
 
     hosts = 2 if num_devices <= 8 else num_devices // 8
     mesh = spmd.make_mesh({"host": hosts, "replica": num_devices // hosts})

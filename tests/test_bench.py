@@ -25,6 +25,7 @@ def test_bench_quick_writes_the_performance_page(tmp_path):
             str(out),
             "--only",
             "bench_step",
+            "bench_feed",
             "bench_input",
             "bench_multiprocess",
         ],
@@ -39,6 +40,7 @@ def test_bench_quick_writes_the_performance_page(tmp_path):
     for section in (
         "## step overhead",
         "## steps_per_execution",
+        "## fed paths, tiny model",
         "## strategies",
         "## input pipeline",
         "## multi-process",

@@ -493,3 +493,25 @@ def test_dataset_position_does_not_depend_on_garbage_collection(strategy):
     assert (dist.get_state()["epoch"], dist.get_state()["batch"]) == (2, 0)
     dist.set_state({"epoch": 2, "batch": 1})
     assert (dist.get_state()["epoch"], dist.get_state()["batch"]) == (2, 1)
+
+
+def test_host_put_places_as_device_put_does(strategy):
+    """The input pipeline's batched transfer gives device_put's arrays: dtypes
+    canonicalized (float64 -> float32), the same sharding, committed, and a copy
+    (the host buffer changed afterwards leaves the placed batch as it was)."""
+    from spmd.data.transfer import host_put
+
+    x = np.arange(64 * 3, dtype=np.float64).reshape(64, 3)
+    y = np.arange(64, dtype=np.int64)
+    scalar = np.asarray(2.5)
+    shardings = [strategy.batch_sharding(2), strategy.batch_sharding(1), strategy.replicated]
+    got = host_put([x, y, scalar], shardings)
+    want = jax.device_put([x, y, scalar], shardings)
+    x[0, 0] = 99.0
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.sharding == w.sharding and g.committed
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert float(got[0][0, 0]) == 0.0
+    # a leaf that is not a plain numpy array takes jax.device_put
+    [placed] = host_put([jnp.ones((8, 2))], [strategy.batch_sharding(2)])
+    assert placed.sharding == strategy.batch_sharding(2)

@@ -15,6 +15,7 @@ import numpy as np
 from spmd.data.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
 from spmd.data.prefetch import HostCheck, Prefetcher
 from spmd.data.sources import HostBatch, with_mask
+from spmd.data.transfer import host_put
 from spmd.errors import ConfigurationError, message, received
 
 if TYPE_CHECKING:
@@ -276,6 +277,7 @@ def _device_batches(
 ) -> Iterator[Any]:
     """Places each host batch on the devices, after every process agrees it has one."""
     host = plan.batches(epoch, start)
+    place = _Placer(strategy)
     for step in itertools.count():
         try:
             batch = next(host, None)
@@ -288,26 +290,45 @@ def _device_batches(
             check.agree(step, _record(batch, contents), stop)
         if batch is None:
             return
-        yield _place(strategy, batch)
+        yield place(batch)
 
 
-def _place(strategy: Strategy, batch: HostBatch) -> Any:
-    """Makes this process's rows of a batch into global arrays over the replicas (+ mask)."""
-    tree = batch.tree if batch.mask is None else (batch.tree, batch.mask)
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [np.asarray(x) for x in leaves]
-    shardings = [strategy.batch_sharding(x.ndim) for x in leaves]
-    if jax.process_count() == 1:  # the rows are the whole batch: one device_put for all
-        placed = jax.device_put(leaves, shardings)
-    else:
-        placed = [
-            jax.make_array_from_process_local_data(
-                s, x, (batch.global_size, *x.shape[1:]) if x.ndim else ()
-            )
-            for s, x in zip(shardings, leaves, strict=True)
-        ]
-    tree = jax.tree.unflatten(treedef, placed)
-    return tree if batch.mask is None else with_mask(*tree)
+class _Placer:
+    """Makes this process's rows of a batch into global arrays over the replicas (+ mask).
+
+    The shardings are built once per rank. With one process the rows are the
+    whole batch: every leaf goes to its devices in one batched transfer
+    (`host_put`), without `jax.device_put`'s per-call pytree and abstract-value
+    work, which on a dispatch-bound step costs as much as the step itself.
+    """
+
+    def __init__(self, strategy: Strategy):
+        self._strategy = strategy
+        self._shardings: dict[int, Any] = {}
+        self._single = jax.process_count() == 1
+
+    def _sharding(self, ndim: int) -> Any:
+        sharding = self._shardings.get(ndim)
+        if sharding is None:
+            sharding = self._shardings[ndim] = self._strategy.batch_sharding(ndim)
+        return sharding
+
+    def __call__(self, batch: HostBatch) -> Any:
+        tree = batch.tree if batch.mask is None else (batch.tree, batch.mask)
+        leaves, treedef = jax.tree.flatten(tree)
+        leaves = [np.asarray(x) for x in leaves]
+        shardings = [self._sharding(x.ndim) for x in leaves]
+        if self._single:
+            placed = host_put(leaves, shardings)
+        else:
+            placed = [
+                jax.make_array_from_process_local_data(
+                    s, x, (batch.global_size, *x.shape[1:]) if x.ndim else ()
+                )
+                for s, x in zip(shardings, leaves, strict=True)
+            ]
+        tree = jax.tree.unflatten(treedef, placed)
+        return tree if batch.mask is None else with_mask(*tree)
 
 
 def _record(batch: HostBatch | None, contents: bool) -> dict:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import collections
 import functools
-import operator
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -20,6 +18,14 @@ from spmd.rules import path_str
 from spmd.strategy import nnx_state
 from spmd.strategy import step_checks as checks
 from spmd.strategy.replica import in_replica_context
+from spmd.strategy.step_records import Call as _Call
+from spmd.strategy.step_records import Hot as _Hot
+from spmd.strategy.step_records import Outcome as _Outcome
+from spmd.strategy.step_records import Program as _Program
+from spmd.strategy.step_records import Traced as _Traced
+from spmd.strategy.step_records import any_deleted as _any_deleted
+from spmd.strategy.step_records import hot as _hot
+from spmd.strategy.step_records import signature as _signature
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
@@ -48,7 +54,7 @@ class Step:
         self.donate = donate
         self.static_argnames = static_argnames
         self.batch_axis = batch_axis
-        self._compiled: dict[Any, tuple[Callable, dict]] = {}
+        self._compiled: dict[Any, _Program] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
         self._hot: _Hot | None = None
@@ -70,35 +76,26 @@ class Step:
                 and not _any_deleted(hot.state_leaves)
             ):
                 pure = state if hot.binding is None else hot.binding.arrays
-                return self._run(
-                    state,
-                    pure,
-                    leaves,
-                    data_def,
-                    {},
-                    hot.compiled,
-                    hot.form,
-                    hot.static,
-                    hot.binding,
-                )
+                call = _Call(state, pure, leaves, data_def, {}, hot.static, hot.binding)
+                return self._run(call, hot.program)
         with nnx_state.updating(self._tag):  # flax's bookkeeping, as in nnx.jit
             return self._call(state, data, kwargs)
 
     def _call(self, state: Any, data: tuple, kwargs: dict) -> Any:
         """A call off the fast path: split, check, find or build the program, run it."""
-        graphdef, pure, dynamic, compiled, form, fresh = self._program(state, data, kwargs)
+        graphdef, pure, dynamic, program, fresh = self._program(state, data, kwargs)
         binding = None if graphdef is None else nnx_state.Binding(state, pure)
         if fresh:
             # A first state often comes unplaced (numpy, one device): place it, so
             # that the states the step returns hit the same compiled program.
             pure = jax.tree.map(put_leaf, pure, self.strategy.state_sharding(pure))
         else:
-            _check_layout(self.strategy, pure, form["flat_state_sharding"], binding is not None)
+            _check_layout(self.strategy, pure, program.state_shardings, binding is not None)
         leaves, data_def = jax.tree.flatten(data)
         if binding is not None:  # NNX state goes in as its flat list of arrays
             pure = jax.tree.leaves(pure)
         static = self._static_of(kwargs) if not dynamic else None
-        return self._run(state, pure, leaves, data_def, dynamic, compiled, form, static, binding)
+        return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
 
     def _static_of(self, kwargs: dict) -> tuple | None:
         """The cache key of keyword arguments that are all static, else None."""
@@ -111,59 +108,43 @@ class Step:
         except ConfigurationError:
             return None
 
-    def _run(self, state, pure, leaves, data_def, kwargs, compiled, form, static, binding) -> Any:
+    def _run(self, call: _Call, program: _Program) -> Any:
         """Calls the program and remembers what it returned for the next call's fast path.
 
         In a steady loop the state passed in is the one the last call returned,
         none of its arrays deleted, the batch has the same shapes and dtypes and the
-        keyword arguments are the same static values (`static`, None when some
+        keyword arguments are the same static values (`call.static`, None when some
         are not static): then nothing is checked again (`_hot`), which keeps
-        the Python cost per step flat. NNX state (`binding`) is split once and
+        the Python cost per step flat. NNX state (`call.binding`) is split once and
         reused while nothing but the step has touched it.
         """
+        state, leaves, binding = call.state, call.leaves, call.binding
         if _multiprocess():
             data = self.strategy.distribute_batch(
-                jax.tree.unflatten(data_def, leaves), self.batch_axis
+                jax.tree.unflatten(call.data_def, leaves), self.batch_axis
             )
         else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
-            data = jax.tree.unflatten(data_def, _conform_all(leaves, form["flat_data_sharding"]))
-        new_leaves, out, done = compiled(pure, data, kwargs)
+            data = jax.tree.unflatten(call.data_def, _conform_all(leaves, program.data_shardings))
+        new_leaves, out, done = program.compiled(call.pure, data, call.kwargs)
         self._bound_in_flight(done)
-        returns = form.get("returns")
-        reshaped = binding is not None and not form["same_graph"]
+        traced = program.traced.value  # set by the trace, which the call above ran if new
+        reshaped = binding is not None and not traced.same_graph
         if reshaped:  # the step changed the objects' structure: update them as nnx.jit does
-            new_pure = jax.tree.unflatten(form["state_def"], new_leaves)
-            nnx_state.merge_back(self._tag, form["graphdef"], new_pure)
+            new_pure = jax.tree.unflatten(traced.state_def, new_leaves)
+            nnx_state.merge_back(self._tag, traced.graphdef, new_pure)
             result, next_state = out, state
         elif binding is not None:
             binding.write(new_leaves)
             result, next_state = out, state
-        elif returns == "metrics":
+        elif traced.returns == "metrics":
             result, next_state = out, state
         else:
-            new_pure = jax.tree.unflatten(form["state_def"], new_leaves)
+            new_pure = jax.tree.unflatten(traced.state_def, new_leaves)
             result = next_state = new_pure
-            if returns != "state":
+            if traced.returns != "state":
                 result = (new_pure, *out)
-        if static is not None and not reshaped and (binding is None or binding.usable):
-            if binding is not None:
-                flat_state, state_def = (), None
-            elif next_state is not state:  # rebuilt from these leaves: no flatten needed
-                flat_state, state_def = new_leaves, form["state_def"]
-            else:
-                flat_state, state_def = jax.tree.flatten(next_state)
-            self._hot = _Hot(
-                next_state,
-                _arrays(next_state) if new_leaves is None else new_leaves,
-                data_def,
-                _signature(leaves),
-                static,
-                compiled,
-                form,
-                binding,
-                state_def,
-                tuple(flat_state),
-            )
+        if call.static is not None and not reshaped and (binding is None or binding.usable):
+            self._hot = _hot(call, program, next_state, new_leaves, traced.state_def)
         else:
             self._hot = None
         return result
@@ -178,9 +159,9 @@ class Step:
           (the `jax.stages.Lowered` program, the state's pure pytree of arrays).
         """
         with nnx_state.updating(self._tag):
-            graphdef, pure, dynamic, compiled, _, _ = self._program(state, data, kwargs)
+            graphdef, pure, dynamic, program, _ = self._program(state, data, kwargs)
             flat = pure if graphdef is None else jax.tree.leaves(pure)
-            return compiled.lower(flat, data, dynamic), pure
+            return program.compiled.lower(flat, data, dynamic), pure
 
     def _program(self, state: Any, data: tuple, kwargs: dict):
         """Finds or builds the program for these arguments, after checking them.
@@ -189,7 +170,7 @@ class Step:
         whether a state structure holds NNX objects is decided once per structure.
 
         Returns:
-          (graphdef, pure state, non-static kwargs, program, form, fresh).
+          (graphdef, pure state, non-static kwargs, the `_Program`, fresh).
         """
         static = {k: v for k, v in kwargs.items() if k in self.static_argnames}
         dynamic = {k: v for k, v in kwargs.items() if k not in static}
@@ -217,14 +198,14 @@ class Step:
             jax.tree.structure(dynamic),
             checks.static_key(static),
         )
-        entry = self._compiled.pop(key, None)  # re-inserted last: least recently used first
-        fresh = entry is None
+        program = self._compiled.pop(key, None)  # re-inserted last: least recently used first
+        fresh = program is None
         if fresh:
-            entry = self._compile(graphdef, pure, data, dynamic, static)
-        self._compiled[key] = entry
+            program = self._compile(graphdef, pure, data, dynamic, static)
+        self._compiled[key] = program
         while len(self._compiled) > STEP_CACHE_SIZE:  # the least recently built goes
             self._compiled.pop(next(iter(self._compiled)))
-        return graphdef, pure, dynamic, *entry, fresh
+        return graphdef, pure, dynamic, program, fresh
 
     def _bound_in_flight(self, done: jax.Array) -> None:
         """On CPU, waits for the oldest step once `CPU_MAX_IN_FLIGHT` are queued.
@@ -242,7 +223,7 @@ class Step:
 
     def cache_size(self) -> int:
         """How many programs this step has compiled, over every state structure."""
-        return sum(compiled._cache_size() for compiled, _ in self._compiled.values())
+        return sum(program.compiled._cache_size() for program in self._compiled.values())
 
     def donates(self, nnx_state_: bool) -> bool:
         """Whether the program donates its state: `donate`, or by default pytrees only.
@@ -252,47 +233,44 @@ class Step:
         """
         return (not nnx_state_) if self.donate is None else bool(self.donate)
 
-    def _compile(self, graphdef, pure, data, kwargs, static) -> tuple[Callable, dict]:
+    def _compile(self, graphdef, pure, data, kwargs, static) -> _Program:
         strategy = self.strategy
         state_sharding = strategy.state_sharding(pure)
         on_host = strategy.placement == "host"
         axis = self.batch_axis
         data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x), axis), data)
         kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
-        form = {
-            "flat_data_sharding": jax.tree.leaves(data_sharding),
-            "flat_state_sharding": jax.tree.leaves(state_sharding),
-            "same_graph": True,
-        }
+        traced = _Outcome()
         fn, tag, donate = self.fn, self._tag, self.donates(graphdef is not None)
 
         @strategy.context(traced=True)
         def step(pure_state, data, kwargs):
             if on_host:
                 pure_state = jax.device_put(pure_state, _on_device(state_sharding))
-            new_sharding = state_sharding
+            new_sharding, new_graphdef, same_graph = state_sharding, None, True
             if graphdef is None:
                 out = _call(strategy, fn, pure_state, data, kwargs, static)
-                form["returns"], new_state, out = _split_output(out, pure_state, donate)
+                returns, new_state, out = _split_output(out, pure_state, donate)
             else:
                 live = nnx_state.inner_merge(tag, graphdef, pure_state)
                 out = _call(strategy, fn, live, data, kwargs, static)
-                form["graphdef"], new_state, form["same_graph"] = nnx_state.inner_split(
-                    tag, graphdef, live
-                )
-                if not form["same_graph"]:  # Variables added inside the step get their layout
+                returns = None
+                new_graphdef, new_state, same_graph = nnx_state.inner_split(tag, graphdef, live)
+                if not same_graph:  # Variables added inside the step get their layout
                     new_sharding = strategy.state_sharding(new_state)
             out = jax.lax.with_sharding_constraint(
                 out, jax.tree.map(lambda _: strategy.replicated, out)
             )
-            if form.get("returns") == "metrics":
-                return None, out, _done()  # the state is only read: nothing to copy back
+            if returns == "metrics":  # the state is only read: nothing to copy back
+                traced.value = _Traced(returns, None)
+                return None, out, _done()
             new_state = jax.lax.with_sharding_constraint(new_state, _on_device(new_sharding))
             if on_host:
                 new_state = jax.device_put(new_state, new_sharding)
             # Flat leaves out: the caller rebuilds the tree once and keeps the
             # leaves for the next call's donation check, with no flatten.
-            new_leaves, form["state_def"] = jax.tree.flatten(new_state)
+            new_leaves, state_def = jax.tree.flatten(new_state)
+            traced.value = _Traced(returns, state_def, new_graphdef, same_graph)
             return new_leaves, out, _done()
 
         in_state = state_sharding
@@ -303,7 +281,9 @@ class Step:
             in_shardings=(in_state, data_sharding, kwargs_sharding),
             donate_argnums=(0,) if donate else (),
         )
-        return compiled, form
+        return _Program(
+            compiled, jax.tree.leaves(data_sharding), jax.tree.leaves(state_sharding), traced
+        )
 
 
 def _check_layout(strategy: Strategy, pure: Any, shardings: list, is_nnx: bool) -> None:
@@ -400,52 +380,6 @@ _HAS_GRAPH_SIZE = 256
 @functools.cache
 def _multiprocess() -> bool:
     return jax.process_count() > 1
-
-
-@dataclass(frozen=True)
-class _Hot:
-    """What the last call of a Step returned and ran: the steady-state fast path."""
-
-    state: Any
-    state_leaves: list
-    data_def: Any
-    signature: tuple
-    static: tuple
-    compiled: Callable
-    form: dict
-    binding: nnx_state.Binding | None = None  # for NNX state: its split, kept
-    state_def: Any = None  # for a pytree state: its structure and leaves, as returned
-    flat_state: tuple = ()
-
-    def holds(self, state: Any) -> bool:
-        """Whether `state` is what the last call returned, untouched since.
-
-        For a pytree state its structure and every leaf are compared too (one
-        flatten): a dict that gained a key or had a leaf replaced in place goes
-        through the checked path.
-        """
-        if self.binding is not None:
-            return self.binding.matches(state)
-        if state is not self.state:
-            return False
-        leaves, treedef = jax.tree.flatten(state)
-        return treedef == self.state_def and all(map(operator.is_, leaves, self.flat_state))
-
-
-def _signature(leaves: list) -> tuple:
-    """Shape and dtype of each batch leaf: what must match for the fast path."""
-    return tuple(
-        (x.shape, x.dtype) if hasattr(x, "dtype") else (np.shape(x), type(x)) for x in leaves
-    )
-
-
-def _any_deleted(leaves: list) -> bool:
-    """Whether an array of `leaves` (jax.Arrays) was deleted: donated to another call since."""
-    return any(x.is_deleted() for x in leaves)
-
-
-def _arrays(tree: Any) -> list:
-    return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
 def _conform_all(leaves: list, shardings: list) -> list:

@@ -1,0 +1,143 @@
+"""The fed paths of the tiny model against the hand-written jax.jit floor, on 8 devices and 1.
+
+Run: python bench/bench_feed.py [--quick]
+
+The floor is a `jax.jit` step on a device-resident batch. The paths: spmd's
+step on placed batches; the step given a numpy batch per call; a
+`distribute_dataset` iterator (prefetch on, a free host pipeline); and
+`Trainer.fit` on arrays with default options. The tiny model's step is all
+dispatch, so every microsecond of Python per step shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common
+
+GLOBAL_BATCH = 64
+TARGETS = {
+    ("placed", 1): "≤ 1.2x",
+    ("dataset", 8): "≤ 1.3x and ≤ numpy per call",
+    ("dataset", 1): "≤ numpy per call",
+    ("fit", 8): "≤ 1.25x",
+}
+
+
+def _floor(devices, x, y):
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    init, apply, _, _ = common.MODELS["tiny"]
+    mesh = jax.make_mesh(
+        (len(devices),), ("replica",), axis_types=(AxisType.Auto,), devices=devices
+    )
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
+    step = jax.jit(
+        common.make_train_step(apply),
+        in_shardings=(replicated, split, split),
+        out_shardings=(replicated, replicated),
+        donate_argnums=0,
+    )
+    box = [jax.jit(init, out_shardings=replicated)(jax.random.key(0))]
+    xs, ys = jax.device_put((x, y), split)
+
+    def run(steps):
+        state, queued = box[0], []
+        for _ in range(steps):
+            state, loss = step(state, xs, ys)
+            queued.append(loss)  # the same short queue as spmd's step on CPU
+            if len(queued) > 4:
+                queued.pop(0).block_until_ready()
+        box[0] = jax.block_until_ready(state)
+
+    return run
+
+
+def _runners(strategy, devices) -> dict:
+    """name -> run(steps): the floor and each fed path, on `strategy`."""
+    import jax
+    import numpy as np
+
+    import spmd
+
+    init, apply, _, _ = common.MODELS["tiny"]
+    x, y = common.batch("tiny", GLOBAL_BATCH)
+    step = strategy.step(common.make_train_step(apply))
+    box = [strategy.init(init, jax.random.key(0))]
+    placed = strategy.distribute_batch((x, y))
+
+    def loop(batches):
+        state = box[0]
+        for xb, yb in batches:
+            state, _ = step(state, xb, yb)
+        box[0] = jax.block_until_ready(state)
+
+    trainer = spmd.Trainer(
+        (lambda key: init(key)["params"], apply),
+        common.TX,
+        "sparse_categorical_crossentropy",
+        strategy=strategy,
+    )
+    many = {}
+
+    def fit(steps):
+        if steps not in many:
+            many[steps] = (np.concatenate([x] * steps), np.concatenate([y] * steps))
+        trainer.fit(many[steps], batch_size=GLOBAL_BATCH, verbose=0, shuffle=False)
+
+    return {
+        "floor": _floor(devices, x, y),
+        "placed": lambda steps: loop(placed for _ in range(steps)),
+        "numpy": lambda steps: loop((x, y) for _ in range(steps)),
+        "dataset": lambda steps: loop(strategy.distribute_dataset((x, y) for _ in range(steps))),
+        "fit": fit,
+    }
+
+
+NAMES = {
+    "placed": "step, placed batches",
+    "numpy": "step, numpy batch per call",
+    "dataset": "distribute_dataset (prefetch=2)",
+    "fit": "Trainer.fit (default options)",
+}
+
+
+def main(quick: bool = False) -> list[dict]:
+    """Each fed path's time per step and ratio to the floor, 8 devices and 1."""
+    import jax
+
+    import spmd
+
+    rows = []
+    for count, strategy in (
+        (jax.device_count(), spmd.MirroredStrategy()),
+        (1, spmd.OneDeviceStrategy()),
+    ):
+        runners = _runners(strategy, jax.devices()[:count])
+        times = common.timeit(runners, steps=50 if quick else 300, repeats=3 if quick else 7)
+        for name, label in NAMES.items():
+            rows.append(
+                {
+                    "benchmark": "fed paths, tiny model",
+                    "case": f"{label}, {count} device{'s' if count > 1 else ''}",
+                    "floor": common.fmt_time(times["floor"]),
+                    "spmd": common.fmt_time(times[name]),
+                    "ratio": common.ratio(times[name], times["floor"]),
+                    "target": TARGETS.get((name, count), ""),
+                }
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    common.set_cpu_devices(8)
+    print(common.table(main(args.quick), ["case", "floor", "spmd", "ratio", "target"]))
