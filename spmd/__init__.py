@@ -13,6 +13,7 @@ from spmd.data import FileDataset as FileDataset
 from spmd.data import InputContext as InputContext
 from spmd.data import InputOptions as InputOptions
 from spmd.data import NumpyDataset as NumpyDataset
+from spmd.data import grain_shard_options as grain_shard_options
 from spmd.errors import BatchError as BatchError
 from spmd.errors import CheckpointError as CheckpointError
 from spmd.errors import ClusterError as ClusterError
@@ -94,6 +95,7 @@ __all__ = [
     "compute_average_loss",
     "get_replica_context",
     "get_strategy",
+    "grain_shard_options",
     "has_strategy",
     "in_cross_replica_context",
     "initialize",

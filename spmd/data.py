@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from spmd.errors import BatchError, ConfigurationError, message, received
+from spmd.grain_source import grain_shard_options, is_grain, plan_grain
 from spmd.input_context import (
     AutoShardPolicy,
     InputContext,
@@ -40,6 +41,7 @@ __all__ = [
     "PaddedBatch",
     "distribute_dataset",
     "distribute_datasets_from_function",
+    "grain_shard_options",
     "make_numpy_dataset",
 ]
 
@@ -166,6 +168,8 @@ def make_numpy_dataset(
 
 
 def _plan_dataset(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
+    if is_grain(dataset):
+        return plan_grain(dataset, ctx, options)
     policy = _resolve_policy(dataset, ctx, options.auto_shard_policy)
     remainder = options.remainder or getattr(dataset, "remainder", None) or "error"
     if isinstance(dataset, NumpyDataset):

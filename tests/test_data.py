@@ -437,13 +437,6 @@ def test_tf_data_dataset(strategy):
     assert seen.tolist() == list(range(100))
 
 
-def test_grain_dataset(strategy):
-    grain = pytest.importorskip("grain", reason="grain is not installed")
-    ds = grain.MapDataset.source(np.arange(96, dtype=np.int32)).batch(16)
-    seen = np.concatenate([np.asarray(b) for b in strategy.distribute_dataset(ds)])
-    assert seen.tolist() == list(range(96))
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     examples=st.integers(1, 90),

@@ -1,0 +1,168 @@
+"""grain and tf.data as spmd input, against the real packages (the test extra installs them).
+
+Over 2 real processes: tests/multiprocess/test_loaders.py.
+"""
+
+import itertools
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+import spmd
+from spmd.grain_source import GrainPositions
+
+N, BATCH = 96, 16
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return spmd.MirroredStrategy()
+
+
+def _ids(dist_or_iterator, limit=None):
+    return [np.asarray(b).tolist() for b in itertools.islice(dist_or_iterator, limit)]
+
+
+class Counted:
+    """A grain map that counts the records it reads: what a resume reads again."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return x
+
+
+def _pipeline(count=None, seed=7):
+    ds = grain.MapDataset.source(np.arange(N, dtype=np.int32)).shuffle(seed=seed)
+    return (ds.map(count) if count else ds).batch(BATCH)
+
+
+# -- grain ------------------------------------------------------------------------------------
+
+
+def test_grain_every_example_once_in_grain_order(strategy):
+    dist = strategy.distribute_dataset(_pipeline())
+    seen = _ids(dist)
+    oracle = [np.asarray(b).tolist() for b in _pipeline()]
+    assert seen == oracle and sorted(sum(seen, [])) == list(range(N))
+    assert dist.auto_shard_policy is spmd.AutoShardPolicy.DATA
+
+
+def test_grain_shard_options_are_the_input_pipeline(strategy):
+    options = spmd.grain_shard_options(strategy)
+    assert isinstance(options, grain.sharding.ShardOptions)
+    assert (options.shard_index, options.shard_count, options.drop_remainder) == (0, 1, True)
+
+
+def test_grain_resume_at_the_exact_batch_through_checkpoint_manager(strategy, tmp_path):
+    dist = strategy.distribute_dataset(_pipeline())
+    iterator = iter(dist)
+    before = _ids(iterator, limit=2)
+    state = {"w": np.zeros(3, np.float32)}
+    with spmd.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        ckpt.save(2, state, data=iterator)
+        ckpt.wait()
+    rest = _ids(iterator)
+    saved = iterator.get_state()
+    assert (saved["epoch"], saved["batch"], saved["per_pipeline"]) == (1, 0, None)  # next epoch
+
+    count = Counted()
+    resumed = iter(strategy.distribute_dataset(_pipeline(count)))
+    with spmd.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        ckpt.restore(2, target=state, data=resumed)
+        position = ckpt.restore_data(2)
+    assert position["per_pipeline"] == {"0": {"next_index": 2}}  # grain's own state
+    assert _ids(resumed) == rest and len(before) == 2
+    assert count.calls == N - 2 * BATCH  # grain's set_state: the first batches are not read again
+
+
+def test_grain_data_loader_state_is_saved_as_json(strategy, tmp_path):
+    def loader():
+        sampler = grain.samplers.IndexSampler(
+            N, shard_options=spmd.grain_shard_options(strategy), shuffle=True, num_epochs=1, seed=3
+        )
+        return grain.DataLoader(
+            data_source=np.arange(N, dtype=np.int32),
+            sampler=sampler,
+            operations=[grain.transforms.Batch(BATCH)],
+            worker_count=0,
+        )
+
+    dist = strategy.distribute_dataset(loader())
+    assert dist.auto_shard_policy is spmd.AutoShardPolicy.DATA  # one shard: a global batch
+    iterator = iter(dist)
+    _ids(iterator, limit=3)
+    with spmd.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        ckpt.save(3, {"w": np.zeros(1, np.float32)}, data=iterator)
+        ckpt.wait()
+    rest = _ids(iterator)
+    resumed = iter(strategy.distribute_dataset(loader()))
+    with spmd.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        ckpt.restore(3, target={"w": np.zeros(1, np.float32)}, data=resumed)
+    assert _ids(resumed) == rest and len(rest) == N // BATCH - 3
+
+
+def test_grain_iterator_closed_and_read_again_goes_on(strategy):
+    count = Counted()
+    iterator = iter(strategy.distribute_dataset(_pipeline(count)))
+    first = _ids(iterator, limit=1)
+    iterator.close()
+    rest = _ids(iterator)
+    assert first + rest == [np.asarray(b).tolist() for b in _pipeline()]
+
+
+def test_grain_file_policy_is_an_error(strategy):
+    with pytest.raises(spmd.ConfigurationError, match="grain shards records"):
+        strategy.distribute_dataset(_pipeline(), spmd.InputOptions(auto_shard_policy="FILE"))
+
+
+def test_grain_loader_sharded_for_other_pipelines_is_an_error(strategy):
+    sampler = grain.samplers.IndexSampler(
+        N, shard_options=grain.sharding.ShardOptions(1, 2), shuffle=False, num_epochs=1
+    )
+    loader = grain.DataLoader(
+        data_source=np.arange(N), sampler=sampler, operations=[grain.transforms.Batch(8)]
+    )
+    with pytest.raises(spmd.ConfigurationError, match="shard_index=1"):
+        strategy.distribute_dataset(loader)
+
+
+def test_grain_position_without_this_pipeline_is_an_error():
+    positions = GrainPositions(_pipeline(), pipeline=1, keep=4)
+    with pytest.raises(spmd.ConfigurationError, match="saved_pipelines"):
+        positions.seek({"epoch": 0, "batch": 2, "per_pipeline": {"0": {"next_index": 2}}})
+
+
+def test_grain_position_of_a_batch_no_longer_kept_is_an_error(strategy):
+    positions = GrainPositions(_pipeline(), pipeline=0, keep=2)
+    elements, _ = positions.open(0, 0)
+    list(elements)
+    assert positions.state(0, N // BATCH) == {"0": {"next_index": N // BATCH}}
+    with pytest.raises(spmd.ConfigurationError, match="no longer|near the one"):
+        positions.state(0, 1)
+
+
+def test_grain_training_matches_one_device(strategy):
+    x = np.random.default_rng(0).normal(size=(N, 4)).astype(np.float32)
+    ds = grain.MapDataset.source(x).batch(BATCH)
+
+    def loss(w, xb):
+        return jnp_mean_square(xb @ w)
+
+    w = np.ones((4,), np.float32)
+    step = jax.jit(lambda w, xb: w - 0.1 * jax.grad(loss)(w, xb))
+    got = w
+    for xb in strategy.distribute_dataset(ds):
+        got = step(got, xb)
+    want = w
+    for start in range(0, N, BATCH):
+        want = step(want, jax.device_put(x[start : start + BATCH], jax.devices()[0]))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+def jnp_mean_square(v):
+    return (v**2).mean()
