@@ -9,9 +9,11 @@ import grain
 import jax
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import spmd
 from spmd.grain_source import GrainPositions
+from spmd.tf_source import plan_tf
 
 N, BATCH = 96, 16
 
@@ -166,3 +168,81 @@ def test_grain_training_matches_one_device(strategy):
 
 def jnp_mean_square(v):
     return (v**2).mean()
+
+
+# -- tf.data ----------------------------------------------------------------------------------
+
+
+def _tf_options(policy):
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = getattr(
+        tf.data.experimental.AutoShardPolicy, policy
+    )
+    return options
+
+
+@pytest.fixture(scope="module")
+def tfrecords(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tfrecords")
+    for f in range(4):
+        with tf.io.TFRecordWriter(str(folder / f"part-{f}.tfrecord")) as writer:
+            for i in range(f * 24, (f + 1) * 24):
+                feature = tf.train.Feature(int64_list=tf.train.Int64List(value=[i]))
+                writer.write(
+                    tf.train.Example(
+                        features=tf.train.Features(feature={"id": feature})
+                    ).SerializeToString()
+                )
+    return sorted(str(p) for p in folder.glob("*.tfrecord"))
+
+
+def _records(files, batch=BATCH):
+    def parse(record):
+        return tf.io.parse_single_example(record, {"id": tf.io.FixedLenFeature([], tf.int64)})["id"]
+
+    ds = tf.data.Dataset.from_tensor_slices(files)
+    return ds.interleave(tf.data.TFRecordDataset, cycle_length=1).map(parse).batch(batch)
+
+
+def test_tf_data_pads_the_last_batch(strategy):
+    ds = tf.data.Dataset.from_tensor_slices(np.arange(100, dtype=np.int32)).batch(16)
+    dist = strategy.distribute_dataset(ds, spmd.InputOptions(remainder="pad"))
+    seen = np.concatenate([np.asarray(b)[np.asarray(m) > 0] for b, m in dist])
+    assert seen.tolist() == list(range(100))
+    assert dist.auto_shard_policy is spmd.AutoShardPolicy.DATA
+
+
+def test_tf_data_file_policy_reads_the_files_in_order(strategy, tfrecords):
+    dist = strategy.distribute_dataset(
+        _records(tfrecords), spmd.InputOptions(auto_shard_policy="FILE")
+    )
+    assert _ids(dist) == [list(range(i, i + BATCH)) for i in range(0, N, BATCH)]
+    assert dist.auto_shard_policy is spmd.AutoShardPolicy.FILE
+
+
+def test_tf_data_auto_follows_the_datasets_own_policy(strategy, tfrecords):
+    ds = _records(tfrecords).with_options(_tf_options("FILE"))
+    assert strategy.distribute_dataset(ds).auto_shard_policy is spmd.AutoShardPolicy.FILE
+    ds = _records(tfrecords).with_options(_tf_options("OFF"))
+    assert strategy.distribute_dataset(ds).auto_shard_policy is spmd.AutoShardPolicy.OFF
+
+
+def test_tf_data_policies_that_disagree_are_an_error(strategy, tfrecords):
+    ds = _records(tfrecords).with_options(_tf_options("FILE"))
+    with pytest.raises(spmd.ConfigurationError, match="dataset_auto_shard_policy='FILE'"):
+        strategy.distribute_dataset(ds, spmd.InputOptions(auto_shard_policy="DATA"))
+    with pytest.raises(spmd.ConfigurationError, match="HINT"):
+        strategy.distribute_dataset(_records(tfrecords).with_options(_tf_options("HINT")))
+
+
+def test_tf_data_file_without_files_is_an_error():
+    ds = tf.data.Dataset.range(64).batch(16)
+    two_pipelines = spmd.InputContext(2, 0, 8)  # what process 0 of 2 sees
+    with pytest.raises(spmd.ConfigurationError, match="reads files"):
+        plan_tf(ds, two_pipelines, spmd.InputOptions(auto_shard_policy="FILE"))
+
+
+def test_tf_data_file_without_a_final_batch_is_an_error(strategy, tfrecords):
+    unbatched = _records(tfrecords).unbatch()
+    with pytest.raises(spmd.BatchError, match="batch"):
+        strategy.distribute_dataset(unbatched, spmd.InputOptions(auto_shard_policy="FILE"))

@@ -83,6 +83,42 @@ def grain_checks() -> None:
         }
 
 
-{"grain": grain_checks}[WHICH]()
+def tf_checks() -> None:
+    import tensorflow as tf
+    from tensorflow.python.data.experimental.ops import distribute as tf_distribute
+    from tensorflow.python.distribute import input_ops
+
+    files = sorted(os.path.join(DATA, f) for f in os.listdir(DATA) if f.endswith(".tfrecord"))
+
+    def parse(record):
+        return tf.io.parse_single_example(record, {"id": tf.io.FixedLenFeature([], tf.int64)})["id"]
+
+    def pipeline():
+        ds = tf.data.Dataset.from_tensor_slices(files)
+        return ds.interleave(tf.data.TFRecordDataset, cycle_length=1).map(parse).batch(BATCH)
+
+    for policy in ("FILE", "DATA"):
+        options = spmd.InputOptions(auto_shard_policy=policy, host_timeout=60)
+        dist = strategy.distribute_dataset(pipeline(), options)
+        # tf.distribute's own pipeline for this worker (input_lib): rebatch to the
+        # per-replica sizes, auto-shard, and one element per local replica each step.
+        tf_options = tf.data.Options()
+        tf_options.experimental_distribute.auto_shard_policy = getattr(
+            tf.data.experimental.AutoShardPolicy, policy
+        )
+        sizes = tf_distribute.batch_sizes_for_worker(BATCH, 2, 2, me)
+        ours = input_ops.auto_shard_dataset(
+            pipeline().rebatch(sizes).with_options(tf_options), 2, me, 4
+        )
+        replicas = [b.tolist() for b in ours.as_numpy_iterator()]
+        results[f"tf_{policy}"] = {
+            "batches": batches(dist),
+            "tf_replicas": replicas,
+            "tf_steps": [replicas[i] + replicas[i + 1] for i in range(0, len(replicas), 2)],
+            "policy": dist.auto_shard_policy.name,
+        }
+
+
+{"grain": grain_checks, "tf": tf_checks}[WHICH]()
 with open(os.path.join(OUT, f"process-{me}.json"), "w") as f:
     json.dump(results, f)

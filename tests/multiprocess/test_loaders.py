@@ -15,8 +15,8 @@ N = 192
 pytestmark = pytest.mark.multiprocess
 
 
-def _run(which, tmp_path_factory):
-    data, out = tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("out")
+def _run(which, tmp_path_factory, data=None):
+    data, out = data or tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("out")
     env = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     run_processes(
         [sys.executable, str(WORKER), which, str(data), str(out)],
@@ -58,3 +58,53 @@ def test_grain_resume_continues_at_the_exact_example(grain_run, key):
         assert sorted(resume["per_pipeline"]) == ["0", "1"]  # every pipeline's grain state
     loader = grain_run[0]["resume_loader"]["per_pipeline"]
     assert loader["0"] != loader["1"]  # each process restores its own
+
+
+# -- tf.data: 4 TFRecord files of 48 ids, global batch 32, tf.distribute's FILE and DATA --------
+
+FILES, PER_FILE, BATCH = 4, 48, 32
+
+
+@pytest.fixture(scope="module")
+def tf_run(tmp_path_factory):
+    import tensorflow as tf
+
+    data = tmp_path_factory.mktemp("tfrecords")
+    for f in range(FILES):
+        with tf.io.TFRecordWriter(str(data / f"part-{f}.tfrecord")) as writer:
+            for i in range(f * PER_FILE, (f + 1) * PER_FILE):
+                feature = tf.train.Feature(int64_list=tf.train.Int64List(value=[i]))
+                example = tf.train.Example(features=tf.train.Features(feature={"id": feature}))
+                writer.write(example.SerializeToString())
+    return _run("tf", tmp_path_factory, data)
+
+
+def _cut(ids, size):
+    return [ids[i : i + size] for i in range(0, len(ids), size)]
+
+
+def test_tf_file_each_process_reads_whole_files_i_mod_n(tf_run):
+    per = BATCH // 2
+    for index, result in enumerate(tf_run):
+        files = range(index, FILES, 2)  # tf.distribute FILE: worker i reads files i::n
+        want = _cut([i for f in files for i in range(f * PER_FILE, (f + 1) * PER_FILE)], per)
+        assert result["tf_FILE"]["batches"] == want == result["tf_FILE"]["tf_steps"]
+        assert result["tf_FILE"]["policy"] == "FILE"
+    assert sorted(i for r in tf_run for i in _flat(r["tf_FILE"]["batches"])) == list(range(N))
+
+
+def test_tf_data_each_process_keeps_every_nth_element(tf_run):
+    per = BATCH // 2
+    for index, result in enumerate(tf_run):
+        # tf.distribute DATA: every worker reads everything and keeps elements i::n of the
+        # rebatched stream; per process (one element per process) that is its rows of each
+        # global batch, which is what spmd gives.
+        assert result["tf_DATA"]["batches"] == _cut(list(range(N)), per)[index::2]
+        # With 2 replicas per worker tf.distribute rebatches per replica, so worker i
+        # keeps per-replica elements i::n: the same examples in every step, given to the
+        # replicas in another order than spmd's contiguous block per process.
+        assert result["tf_DATA"]["tf_replicas"] == _cut(list(range(N)), per // 2)[index::2]
+    for step in range(N // BATCH):
+        ours = sorted(r["tf_DATA"]["batches"][step][i] for r in tf_run for i in range(per))
+        theirs = sorted(i for r in tf_run for i in r["tf_DATA"]["tf_steps"][step])
+        assert ours == theirs == list(range(step * BATCH, (step + 1) * BATCH))
