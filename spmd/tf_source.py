@@ -117,13 +117,24 @@ def _file_sharded(dataset: Any, ctx: InputContext) -> tuple[Any, int]:
             ctx.input_pipeline_id,
             ctx.num_replicas_in_sync,
         )
-    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
-        raise ConfigurationError(
-            message(
-                "FILE sharding needs a tf.data pipeline that reads files (TFRecordDataset, "
-                "TextLineDataset, list_files, ...), at least one per input pipeline.",
-                received(tensorflow_error=str(e).splitlines()[0][:200]),
-                "read the data from files, or use AutoShardPolicy.DATA.",
-            )
-        ) from e
+        first = list(sharded.take(1).as_numpy_iterator())  # TF says "not enough files" on reading
+    except tf.errors.OpError as e:
+        raise _no_files(ctx, str(e).splitlines()[0][:200]) from e
+    if not first:  # TF gives the pipelines past the last file nothing, without an error
+        raise _no_files(ctx, "no file, so no batch, for this input pipeline")
     return sharded, size
+
+
+def _no_files(ctx: InputContext, why: str) -> ConfigurationError:
+    return ConfigurationError(
+        message(
+            "FILE sharding needs a tf.data pipeline that reads files (TFRecordDataset, "
+            "TextLineDataset, list_files, ...), at least one per input pipeline.",
+            received(
+                input_pipeline_id=ctx.input_pipeline_id,
+                num_input_pipelines=ctx.num_input_pipelines,
+                tensorflow=why,
+            ),
+            "read the data from at least as many files as processes, or use AutoShardPolicy.DATA.",
+        )
+    )

@@ -242,6 +242,17 @@ def test_tf_data_file_without_files_is_an_error():
         plan_tf(ds, two_pipelines, spmd.InputOptions(auto_shard_policy="FILE"))
 
 
+@pytest.mark.parametrize("pipeline", [0, 1])
+def test_tf_data_file_with_fewer_files_than_pipelines_is_an_error(tfrecords, pipeline):
+    # TF itself fails pipeline 0 when it reads, and gives pipeline 1 no data at all.
+    with pytest.raises(spmd.ConfigurationError, match="at least one per input pipeline"):
+        plan_tf(
+            _records(tfrecords[:1]),
+            spmd.InputContext(2, pipeline, 8),
+            spmd.InputOptions(auto_shard_policy="FILE"),
+        )
+
+
 def test_tf_data_file_without_a_final_batch_is_an_error(strategy, tfrecords):
     unbatched = _records(tfrecords).unbatch()
     with pytest.raises(spmd.BatchError, match="batch"):
