@@ -257,3 +257,31 @@ def test_tf_data_file_without_a_final_batch_is_an_error(strategy, tfrecords):
     unbatched = _records(tfrecords).unbatch()
     with pytest.raises(spmd.BatchError, match="batch"):
         strategy.distribute_dataset(unbatched, spmd.InputOptions(auto_shard_policy="FILE"))
+
+
+# -- the saved position holds every pipeline's grain state ------------------------------------
+
+
+def _votes(monkeypatch, votes):
+    from spmd import checkpoint_guard
+
+    monkeypatch.setattr(checkpoint_guard, "agree", lambda what, value, timeout: votes)
+    return checkpoint_guard.every_pipeline
+
+
+def test_saved_position_gathers_every_pipelines_grain_state(monkeypatch):
+    every_pipeline = _votes(
+        monkeypatch,
+        {0: {"0": {"next_index": 2}}, 1: {"1": {"next_index": 2}}, 2: {"1": {"next_index": 2}}},
+    )
+    position = every_pipeline({"epoch": 0, "batch": 2, "per_pipeline": {"0": {}}}, 1.0)
+    assert position["per_pipeline"] == {"0": {"next_index": 2}, "1": {"next_index": 2}}
+    assert (
+        every_pipeline({"epoch": 0, "batch": 0, "per_pipeline": None}, 1.0)["per_pipeline"] is None
+    )
+
+
+def test_processes_of_one_pipeline_at_different_grain_states_is_an_error(monkeypatch):
+    every_pipeline = _votes(monkeypatch, {0: {"0": {"next_index": 2}}, 1: {"0": {"next_index": 3}}})
+    with pytest.raises(spmd.CheckpointError, match="same source position"):
+        every_pipeline({"epoch": 0, "batch": 2, "per_pipeline": {"0": {}}}, 1.0)
