@@ -1,15 +1,20 @@
-"""Peers on the same model, batches and devices: Keras 3 (JAX backend) DataParallel.
+"""Peers on the same model, batches and replicas: Keras 3 (JAX), TensorFlow, torch DDP.
 
-Run: python bench/bench_peers.py [--quick]. A peer that is not installed gives a
-row saying so (`pip install "spmd[bench]"` installs Keras). TensorFlow's
-MirroredStrategy is measured when TensorFlow is installed.
+Run: python bench/bench_peers.py [--quick]. Keras 3 DataParallel (JAX backend)
+runs in this process; TensorFlow's MirroredStrategy (a custom loop and Keras
+`fit`) and torch DistributedDataParallel over gloo each run alone in their own
+process (bench/peers_worker.py). A peer that is not installed gives a row
+saying so: `pip install -e ".[bench]"` installs Keras and TensorFlow (CPU), and
+`pip install torch --index-url https://download.pytorch.org/whl/cpu` torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +23,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("peers_worker.py")
 GLOBAL_BATCH, STEPS = 64, 20
 
 
@@ -67,49 +74,77 @@ def _keras_time(model_name: str, steps: int) -> dict:
     return {"median": samples[1], "min": samples[0], "max": samples[2]}
 
 
+PEERS = (  # (worker name, row name, package)
+    ("tf-loop", "TensorFlow MirroredStrategy custom loop", "tensorflow"),
+    ("tf-fit", "TensorFlow MirroredStrategy Keras fit", "tensorflow"),
+    ("torch-ddp", "torch DDP over gloo, 8 processes", "torch"),
+)
+
+
+def _peer_time(peer: str, model: str, steps: int) -> dict | str:
+    """A peer's seconds per step, run alone in its own process, or why it could not run."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("XLA_FLAGS", None)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(WORKER), peer, model, str(steps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    except subprocess.TimeoutExpired:
+        return "failed: no result in 900 s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["?"])[-1]
+        return f"failed (exit {done.returncode}): {last[:160]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _row(model: str, name: str, t: dict | str, floor: dict) -> dict:
+    if isinstance(t, str):
+        return {"benchmark": "peers", "case": f"{model}, {name}", "note": t}
+    return {
+        "benchmark": "peers",
+        "case": f"{model}, {name}, 8 replicas",
+        "time/step": common.fmt_time(t),
+        "ratio": common.ratio(t, floor),
+        "note": "ratio to the jax.jit floor",
+    }
+
+
 def main(quick: bool = False) -> list[dict]:
-    """Keras DataParallel fit vs spmd's Trainer-free step and the floor, per model."""
+    """Every installed peer against spmd's step and the floor, on the same model and batches."""
     import spmd
     from bench.bench_step import _floor_runner, _spmd_runner
 
     rows = []
-    if importlib.util.find_spec("keras") is None:
+    has_keras = importlib.util.find_spec("keras") is not None
+    if not has_keras:
         rows.append(_skipped("Keras 3 DataParallel (JAX backend)", "keras"))
-    else:
-        for model in ("cnn", "tiny"):
-            x, y = common.batch(model, GLOBAL_BATCH)
-            steps = 5 if quick else STEPS
-            times = common.timeit(
-                {
-                    "floor": _floor_runner(model, x, y),
-                    "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
-                },
-                steps=steps,
-                repeats=3,
-            )
+    rows += [
+        _skipped(name, package)
+        for _, name, package in PEERS
+        if importlib.util.find_spec(package) is None
+    ]
+    for model in ("cnn", "tiny"):
+        x, y = common.batch(model, GLOBAL_BATCH)
+        steps = 5 if quick else STEPS
+        times = common.timeit(
+            {
+                "floor": _floor_runner(model, x, y),
+                "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
+            },
+            steps=steps,
+            repeats=3,
+        )
+        rows.append(_row(model, "spmd MirroredStrategy step", times["spmd"], times["floor"]))
+        if has_keras:
             keras_t = _keras_time(model, steps)
-            for name, t in (
-                ("spmd MirroredStrategy step", times["spmd"]),
-                ("Keras 3 DataParallel fit", keras_t),
-            ):
-                rows.append(
-                    {
-                        "benchmark": "peers",
-                        "case": f"{model}, {name}, 8 devices",
-                        "time/step": common.fmt_time(t),
-                        "ratio": common.ratio(t, times["floor"]),
-                        "note": "ratio to the jax.jit floor",
-                    }
-                )
-    rows.append(
-        {
-            "benchmark": "peers",
-            "case": "TensorFlow MirroredStrategy custom loop",
-            "note": "not measured here: TensorFlow is not installed on the benchmark machine"
-            if importlib.util.find_spec("tensorflow") is None
-            else "not measured: TensorFlow would compete with JAX for the same CPU cores in one process",
-        }
-    )
+            rows.append(_row(model, "Keras 3 DataParallel fit (JAX)", keras_t, times["floor"]))
+        for peer, name, package in PEERS:
+            if importlib.util.find_spec(package) is not None:
+                rows.append(_row(model, name, _peer_time(peer, model, steps), times["floor"]))
     return rows
 
 

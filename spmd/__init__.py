@@ -14,6 +14,7 @@ from spmd.data.dataset import FileDataset as FileDataset
 from spmd.data.dataset import InputContext as InputContext
 from spmd.data.dataset import InputOptions as InputOptions
 from spmd.data.dataset import NumpyDataset as NumpyDataset
+from spmd.data.grain_source import grain_shard_options as grain_shard_options
 from spmd.data.sources import PaddedBatch as PaddedBatch
 from spmd.errors import BatchError as BatchError
 from spmd.errors import CheckpointError as CheckpointError
@@ -94,6 +95,7 @@ __all__ = [
     "compute_average_loss",
     "get_replica_context",
     "get_strategy",
+    "grain_shard_options",
     "has_strategy",
     "in_cross_replica_context",
     "initialize",

@@ -426,24 +426,6 @@ def test_step_takes_distributed_batches(strategy):
     assert train_step.cache_size() == 1 and float(loss) < 1.0
 
 
-# -- other frameworks' datasets (when installed) ------------------------------------------
-
-
-def test_tf_data_dataset(strategy):
-    tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed")
-    ds = tf.data.Dataset.from_tensor_slices(np.arange(100, dtype=np.int32)).batch(16)
-    out = list(strategy.distribute_dataset(ds, spmd.InputOptions(remainder="pad")))
-    seen = np.concatenate([np.asarray(b)[np.asarray(m) > 0] for b, m in out])
-    assert seen.tolist() == list(range(100))
-
-
-def test_grain_dataset(strategy):
-    grain = pytest.importorskip("grain", reason="grain is not installed")
-    ds = grain.MapDataset.source(np.arange(96, dtype=np.int32)).batch(16)
-    seen = np.concatenate([np.asarray(b) for b in strategy.distribute_dataset(ds)])
-    assert seen.tolist() == list(range(96))
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     examples=st.integers(1, 90),

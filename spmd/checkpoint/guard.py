@@ -30,6 +30,7 @@ __all__ = [
     "agree",
     "check_newer_steps",
     "check_no_file",
+    "every_pipeline",
     "first_line",
     "open_directory",
     "same_step",
@@ -322,3 +323,28 @@ def write_failed(steps: list[int], directory: epath.Path, error: BaseException) 
             "not listed, never restored.",
         )
     )
+
+
+def every_pipeline(position: dict | None, timeout: float) -> dict | None:
+    """The position with every input pipeline's part of `per_pipeline` (a grain iterator's state).
+
+    Each process knows only its own pipeline's source state; the saved
+    position holds all of them, so each process restores its own.
+    """
+    if not isinstance(position, dict) or not isinstance(position.get("per_pipeline"), dict):
+        return position
+    votes = agree("save(data=...)", position["per_pipeline"], timeout)
+    merged: dict = {}
+    for process, parts in votes.items():
+        for pipeline, state in parts.items():
+            if merged.setdefault(pipeline, state) != state:
+                raise CheckpointError(
+                    message(
+                        "Processes of one input pipeline read the same data, so they are at "
+                        "the same source position.",
+                        received(input_pipeline=pipeline, process=process, differs=str(state)[:80]),
+                        "build every process's pipeline from the same data, seed and shard "
+                        "options (spmd.grain_shard_options(strategy)).",
+                    )
+                )
+    return {**position, "per_pipeline": merged}

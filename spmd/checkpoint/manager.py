@@ -208,7 +208,7 @@ class CheckpointManager:
         guard.check_newer_steps(step, folders, self.directory)
         guard.check_no_file(step, self._store.step_dir(step))
         arrays, keys = ct.to_saveable(_leaves(state))
-        position = _position(data)
+        position = guard.every_pipeline(_position(data), self._timeout)
         meta = integrity.seal(
             {
                 "format": integrity.FORMAT,

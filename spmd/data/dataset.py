@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from spmd.data.grain_source import grain_shard_options, is_grain, plan_grain
 from spmd.data.input_context import (
     AutoShardPolicy,
     InputContext,
@@ -24,6 +25,7 @@ from spmd.data.sources import (
     local_batches,
     partial_message,
 )
+from spmd.data.tf_source import is_tf_dataset, plan_tf
 from spmd.errors import BatchError, ConfigurationError, message, received
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ __all__ = [
     "PaddedBatch",
     "distribute_dataset",
     "distribute_datasets_from_function",
+    "grain_shard_options",
     "make_numpy_dataset",
 ]
 
@@ -56,8 +59,10 @@ def distribute_dataset(
     only its share, by `options.auto_shard_policy`: FILE for a `FileDataset`
     (its own files), DATA otherwise (its rows of each global batch; a
     `NumpyDataset` reads only those rows), OFF when `dataset` already is this
-    process's share. A `tf.data.Dataset` or a grain loader is read as an
-    iterable of global batches.
+    process's share. A `tf.data.Dataset` is sharded as tf.distribute shards
+    it (spmd/tf_source.py: FILE by TF's own file rewrite, AUTO from its
+    options); a grain pipeline by grain's shard options, with grain's state
+    in the position (`grain_shard_options`).
 
     Args:
       strategy: the strategy whose batch axes split the batches.
@@ -166,6 +171,10 @@ def make_numpy_dataset(
 
 
 def _plan_dataset(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
+    if is_grain(dataset):
+        return plan_grain(dataset, ctx, options)
+    if is_tf_dataset(dataset):
+        return plan_tf(dataset, ctx, options)
     policy = _resolve_policy(dataset, ctx, options.auto_shard_policy)
     remainder = options.remainder or getattr(dataset, "remainder", None) or "error"
     if isinstance(dataset, NumpyDataset):

@@ -7,7 +7,7 @@ import itertools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import numpy as np
@@ -21,13 +21,23 @@ from spmd.errors import ConfigurationError, message, received
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["FUNCTION", "DistributedDataset", "DistributedIterator", "Plan"]
+__all__ = ["FUNCTION", "DistributedDataset", "DistributedIterator", "Plan", "SourcePositions"]
 
 STATE_VERSION = 1
 FUNCTION = "FUNCTION"  # the policy named in the state of a dataset function's iterator
 # Under these, a position counts per-pipeline batches: it only means the same
 # data with the same number of pipelines.
 _PER_PIPELINE = ("FILE", "OFF", FUNCTION)
+
+
+class SourcePositions(Protocol):
+    """A source's own position at each of spmd's (a grain iterator's state), saved with it."""
+
+    def state(self, epoch: int, batch: int) -> dict | None:
+        """This pipeline's source position before batch `batch` of `epoch`, keyed by pipeline id."""
+
+    def seek(self, state: dict) -> None:
+        """Makes the next `batches(epoch, batch)` of `state` start at its saved source position."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Plan:
       global_batch_size: when known ahead.
       seed: the shuffle seed, if the dataset shuffles.
       num_dropped: real examples the remainder drops per epoch, when known ahead.
+      positions: the source's own positions, saved in the state as `per_pipeline`.
     """
 
     batches: Callable[[int, int], Iterator[HostBatch]]
@@ -56,6 +67,7 @@ class Plan:
     global_batch_size: int | None = None
     seed: int | None = None
     num_dropped: int | None = None
+    positions: SourcePositions | None = None
 
 
 @dataclass
@@ -355,7 +367,7 @@ def _leading(element: Any) -> int | None:
 
 
 def _state(plan: Plan, epoch: int, batch: int, global_batch_size: int | None) -> dict:
-    return {
+    state = {
         "version": STATE_VERSION,
         "epoch": epoch,
         "batch": batch,
@@ -364,6 +376,9 @@ def _state(plan: Plan, epoch: int, batch: int, global_batch_size: int | None) ->
         "auto_shard_policy": plan.policy,
         "num_input_pipelines": plan.ctx.num_input_pipelines,
     }
+    if plan.positions is not None:
+        state["per_pipeline"] = plan.positions.state(epoch, batch)
+    return state
 
 
 def _check_state(state: dict, plan: Plan, global_batch_size: int | None = None) -> tuple[int, int]:
@@ -402,4 +417,6 @@ def _check_state(state: dict, plan: Plan, global_batch_size: int | None = None) 
                 "InputOptions(auto_shard_policy='DATA'), whose position maps to any count.",
             )
         )
+    if plan.positions is not None:
+        plan.positions.seek(state)
     return state["epoch"], state["batch"]
