@@ -1,6 +1,7 @@
 """spmd: pick a strategy (a device mesh plus sharding rules), keep your training code."""
 
 from spmd import callbacks as callbacks
+from spmd import losses as losses  # a public module, not in __all__ (as before the layout)
 from spmd import partitioners as partitioners
 from spmd.checkpoint.manager import CheckpointManager as CheckpointManager
 from spmd.checkpoint.preemption import Preempted as Preempted
