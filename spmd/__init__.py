@@ -1,54 +1,66 @@
-"""spmd: pick a strategy (a device mesh plus sharding rules), keep your training code."""
+"""spmd: pick a strategy (a device mesh plus sharding rules), keep your training code.
 
-from spmd import callbacks as callbacks
-from spmd import partitioners as partitioners
-from spmd.checkpoint.manager import CheckpointManager as CheckpointManager
-from spmd.checkpoint.preemption import Preempted as Preempted
-from spmd.clusters.initialize import ClusterInfo as ClusterInfo
-from spmd.clusters.initialize import cluster as cluster
-from spmd.clusters.initialize import initialize as initialize
-from spmd.data.dataset import AutoShardPolicy as AutoShardPolicy
-from spmd.data.dataset import DistributedDataset as DistributedDataset
-from spmd.data.dataset import DistributedIterator as DistributedIterator
-from spmd.data.dataset import FileDataset as FileDataset
-from spmd.data.dataset import InputContext as InputContext
-from spmd.data.dataset import InputOptions as InputOptions
-from spmd.data.dataset import NumpyDataset as NumpyDataset
-from spmd.data.grain_source import grain_shard_options as grain_shard_options
-from spmd.data.sources import PaddedBatch as PaddedBatch
-from spmd.errors import BatchError as BatchError
-from spmd.errors import CheckpointError as CheckpointError
-from spmd.errors import ClusterError as ClusterError
-from spmd.errors import ConfigurationError as ConfigurationError
-from spmd.errors import ContextError as ContextError
-from spmd.errors import InitializationError as InitializationError
-from spmd.errors import LaunchError as LaunchError
-from spmd.errors import ScopeError as ScopeError
-from spmd.errors import SpmdError as SpmdError
-from spmd.explain import Collective as Collective
-from spmd.explain import Explanation as Explanation
-from spmd.mesh import make_mesh as make_mesh
-from spmd.strategy.base import Step as Step
-from spmd.strategy.base import Strategy as Strategy
-from spmd.strategy.base import get_strategy as get_strategy
-from spmd.strategy.base import has_strategy as has_strategy
-from spmd.strategy.base import in_cross_replica_context as in_cross_replica_context
-from spmd.strategy.replica import PerReplica as PerReplica
-from spmd.strategy.replica import ReduceOp as ReduceOp
-from spmd.strategy.replica import ReplicaContext as ReplicaContext
-from spmd.strategy.replica import compute_average_loss as compute_average_loss
-from spmd.strategy.replica import get_replica_context as get_replica_context
-from spmd.strategy.replica import scale_regularization_loss as scale_regularization_loss
-from spmd.strategy.strategies import CentralStorageStrategy as CentralStorageStrategy
-from spmd.strategy.strategies import CommunicationImplementation as CommunicationImplementation
-from spmd.strategy.strategies import CommunicationOptions as CommunicationOptions
-from spmd.strategy.strategies import MirroredStrategy as MirroredStrategy
-from spmd.strategy.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
-from spmd.strategy.strategies import OneDeviceStrategy as OneDeviceStrategy
-from spmd.strategy.strategies import ParameterServerStrategy as ParameterServerStrategy
-from spmd.strategy.strategies import TPUStrategy as TPUStrategy
-from spmd.trainer.trainer import NonFiniteLossError as NonFiniteLossError
-from spmd.trainer.trainer import Trainer as Trainer
+The public names are imported when first used (PEP 562), so that `import spmd` and the
+`spmd` command's `--help` do not import jax; `spmd.X` and `from spmd import X` work as usual.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spmd import callbacks as callbacks
+    from spmd import losses as losses
+    from spmd import partitioners as partitioners
+    from spmd.checkpoint.manager import CheckpointManager as CheckpointManager
+    from spmd.checkpoint.preemption import Preempted as Preempted
+    from spmd.clusters.initialize import ClusterInfo as ClusterInfo
+    from spmd.clusters.initialize import cluster as cluster
+    from spmd.clusters.initialize import initialize as initialize
+    from spmd.data.dataset import AutoShardPolicy as AutoShardPolicy
+    from spmd.data.dataset import DistributedDataset as DistributedDataset
+    from spmd.data.dataset import DistributedIterator as DistributedIterator
+    from spmd.data.dataset import FileDataset as FileDataset
+    from spmd.data.dataset import InputContext as InputContext
+    from spmd.data.dataset import InputOptions as InputOptions
+    from spmd.data.dataset import NumpyDataset as NumpyDataset
+    from spmd.data.grain_source import grain_shard_options as grain_shard_options
+    from spmd.data.sources import PaddedBatch as PaddedBatch
+    from spmd.errors import BatchError as BatchError
+    from spmd.errors import CheckpointError as CheckpointError
+    from spmd.errors import ClusterError as ClusterError
+    from spmd.errors import ConfigurationError as ConfigurationError
+    from spmd.errors import ContextError as ContextError
+    from spmd.errors import InitializationError as InitializationError
+    from spmd.errors import LaunchError as LaunchError
+    from spmd.errors import ScopeError as ScopeError
+    from spmd.errors import SpmdError as SpmdError
+    from spmd.explain import Collective as Collective
+    from spmd.explain import Explanation as Explanation
+    from spmd.mesh import make_mesh as make_mesh
+    from spmd.strategy.base import Step as Step
+    from spmd.strategy.base import Strategy as Strategy
+    from spmd.strategy.base import get_strategy as get_strategy
+    from spmd.strategy.base import has_strategy as has_strategy
+    from spmd.strategy.base import in_cross_replica_context as in_cross_replica_context
+    from spmd.strategy.replica import PerReplica as PerReplica
+    from spmd.strategy.replica import ReduceOp as ReduceOp
+    from spmd.strategy.replica import ReplicaContext as ReplicaContext
+    from spmd.strategy.replica import compute_average_loss as compute_average_loss
+    from spmd.strategy.replica import get_replica_context as get_replica_context
+    from spmd.strategy.replica import scale_regularization_loss as scale_regularization_loss
+    from spmd.strategy.strategies import CentralStorageStrategy as CentralStorageStrategy
+    from spmd.strategy.strategies import CommunicationImplementation as CommunicationImplementation
+    from spmd.strategy.strategies import CommunicationOptions as CommunicationOptions
+    from spmd.strategy.strategies import MirroredStrategy as MirroredStrategy
+    from spmd.strategy.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+    from spmd.strategy.strategies import OneDeviceStrategy as OneDeviceStrategy
+    from spmd.strategy.strategies import ParameterServerStrategy as ParameterServerStrategy
+    from spmd.strategy.strategies import TPUStrategy as TPUStrategy
+    from spmd.trainer.trainer import NonFiniteLossError as NonFiniteLossError
+    from spmd.trainer.trainer import Trainer as Trainer
 
 __version__ = "0.1.0"
 
@@ -102,3 +114,76 @@ __all__ = [
     "make_mesh",
     "partitioners",
 ]
+
+# Where each public name lives: the module `spmd.X` imports on first use.
+_WHERE = {
+    "AutoShardPolicy": "spmd.data.dataset",
+    "BatchError": "spmd.errors",
+    "callbacks": "spmd.callbacks",
+    "CentralStorageStrategy": "spmd.strategy.strategies",
+    "CheckpointError": "spmd.errors",
+    "CheckpointManager": "spmd.checkpoint.manager",
+    "cluster": "spmd.clusters.initialize",
+    "ClusterError": "spmd.errors",
+    "ClusterInfo": "spmd.clusters.initialize",
+    "Collective": "spmd.explain",
+    "CommunicationImplementation": "spmd.strategy.strategies",
+    "CommunicationOptions": "spmd.strategy.strategies",
+    "compute_average_loss": "spmd.strategy.replica",
+    "ConfigurationError": "spmd.errors",
+    "ContextError": "spmd.errors",
+    "DistributedDataset": "spmd.data.dataset",
+    "DistributedIterator": "spmd.data.dataset",
+    "Explanation": "spmd.explain",
+    "FileDataset": "spmd.data.dataset",
+    "get_replica_context": "spmd.strategy.replica",
+    "get_strategy": "spmd.strategy.base",
+    "grain_shard_options": "spmd.data.grain_source",
+    "has_strategy": "spmd.strategy.base",
+    "in_cross_replica_context": "spmd.strategy.base",
+    "InitializationError": "spmd.errors",
+    "initialize": "spmd.clusters.initialize",
+    "InputContext": "spmd.data.dataset",
+    "InputOptions": "spmd.data.dataset",
+    "LaunchError": "spmd.errors",
+    "losses": "spmd.losses",
+    "make_mesh": "spmd.mesh",
+    "MirroredStrategy": "spmd.strategy.strategies",
+    "MultiWorkerMirroredStrategy": "spmd.strategy.strategies",
+    "NonFiniteLossError": "spmd.trainer.trainer",
+    "NumpyDataset": "spmd.data.dataset",
+    "OneDeviceStrategy": "spmd.strategy.strategies",
+    "PaddedBatch": "spmd.data.sources",
+    "ParameterServerStrategy": "spmd.strategy.strategies",
+    "partitioners": "spmd.partitioners",
+    "PerReplica": "spmd.strategy.replica",
+    "Preempted": "spmd.checkpoint.preemption",
+    "ReduceOp": "spmd.strategy.replica",
+    "ReplicaContext": "spmd.strategy.replica",
+    "scale_regularization_loss": "spmd.strategy.replica",
+    "ScopeError": "spmd.errors",
+    "SpmdError": "spmd.errors",
+    "Step": "spmd.strategy.base",
+    "Strategy": "spmd.strategy.base",
+    "TPUStrategy": "spmd.strategy.strategies",
+    "Trainer": "spmd.trainer.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Imports a public name on first use and keeps it (PEP 562)."""
+    module = _WHERE.get(name)
+    if module is None:
+        if name.startswith("_") or importlib.util.find_spec(f"spmd.{name}") is None:
+            raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+        module = f"spmd.{name}"  # a submodule, imported on first use as it always was
+    if module == f"spmd.{name}":  # a public module: spmd.callbacks, spmd.partitioners
+        value = importlib.import_module(module)
+    else:
+        value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

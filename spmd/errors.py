@@ -50,7 +50,15 @@ class CheckpointError(SpmdError, RuntimeError):
 
 def received(**values: Any) -> str:
     """Formats the `Received: name=value` part of a message."""
-    return "Received: " + ", ".join(f"{name}={value!r}" for name, value in values.items())
+    return "Received: " + ", ".join(_value(name, value) for name, value in values.items())
+
+
+def _value(name: str, value: Any) -> str:
+    """`name=value`; a text of several lines (a nested error's message) as an indented
+    block with real newlines, not a repr full of `\\n`."""
+    if isinstance(value, str) and "\n" in value.strip():
+        return f"{name}=\n    " + value.strip().replace("\n", "\n    ")
+    return f"{name}={value!r}"
 
 
 def message(expected: str, got: str, fix: str) -> str:

@@ -63,7 +63,9 @@ def integer(
     if is_integer(value) and value >= low and (high is None or value < high):
         return int(value)
     if high is None:
-        bounds = "an integer >= 1" if low == 1 else f"an integer >= {low}"
+        bounds = {1: "a positive integer (>= 1)", 0: "a non-negative integer (>= 0)"}.get(
+            low, f"an integer >= {low}"
+        )
     else:
         bounds = f"an integer in {low} .. {high - 1}"
     raise error(

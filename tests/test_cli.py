@@ -106,3 +106,107 @@ def test_no_subcommand_prints_help(capsys):
 def test_launch_without_dashes_takes_the_rest_as_the_program():
     args = cli.build_parser().parse_args(["launch", "-n", "2", "python", "train.py", "--lr", "3"])
     assert args.program == ["python", "train.py", "--lr", "3"] and args.num_processes == 2
+
+
+# ------------------------------------------------------------------ a quick command line
+
+_NO_JAX = """
+import sys
+from spmd.cli import main as cli
+parser = cli.build_parser()
+for argv in ({argvs}):
+    try:
+        parser.parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 0, (argv, e.code)
+heavy = sorted(m for m in ("jax", "jaxlib", "flax", "optax", "orbax", "numpy") if m in sys.modules)
+print("heavy:", heavy)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_help_and_version_import_no_jax():
+    """`spmd --help`, `spmd launch --help`, `spmd demo --help`, `spmd --version` build the
+    parser and print without importing jax (what kept `spmd --help` over a second)."""
+    argvs = '["--help"], ["launch", "--help"], ["demo", "--help"], ["env", "--help"], ["--version"]'
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_JAX.format(argvs=argvs)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "heavy: []" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_import_spmd_alone_imports_no_jax_and_names_resolve_on_use():
+    code = (
+        "import sys, spmd\n"
+        "assert 'jax' not in sys.modules, 'import spmd imported jax'\n"
+        "assert spmd.MirroredStrategy.__name__ == 'MirroredStrategy'\n"
+        "assert 'jax' in sys.modules\n"
+        "print(sorted(set(spmd.__all__) - set(dir(spmd))))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_version(capsys):
+    import spmd
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"spmd {spmd.__version__}"
+
+
+@pytest.mark.parametrize(
+    "requested, replicas, batch",
+    [(30, 8, 32), (32, 8, 32), (None, 8, 64), (None, 3, 66), (1, 4, 4)],
+)
+def test_demo_batch_size_rounds_up_to_the_replicas_as_its_help_says(requested, replicas, batch):
+    from spmd.cli.demo_command import global_batch
+
+    assert global_batch(requested, replicas) == batch
+
+
+def test_demo_help_says_the_batch_is_rounded(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the global batch (default 64); rounded up to a multiple of the replicas" in help_text
+
+
+def test_demo_strategy_names_are_the_strategies_names():
+    from spmd.cli.demo_command import STRATEGY_NAMES
+    from spmd.strategy import strategies
+
+    assert STRATEGY_NAMES == strategies.NAMES
+
+
+def test_a_nested_error_prints_real_newlines_once(monkeypatch, capsys):
+    from spmd.errors import ConfigurationError, message, received
+
+    inner = message("inner expected.", received(x=2), "fix the inner thing.")
+
+    def failing(args):
+        raise ConfigurationError(message("outer expected.", received(error=inner), "fix it."))
+
+    monkeypatch.setattr(cli, "_run_env", failing)
+    assert cli.main(["env"]) == 1
+    err = capsys.readouterr().err
+    assert "\\n" not in err, err
+    assert err.count("inner expected.") == 1 and err.count("spmd env: error:") == 1, err
+    assert err.splitlines() == [
+        "spmd env: error: outer expected.",
+        "Received: error=",
+        "    inner expected.",
+        "    Received: x=2",
+        "    To fix: fix the inner thing.",
+        "To fix: fix it.",
+    ]

@@ -22,7 +22,7 @@ def test_positive_int_rejects_with_expected_received_fix(value):
     with pytest.raises(ConfigurationError) as info:
         positive_int(value, "steps", fix="pass steps=1 or more.")
     expected, got, fix = str(info.value).splitlines()
-    assert expected == "steps must be an integer >= 1."
+    assert expected == "steps must be a positive integer (>= 1)."
     assert got.startswith(f"Received: steps={value!r}")
     assert fix == "To fix: pass steps=1 or more."
 
@@ -39,7 +39,9 @@ def test_bounds_and_error_class():
     assert integer(2, "index", low=0, high=3) == 2
     with pytest.raises(ClusterError, match=r"index must be an integer in 0 \.\. 2\."):
         integer(3, "index", low=0, high=3, error=ClusterError)
-    with pytest.raises(ConfigurationError, match=r"retries must be an integer >= 0"):
+    with pytest.raises(
+        ConfigurationError, match=r"retries must be a non-negative integer \(>= 0\)"
+    ):
         non_negative_int(-1, "retries")
 
 
@@ -76,5 +78,5 @@ def test_input_options_host_timeout_rejects_nan():
 def test_checkpoint_manager_rejects_nan_timeout_and_bool_counts(tmp_path):
     with pytest.raises(ConfigurationError, match=r"coordination_timeout must be"):
         spmd.CheckpointManager(tmp_path, coordination_timeout=math.nan)
-    with pytest.raises(ConfigurationError, match=r"save_interval_steps must be an integer >= 1"):
+    with pytest.raises(ConfigurationError, match=r"save_interval_steps must be a positive integer"):
         spmd.CheckpointManager(tmp_path, save_interval_steps=True)

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import gzip
 import importlib.util
-import math
 import os
 import sys
 import time
@@ -19,7 +18,13 @@ import numpy as np
 import optax
 from flax import nnx
 
-from spmd.cli.types import positive_int
+from spmd.cli.demo_command import (
+    DEFAULT_DEVICES,
+    EPOCHS,
+    TARGET_ACCURACY,
+    add_arguments,
+    global_batch,
+)
 from spmd.clusters.initialize import ENV_DEVICES_PER_PROCESS, initialize
 from spmd.errors import ConfigurationError, SpmdError, message, received
 from spmd.strategy import strategies
@@ -29,21 +34,14 @@ from spmd.trainer.trainer import Trainer
 __all__ = [
     "CNN",
     "Data",
-    "add_arguments",
-    "add_subcommand",
     "load_digits",
     "load_npz",
     "main",
     "run",
 ]
 
-DEFAULT_DEVICES = 8  # simulated CPU devices of a one-process run
-GLOBAL_BATCH = 64  # rounded up to a multiple of the replicas
 LEARNING_RATE = 3e-3
-TARGET_ACCURACY = 0.95  # on the held-out examples
 HELD_OUT = 0.2  # the digits' share kept for validation
-# Epochs by data set: (default, --fast). The digits pass the target after 2 or 3.
-EPOCHS = {"digits": (8, 4), "npz": (3, 1)}
 # With several processes each strategy must span every process's devices.
 MULTI_PROCESS_STRATEGIES = ("multi_worker_mirrored", "parameter_server", "tpu")
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -205,68 +203,6 @@ def load_npz(path: str) -> Data:
 # ------------------------------------------------------------------ the command
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options."""
-    parser.add_argument(
-        "--strategy",
-        metavar="NAME",
-        help=f"one of {', '.join(strategies.NAMES)} (default: mirrored, "
-        "multi_worker_mirrored with several processes)",
-    )
-    parser.add_argument(
-        "--devices",
-        type=positive_int,
-        metavar="N",
-        help=f"simulated CPU devices (default {DEFAULT_DEVICES}), split among --processes; "
-        f"under spmd launch, {ENV_DEVICES_PER_PROCESS} by default",
-    )
-    parser.add_argument(
-        "--epochs",
-        type=positive_int,
-        metavar="E",
-        help=f"default {EPOCHS['digits'][0]} on the digits, {EPOCHS['npz'][0]} on an .npz",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        metavar="B",
-        help=f"the global batch (default {GLOBAL_BATCH}, rounded up to a multiple of the replicas)",
-    )
-    parser.add_argument(
-        "--processes",
-        type=positive_int,
-        metavar="P",
-        help="run as P local worker processes through spmd launch, the devices split among them",
-    )
-    parser.add_argument("--data", metavar="FILE.npz", help="train on an MNIST .npz instead")
-    parser.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="save the trained state there (spmd.CheckpointManager)",
-    )
-    parser.add_argument(
-        "--fast",
-        action="store_true",
-        help=f"{EPOCHS['digits'][1]} epochs on the digits, {EPOCHS['npz'][1]} on an .npz (for CI)",
-    )
-
-
-def add_subcommand(subparsers: Any) -> None:
-    """Registers `spmd demo` with the `spmd` command (see spmd.cli.SUBCOMMANDS)."""
-    p = subparsers.add_parser(
-        "demo",
-        help="train the tutorial CNN on handwritten digits over 8 simulated devices",
-        description=(
-            "Train the multi-worker tutorial's CNN on scikit-learn's handwritten digits (or an "
-            "MNIST .npz) with a strategy, over simulated CPU devices, and check the held-out "
-            f"accuracy reaches {TARGET_ACCURACY:.0%}."
-        ),
-        epilog="example: spmd demo --strategy parameter_server --processes 2",
-    )
-    add_arguments(p)
-    p.set_defaults(run=run, parser=p)
-
-
 def _strategy_key(name: str) -> str:
     """The by_name key of `name` ("MirroredStrategy" -> "mirrored"), checked."""
     key = name.lower().replace("-", "_").removesuffix("_strategy").removesuffix("strategy")
@@ -372,7 +308,7 @@ class _Result:
 def _train(strategy: Strategy, data: Data, args: argparse.Namespace, chief: bool) -> _Result:
     """Fits the CNN, evaluates it on the held-out data, saves it if asked."""
     replicas = strategy.num_replicas_in_sync
-    batch = args.batch_size or math.ceil(GLOBAL_BATCH / replicas) * replicas
+    batch = global_batch(args.batch_size, replicas)
     default, fast = EPOCHS[data.name]
     epochs = args.epochs or (fast if args.fast else default)
     model = CNN(*data.x_train.shape[1:3], rngs=nnx.Rngs(0))
@@ -384,10 +320,13 @@ def _train(strategy: Strategy, data: Data, args: argparse.Namespace, chief: bool
         metrics=("accuracy",),
         strategy=strategy,
     )
+    rounded = ""
+    if args.batch_size and batch != args.batch_size:
+        rounded = f" (--batch-size {args.batch_size} rounded up to a multiple of {replicas})"
     if chief:
         print(f"spmd demo: {data.description}; tutorial CNN, {params:,} parameters")
         print(
-            f"spmd demo: {strategy.name}, {replicas} replicas, global batch {batch}, "
+            f"spmd demo: {strategy.name}, {replicas} replicas, global batch {batch}{rounded}, "
             f"{epochs} epochs",
             flush=True,
         )

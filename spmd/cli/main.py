@@ -7,6 +7,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import spmd
+from spmd.cli.demo_command import add_subcommand
 from spmd.cli.types import non_negative_int, positive_float, positive_int
 from spmd.clusters.launch_results import EXIT_GRACE
 from spmd.errors import SpmdError
@@ -173,10 +175,15 @@ def _run_env(args: argparse.Namespace) -> int:
 
 
 def _add_demo(subparsers: Subparsers) -> None:
-    """Registers `spmd demo [...]`, defined in spmd/demo.py."""
-    from spmd.cli.demo import add_subcommand
+    """Registers `spmd demo [...]`; the demo itself (and jax) is imported when it runs."""
+    add_subcommand(subparsers, _run_demo)
 
-    add_subcommand(subparsers)
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """Runs `spmd demo` (spmd/cli/demo.py)."""
+    from spmd.cli.demo import run
+
+    return run(args)
 
 
 # ------------------------------------------------------------------ main
@@ -191,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spmd", description="JAX/XLA-native SPMD training: launch, inspect, demo."
     )
+    parser.add_argument("--version", action="version", version=f"spmd {spmd.__version__}")
     subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)

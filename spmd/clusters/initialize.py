@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
-from typing import Any, Protocol
 
 from spmd.clusters.distributed import EXIT_TIMEOUT, distributed_state, join
 from spmd.clusters.gloo import check_interface, gloo_address, use_gloo_address
 from spmd.clusters.jax_state import backends_started
+from spmd.clusters.resolvers.base import Resolver
+from spmd.clusters.resolvers.explicit import ExplicitResolver
+from spmd.clusters.resolvers.indexed_job import IndexedJobResolver
+from spmd.clusters.resolvers.jax_detect import JaxResolver
+from spmd.clusters.resolvers.single import SingleProcessResolver
+from spmd.clusters.resolvers.spmd_launch import LaunchResolver
+from spmd.clusters.resolvers.tf_config import TfConfigResolver
 from spmd.clusters.spec import (
-    ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
-    TF_CONFIG,
     ClusterInfo,
-    check_address,
     check_int,
     parse_tf_config,
     worker_info,
@@ -32,186 +34,16 @@ __all__ = [
     "resolve",
 ]
 
-# ------------------------------------------------------------------ resolvers
-
-
-class Resolver(Protocol):
-    """One place a cluster description can come from (STYLE guideline 10).
-
-    `resolve()` tries the resolvers in a fixed order; the first present one answers.
-    """
-
-    @property
-    def source(self) -> str:
-        """The name ClusterInfo.source reports, e.g. "TF_CONFIG"."""
-        ...
-
-    def is_present(self) -> bool:
-        """Whether this environment describes the cluster."""
-        ...
-
-    def resolve(self) -> ClusterInfo:
-        """Reads the description; raises ClusterError naming a malformed field."""
-        ...
-
-
-def _group(
-    count: Any, index: Any, coordinator: Any, names: Sequence[str], source: str
-) -> ClusterInfo:
-    """Checks (count, index, coordinator) given under `names` and builds the worker's info."""
-    n_name, i_name, c_name = names
-    fix = f"give {n_name} and {i_name} (and {c_name} with several processes), or none of them."
-    count = check_int(count, n_name, 1, None, fix)
-    index = 0 if index is None and count == 1 else index
-    index = check_int(index, i_name, 0, count, f"number the processes 0 .. {count - 1}.")
-    if coordinator is None and count > 1:
-        raise ClusterError(
-            message(
-                f"{c_name} is needed with several processes: process 0 hosts the coordinator.",
-                received(**{c_name: None, n_name: count}),
-                f'set {c_name} to process 0\'s "host:port", e.g. "10.0.0.1:1234".',
-            )
-        )
-    if coordinator is not None:
-        coordinator = check_address(coordinator, c_name)
-    return worker_info(index, count, coordinator if count > 1 else None, source)
-
-
-@dataclasses.dataclass(frozen=True)
-class ExplicitResolver:
-    """The arguments of `initialize(coordinator_address, num_processes, process_id)`."""
-
-    coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    source: str = "explicit"
-
-    def is_present(self) -> bool:
-        """Whether any of the three arguments was given."""
-        values = (self.coordinator_address, self.num_processes, self.process_id)
-        return any(v is not None for v in values)
-
-    def resolve(self) -> ClusterInfo:
-        """Checks the arguments together."""
-        values = (self.num_processes, self.process_id, self.coordinator_address)
-        names = ("num_processes", "process_id", "coordinator_address")
-        return _group(*values, names, self.source)
-
-
-class TfConfigResolver:
-    """The TF_CONFIG environment variable (see `parse_tf_config`)."""
-
-    source = TF_CONFIG
-
-    def is_present(self) -> bool:
-        """Whether TF_CONFIG is set to something other than blank or '{}'."""
-        return os.environ.get(TF_CONFIG, "").strip() not in ("", "{}")
-
-    def resolve(self) -> ClusterInfo:
-        """Parses TF_CONFIG."""
-        return parse_tf_config(os.environ[TF_CONFIG])
-
-
-class LaunchResolver:
-    """The environment `spmd launch` gives each process (SPMD_* variables)."""
-
-    source = "spmd launch"
-    names = (ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_COORDINATOR_ADDRESS)
-
-    def is_present(self) -> bool:
-        """Whether any of SPMD_NUM_PROCESSES, SPMD_PROCESS_ID, SPMD_COORDINATOR_ADDRESS is set."""
-        return any(name in os.environ for name in self.names)
-
-    def resolve(self) -> ClusterInfo:
-        """Reads and checks the SPMD_* variables."""
-        return _group(*(os.environ.get(name) for name in self.names), self.names, self.source)
-
-
-class JaxResolver:
-    """JAX's own cluster detection: Slurm, Open MPI, Kubernetes, Cloud TPU.
-
-    `initialize()` then calls `jax.distributed.initialize()` without arguments and
-    lets JAX pick the coordinator address.
-    """
-
-    def __init__(self) -> None:
-        self._env: Any = None
-
-    @property
-    def source(self) -> str:
-        """The detected environment's JAX name, e.g. "slurm"."""
-        return (self._env.name or self._env.__name__) if self._env else "jax auto"
-
-    def is_present(self) -> bool:
-        """Whether one of JAX's (non opt-in) cluster environments is present."""
-        try:
-            from jax._src import clusters  # private: guarded, JAX may move it
-        except ImportError:
-            return False
-        envs = getattr(clusters.ClusterEnv, "_cluster_types", [])
-        present = (e for e in envs if not getattr(e, "opt_in_only_method", False))
-        self._env = next((e for e in present if e.is_env_present()), None)
-        return self._env is not None
-
-    def resolve(self) -> ClusterInfo:
-        """Asks the detected environment for the process count and index."""
-        try:
-            count, index = self._env.get_process_count(), self._env.get_process_id()
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise ClusterError(
-                message(
-                    f"JAX detected a {self.source} cluster but could not read its process "
-                    "count and index.",
-                    received(error=str(e)),
-                    "pass num_processes, process_id and coordinator_address to "
-                    "spmd.initialize() instead.",
-                )
-            ) from e
-        return worker_info(index, count, None, self.source)
-
-
-class IndexedJobResolver:
-    """A Kubernetes Indexed Job pod that no other resolver described: an error.
-
-    Each pod would otherwise train alone as process 0 of 1, every one a chief:
-    as many independent jobs as pods, silently. JAX's Kubernetes detection
-    needs `jax[k8s]`; without it the pod must say how many processes there are.
-    """
-
-    source = "Kubernetes Indexed Job"
-    names = ("JOB_COMPLETION_INDEX", "KUBERNETES_SERVICE_HOST")
-
-    def is_present(self) -> bool:
-        """Whether JOB_COMPLETION_INDEX, which Indexed Job pods get, is set."""
-        return self.names[0] in os.environ
-
-    def resolve(self) -> ClusterInfo:
-        """Raises ClusterError naming the variables that would join the pods."""
-        got = {name: os.environ.get(name) for name in self.names}
-        raise ClusterError(
-            message(
-                "this is a pod of a Kubernetes Indexed Job, but nothing says how many "
-                "processes the job has, so each pod would train alone as its chief.",
-                received(**got),
-                f"set {ENV_COORDINATOR_ADDRESS}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID} in "
-                "the pod template (docs/multihost.md, Kubernetes), or install jax[k8s] for "
-                f"JAX's detection; for pods that train alone, set {ENV_NUM_PROCESSES}=1.",
-            )
-        )
-
-
-class SingleProcessResolver:
-    """No cluster anywhere: this process alone."""
-
-    source = "single process"
-
-    def is_present(self) -> bool:
-        """Always: the last resort."""
-        return True
-
-    def resolve(self) -> ClusterInfo:
-        """Process 0 of 1."""
-        return worker_info(0, 1, None, self.source)
+# After the explicit arguments, the resolvers `resolve()` asks, in order; the first
+# present one answers. A new environment is one file in spmd/clusters/resolvers/ and
+# one entry here.
+RESOLVERS: tuple[type, ...] = (
+    TfConfigResolver,
+    LaunchResolver,
+    JaxResolver,
+    IndexedJobResolver,
+    SingleProcessResolver,
+)
 
 
 def _local_device_count(value: int | None) -> int | None:
@@ -252,14 +84,8 @@ def resolve(
       ClusterError: if the description that answers is malformed, or in an
         Indexed Job pod that nothing else describes.
     """
-    resolvers: tuple[Resolver, ...] = (
-        ExplicitResolver(coordinator_address, num_processes, process_id),
-        TfConfigResolver(),
-        LaunchResolver(),
-        JaxResolver(),
-        IndexedJobResolver(),
-        SingleProcessResolver(),
-    )
+    explicit = ExplicitResolver(coordinator_address, num_processes, process_id)
+    resolvers: tuple[Resolver, ...] = (explicit, *(make() for make in RESOLVERS))
     info = next(r for r in resolvers if r.is_present()).resolve()
     return dataclasses.replace(info, local_device_count=_local_device_count(local_device_count))
 
