@@ -75,7 +75,8 @@ def imported(module: str, path: Path, known: set[str]) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            subs = [f"{base}.{alias.name}" for alias in node.names]
+            targets = [sub if sub in known else base for sub in subs]  # a module, or a name of base
         found.update(t for t in targets if t in known)
     return found - {module}
 
@@ -111,8 +112,8 @@ def mermaid() -> str:
         if module in ("spmd", f"spmd.{name}"):
             if path.name != "__init__.py":
                 names.append(None)
-        else:
-            names.append(path.stem)
+        elif path.name != "__init__.py":  # a package's __init__ only gathers its modules
+            names.append("/".join(module.split(".")[2:]))
     lines = ["```mermaid", "flowchart TD"]
     for name in sorted(members):
         lines.append(f'    {_id(name)}["{_label(name, members[name])}"]')
