@@ -429,6 +429,7 @@ def test_step_takes_distributed_batches(strategy):
 # -- other frameworks' datasets (when installed) ------------------------------------------
 
 
+@pytest.mark.slow
 def test_tf_data_dataset(strategy):
     tf = pytest.importorskip("tensorflow", reason="tensorflow is not installed")
     ds = tf.data.Dataset.from_tensor_slices(np.arange(100, dtype=np.int32)).batch(16)
