@@ -57,6 +57,7 @@ def _read_events(path: Path) -> list:
     return events
 
 
+@pytest.mark.slow
 def test_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
     x, y = _data()
     trainer = _trainer()
@@ -79,6 +80,7 @@ def test_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
     assert scalars[("train", "epoch_loss")][1][1] < scalars[("train", "epoch_loss")][0][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_execution, saved", [(1, [3, 6, 9]), (2, [4, 6, 10])])
 def test_model_checkpoint_save_freq_never_skips_with_steps_per_execution(
     tmp_path, steps_per_execution, saved
@@ -153,6 +155,7 @@ np.savez(out, **{{"/".join(map(str, p)): np.asarray(v) for p, v in jax.tree_util
 """
 
 
+@pytest.mark.slow
 def test_backup_and_restore_resumes_to_the_same_weights(tmp_path):
     """Killed mid-epoch (SIGKILL) and relaunched, fit ends with the weights of an uninterrupted fit."""
     script = tmp_path / "worker.py"

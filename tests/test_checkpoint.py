@@ -88,6 +88,7 @@ def saved_by_strategy(tmp_path_factory, state):
     return saved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", sorted(STRATEGIES))
 def test_restore_into_every_other_strategy(source, saved_by_strategy):
     directory, state = saved_by_strategy[source]
@@ -253,6 +254,7 @@ def create_nnx():
     return model, nnx.Optimizer(model, TX, wrt=nnx.Param)
 
 
+@pytest.mark.slow
 def test_nnx_objects_restore_in_place_into_another_strategy(ckpt):
     model, optimizer = spmd.MirroredStrategy().put(create_nnx())
     model.dense.kernel[...] = model.dense.kernel[...] + 1.0

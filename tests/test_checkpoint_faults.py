@@ -147,6 +147,7 @@ def test_incomplete_step_folders_are_not_listed(tmp_path, damage):
             ckpt.restore(damaged, target=_target())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", sorted(FOLDER_DAMAGE | DATA_DAMAGE))
 def test_restore_or_init_falls_back_to_the_newest_intact_step(tmp_path, damage, caplog):
     states = _saved(tmp_path)

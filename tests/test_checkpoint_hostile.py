@@ -158,6 +158,7 @@ print("RESUMED", step, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_permission_denied_is_an_error_not_a_fresh_start(tmp_path):
     """Step folders another user owns, mode 0700 (a copy made with `sudo cp` and umask 077).
 
@@ -334,6 +335,7 @@ def test_saving_where_a_file_has_the_step_s_name_is_an_error(tmp_path):
 # -- BackupAndRestore: a damaged newest backup falls back to the older one --------------------
 
 
+@pytest.mark.slow
 def test_backup_and_restore_falls_back_to_the_older_backup(tmp_path, caplog):
     """Backups at iterations 3 and 6; 6's data is damaged: fit resumes from 3, its values."""
     import optax

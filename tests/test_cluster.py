@@ -264,6 +264,7 @@ print("OK")
 """
 
 
+@pytest.mark.slow
 def test_initialize_single_process_is_a_noop_and_idempotent():
     proc = run_python(SINGLE_PROCESS)
     assert proc.returncode == 0, proc.stderr
@@ -285,6 +286,7 @@ for kwargs in ({"local_device_count": 3}, {}):
 """
 
 
+@pytest.mark.slow
 def test_initialize_after_backend_start_is_an_error():
     launcher = {"SPMD_NUM_PROCESSES": "2", "SPMD_PROCESS_ID": "0"}
     proc = run_python(TOO_LATE, SPMD_COORDINATOR_ADDRESS="127.0.0.1:1", **launcher)

@@ -58,6 +58,7 @@ def write_npz(path: Path, omit: str | None = None, size: int = 12) -> Path:
 # ------------------------------------------------------------------ training runs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_reaches_95_percent_on_held_out_digits_and_saves_a_checkpoint(tmp_path):
     out = run_demo("--fast", "--checkpoint-dir", str(tmp_path / "ckpt"))
@@ -77,6 +78,7 @@ def test_demo_reaches_95_percent_on_held_out_digits_and_saves_a_checkpoint(tmp_p
     assert f"  checkpoint {tmp_path / 'ckpt' / '88'}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_with_parameter_server_strategy():
     out = run_demo("--strategy", "parameter_server", "--fast")
@@ -84,6 +86,7 @@ def test_demo_with_parameter_server_strategy():
     assert held_out_accuracy(out) >= 95.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_trains_on_an_mnist_npz(tmp_path):
     path = write_npz(tmp_path / "mnist.npz")
@@ -175,6 +178,7 @@ def test_usage_errors_exit_2(capsys, args):
     assert "usage: spmd" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_error_from_the_command_line_exits_1():
     proc = subprocess.run(
         [sys.executable, "-m", "spmd", "demo", "--strategy", "nope"],

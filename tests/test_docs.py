@@ -115,6 +115,7 @@ def test_public_name_has_a_docstring(qualname):
         assert _own_doc(vars(obj)[name]), f"{qualname}.{name} has no docstring"
 
 
+@pytest.mark.slow
 def test_guide_examples_run(tmp_path):
     """Every ```python block of docs/guide.md, run in order in one fresh process."""
     blocks = [

@@ -9,6 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
+# Each example is a program of its own, run in a fresh process: slow, out of the fast tier.
+pytestmark = pytest.mark.slow
 # Arguments that keep each example short in CI; an example missing here runs as is.
 FAST_ARGS = {
     "quickstart.py": ["--steps", "10"],

@@ -76,6 +76,7 @@ def test_sharded_state_is_one_over_n():
     assert sharded.state_bytes * 8 == pytest.approx(full.state_bytes, rel=0.01)
 
 
+@pytest.mark.slow
 def test_collectives_are_counted():
     strategy = spmd.MirroredStrategy()
     report = strategy.explain(

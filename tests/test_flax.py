@@ -77,6 +77,7 @@ def oracle(steps=3):
     return [float(step(model, opt, x, y)) for _ in range(steps)], model
 
 
+@pytest.mark.slow
 def test_annotations_lay_out_init_put_and_abstract_state():
     strategy = two_d()
     model, opt = strategy.init(create)
@@ -140,6 +141,7 @@ def test_names_equal_to_mesh_axes_map_to_them():
     assert model.up.kernel[...].sharding.spec == P("embed", "mlp")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [
@@ -179,6 +181,7 @@ def test_step_carries_its_mesh_outside_the_scope():
     assert np.isfinite(float(step((model, opt), x)))
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_into_the_annotated_layout(tmp_path):
     strategy = two_d()
     state = strategy.init(create)
@@ -238,6 +241,7 @@ def _nnx_jit_loop(model, rngs, x, y, batch=16):
     return np.mean(losses), float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("held", [True, False], ids=["rngs_held", "rngs_at_call"])
 @pytest.mark.parametrize(
     "make", [spmd.OneDeviceStrategy, spmd.MirroredStrategy], ids=["one_device", "mirrored"]
@@ -286,6 +290,7 @@ def _sgd_step(strategy):
     return step
 
 
+@pytest.mark.slow
 def test_nnx_step_reuses_its_split_and_still_sees_every_change():
     strategy = spmd.MirroredStrategy()
     model = Flagged(nnx.Rngs(0))
@@ -312,6 +317,7 @@ def test_nnx_step_reuses_its_split_and_still_sees_every_change():
     assert not np.array_equal(before, model.lin.kernel[...])
 
 
+@pytest.mark.slow
 def test_nnx_step_matches_nnx_jit_over_many_fast_steps():
     expected, expected_model = oracle(steps=6)
     losses, model = train(spmd.OneDeviceStrategy(), steps=6)

@@ -94,6 +94,7 @@ def _digits():
     return rng.randn(32, 6).astype(np.float32), (np.arange(32) % 3).astype(np.int32)
 
 
+@pytest.mark.slow
 def test_trainer_with_dropout_trains_on_central_storage_like_nnx_jit():
     """Issue 13 item 4 on CentralStorageStrategy: Dropout's typed PRNG key, which
     jax cannot keep in pinned_host memory, stays in device memory; the Trainer
@@ -122,6 +123,7 @@ def test_trainer_with_dropout_trains_on_central_storage_like_nnx_jit():
     np.testing.assert_allclose(history.history["loss"][0], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_hand_written_step_with_dropout_runs_on_central_storage():
     """The same in a hand-written `strategy.step` over (model, optimizer)."""
     x, y = _digits()
@@ -155,6 +157,7 @@ def test_hand_written_step_with_dropout_runs_on_central_storage():
 # --- 2. Optimizer moments whose shape is not the parameter's (adafactor) ---------------
 
 
+@pytest.mark.slow
 def test_adafactor_on_an_annotated_model_trains_on_a_2d_mesh():
     """optax.adafactor's factored moments (v_row, v_col) inherit the parameter's
     annotation through nnx.Optimizer but have a smaller rank: they take the
@@ -262,6 +265,7 @@ def test_a_logical_rule_using_one_mesh_axis_twice_is_a_configuration_error():
         )
 
 
+@pytest.mark.slow
 def test_a_linen_module_through_the_bridge_trains_on_central_storage():
     """`nnx.bridge.ToNNX` keeps an `nnx.Rngs` (typed keys) in the module: a bridged
     linen model trains on CentralStorageStrategy as under nnx.jit."""
@@ -347,6 +351,7 @@ def _plain_create():
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other_mesh", [False, True], ids=["same-devices", "other-mesh"])
 def test_weights_copied_from_another_strategys_model_are_a_named_error(other_mesh):
     """Loading pretrained weights: `nnx.update(model, nnx.state(other))` where `other`
@@ -459,6 +464,7 @@ class Stacked(nnx.Module):
         return body(x, self.layers)
 
 
+@pytest.mark.slow
 def test_default_parameter_server_inits_a_model_with_stacked_rng_keys():
     """ParameterServerStrategy(MinSizePartitioner()) -- the `parameter_server`
     default -- never gives a typed key array to its partitioner: keys are
@@ -527,6 +533,7 @@ class DotReluDot(nnx.Module):
         return y @ self.w2[...]
 
 
+@pytest.mark.slow
 def test_the_gspmd_guide_constraint_on_a_mesh_without_its_axes_is_a_named_error():
     """A `with_sharding_constraint(y, P("data", "model"))` in model code names mesh
     axes; on MirroredStrategy (axis `replica`) it is a ConfigurationError at

@@ -246,6 +246,7 @@ def test_inside_run_the_running_strategy_is_current():
     assert not spmd.has_strategy()
 
 
+@pytest.mark.slow
 def test_run_of_a_new_lambda_each_call_compiles_once():
     from spmd.strategy import per_replica
 
@@ -285,6 +286,7 @@ def test_run_traces_one_function_object_once_per_signature_as_jax_jit():
     np.testing.assert_array_equal(strategy.gather(strategy.run(lambda x: fn(x), args=(X,))), X * 4)
 
 
+@pytest.mark.slow
 def test_a_step_keeps_a_bounded_number_of_programs():
     from spmd.strategy import step as step_module
 

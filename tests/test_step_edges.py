@@ -44,6 +44,7 @@ def _clear(error: BaseException) -> bool:
 # -- 1. crash: tied weights in a donated state ------------------------------------
 
 
+@pytest.mark.slow
 def test_state_with_one_array_twice_is_an_error_not_a_segfault():
     """Tied weights ({"embed": e, "unembed": e}) in a donated state: a named error.
 

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -81,6 +82,7 @@ def _kwargs(call: dict) -> dict:
     return {k: call[k] for k in ("scale", "mode") if call[k] is not None}
 
 
+@pytest.mark.slow
 @settings(
     max_examples=25,
     deadline=None,

@@ -147,6 +147,7 @@ def test_nnx_state_updates_in_place_and_matches_one_device(name, nnx_oracle):
     assert step.cache_size() == 1
 
 
+@pytest.mark.slow
 def test_central_storage_keeps_state_in_host_memory():
     strategy = spmd.CentralStorageStrategy()
     state = strategy.init(create_state, jax.random.key(0))
@@ -286,6 +287,7 @@ def test_explain_accepts_another_strategys_step():
     assert report.strategy.startswith("ParameterServerStrategy")
 
 
+@pytest.mark.slow
 def test_batch_axis_one_runs_stacked_batches_in_one_call():
     """K batches stacked on axis 0 and scanned in one call equal K calls of the step."""
     strategy = spmd.MirroredStrategy()

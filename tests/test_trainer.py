@@ -81,6 +81,7 @@ def test_fit_follows_the_one_device_trajectory(data, strategy, options):
     )
 
 
+@pytest.mark.slow
 def test_evaluate_and_predict_are_exact_over_every_example(data):
     x, y = data
     trainer = spmd.Trainer(

@@ -45,6 +45,7 @@ def _trainer(model=None, loss="sparse_categorical_crossentropy", **kwargs):
 # -- item 16: default metrics, metrics that fit the loss, per-example reduction --------------
 
 
+@pytest.mark.slow
 def test_regression_with_two_outputs_trains_with_the_default_metrics():
     x, _ = _data()
     y = np.stack([x[:, 0] - x[:, 1], 2 * x[:, 2]], 1).astype(np.float32)
@@ -131,6 +132,7 @@ def test_a_dict_of_x_and_y_is_an_error_that_says_how():
     assert "dict with keys ['x', 'y']" in str(info.value) and '(d["x"], d["y"])' in str(info.value)
 
 
+@pytest.mark.slow
 def test_named_inputs_are_a_dict_as_x():
     class Named(nnx.Module):
         def __init__(self, rngs):

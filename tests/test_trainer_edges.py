@@ -106,6 +106,7 @@ def _trainer(model=None, loss="sparse_categorical_crossentropy", **kwargs):
 # -- the Keras tutorial's program, ported: the one-device oracle's numbers -------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k, m", [(1, 1), (2, 1), (1, 2), (3, 2)])
 def test_keras_tutorial_cnn_matches_the_one_device_oracle(k, m):
     rng = np.random.default_rng(3)
@@ -249,6 +250,7 @@ class DropNet(nnx.Module):
         return self.out(self.drop(jax.nn.relu(self.hidden(x))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [BNNet, DropNet])
 def test_a_batchnorm_or_dropout_model_trains(model):
     """docs/trainer.md: BatchNorm statistics and dropout RNG state are carried; for
@@ -281,6 +283,7 @@ def _microbatch_oracle(model, batches, m):
     return jax.device_get(params)
 
 
+@pytest.mark.slow
 def test_grad_accum_with_batchnorm_normalises_each_microbatch():
     """Documented: with BatchNorm, grad_accum_steps=M normalises each microbatch by its own
     statistics (the update is that of M microbatches, not of the whole batch)."""
@@ -320,6 +323,7 @@ def _two_heads_loss(outputs, labels):
     return (a[:, 0] - labels[:, 0]) ** 2 + jnp.mean((b - labels[:, 1:]) ** 2, -1)
 
 
+@pytest.mark.slow
 def test_a_model_with_two_outputs_trains_with_a_loss_of_its_own():
     x, _ = _data()
     y = np.stack([x[:, 0], x[:, 1], x[:, 2] * 2], 1).astype(np.float32)
@@ -354,6 +358,7 @@ class Two(nnx.Module):
         return self.a(x1) + self.b(x2)
 
 
+@pytest.mark.slow
 def test_keras_list_of_inputs_is_the_models_inputs():
     """fit(([x1, x2], y)): the model gets [x1, x2] (Keras); predict([x1, x2], batch_size)."""
     x, y = _data()
@@ -473,6 +478,7 @@ class _Recording(spmd.callbacks.BackupAndRestore):
         self.manager.save = recording
 
 
+@pytest.mark.slow
 def test_backup_and_restore_save_freq_with_steps_per_execution_never_skips_a_save(tmp_path):
     """save_freq=2, steps_per_execution=3: a backup after every call that crosses a multiple
     of 2 (batches 3, 6, 9, 12), not only when the count lands on one (6, 12)."""
