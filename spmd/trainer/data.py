@@ -263,7 +263,7 @@ def host_first(data: Any, batch_size: int | None, what: str) -> Any:
         for batch in data:
             check_rows(split_batch(batch)[0], what)
     if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
-        return next(iter(data), None)
+        return next(iter(getattr(data, "as_numpy_iterator", lambda: data)()), None)  # tf.data
     return None
 
 
