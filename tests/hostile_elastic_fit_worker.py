@@ -53,4 +53,5 @@ trainer = spmd.Trainer(
 callbacks = [spmd.callbacks.BackupAndRestore(backup, save_freq=4), Kill()]
 history = trainer.fit((x, y), batch_size=32, epochs=2, shuffle=True, callbacks=callbacks, verbose=0)
 leaves = jax.tree.leaves(jax.device_get(trainer.state["params"]))
-np.savez(out, loss=np.asarray(history.history["loss"]), *[np.asarray(leaf) for leaf in leaves])
+arrays = {f"param_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)}
+np.savez(out, loss=np.asarray(history.history["loss"]), **arrays)

@@ -72,3 +72,29 @@ def test_a_position_restored_with_a_rounded_up_global_batch_is_an_error():
     with pytest.raises(spmd.ConfigurationError) as info:
         resumed.set_state(saved)
     assert "global_batch_size" in str(info.value) and "8 saved, 9 now" in str(info.value)
+
+
+def _requeue_recipe() -> str:
+    text = (ROOT / "docs" / "multihost.md").read_text()
+    section = text.split("## A requeue loop across machines", 1)[1]
+    return section.split("```sh", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hostile: the Slurm requeue loop cannot outlive a lost node nor shrink, as docs claim",
+)
+def test_the_requeue_recipe_survives_a_lost_node_and_numbers_its_attempts():
+    """docs/multihost.md says the scheduler's loop goes on "with fewer or more nodes".
+
+    As written it cannot: without `#SBATCH --no-kill` Slurm cancels the whole
+    allocation when a node fails, so there is no next attempt; each `srun`
+    asks for every node of the allocation, never fewer; without
+    `--kill-on-bad-exit=1` a task that raised leaves the others running up to
+    heartbeat_timeout (unless the cluster's KillOnBadExit says otherwise); and
+    no attempt sets SPMD_RESTART_COUNT, so `spmd.restart_count()` is 0 on each.
+    """
+    recipe = _requeue_recipe()
+    assert "srun" in recipe and "for attempt" in recipe  # the recipe is the one meant
+    for needed in ("--no-kill", "--kill-on-bad-exit", "SPMD_RESTART_COUNT", "--nodes"):
+        assert needed in recipe.split("#SBATCH --ntasks-per-node")[1], needed
