@@ -1,7 +1,8 @@
-"""A training job that resumes from its checkpoints, on however many processes it runs.
+"""resume_worker.py with a choice of failing process (--failing P, -1 the last) and of
+how it fails (--hang: it sleeps, alive and heartbeating, instead of SIGKILL).
 
-Usage: python resume_worker.py CKPT_DIR OUT.npz [--steps N] [--stop-at K] [--sleep S]
-                               [--heartbeat H] [--devices D] [--fail-at K --fail-above P]
+Usage: python hostile_elastic_worker.py CKPT_DIR OUT.npz [--steps N] [--stop-at K] [--sleep S]
+       [--heartbeat H] [--devices D] [--fail-at K --fail-above P] [--failing P] [--hang]
 
 Every process joins (TF_CONFIG, spmd launch's variables, ...), then trains one
 model under MultiWorkerMirroredStrategy on spmd's own shuffled numpy dataset, a
