@@ -263,7 +263,7 @@ def test_tf_data_file_without_a_final_batch_is_an_error(strategy, tfrecords):
 
 
 def _votes(monkeypatch, votes):
-    from spmd import checkpoint_guard
+    from spmd.checkpoint import guard as checkpoint_guard
 
     monkeypatch.setattr(checkpoint_guard, "agree", lambda what, value, timeout: votes)
     return checkpoint_guard.every_pipeline
