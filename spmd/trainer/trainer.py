@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ from spmd.trainer.model import averages, cast, example_weights, first_nan, stack
 
 __all__ = ["NonFiniteLossError", "Trainer"]
 
+_CHECKED_SIZE = 256  # batch signatures whose checks are remembered
+_NAN_READ_S = 0.05  # fit reads the NaN flag at most this often between epochs' ends
 _PRECISIONS = {None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -139,6 +142,8 @@ class Trainer:
         self._epoch_start = 0
         self._iterator: Any = None  # fit's iterator over self.dataset, across epochs
         self._fit_first = True
+        self._checked: set = set()  # batch signatures whose form was checked
+        self._nan_read = 0.0  # when fit last read the NaN flag (time.monotonic)
 
     # -- state ----------------------------------------------------------------
 
@@ -294,10 +299,17 @@ class Trainer:
 
     def _check_finite(self, wait: bool) -> None:
         """Raises if a step's loss was NaN/inf; reads the flag only once it is computed
-        (or at `wait`, the epoch's end), so the steps never wait for the check."""
+        and at most every `_NAN_READ_S` (always at `wait`, the epoch's end), so the steps
+        never wait for the check and a tiny step pays no transfer each. The flag holds
+        the first non-finite step, so a later read still names it."""
         flag = self.state.get("nan_step")
-        if not self.terminate_on_nan or flag is None or not (wait or flag.is_ready()):
+        if not self.terminate_on_nan or flag is None:
             return
+        if not wait:  # a read is a host transfer: at most every _NAN_READ_S, once computed
+            now = time.monotonic()
+            if now - self._nan_read < _NAN_READ_S or not flag.is_ready():
+                return
+            self._nan_read = now
         step = int(jax.device_get(flag))
         if step >= 0:
             raise NonFiniteLossError(
@@ -314,14 +326,29 @@ class Trainer:
             )
 
     def _check_batch(self, batch: tuple, what: str, first: bool) -> None:
-        """Checks a batch before it runs: rows and microbatches always, labels on a first batch."""
+        """Checks a batch before it runs: rows and microbatches once per batch signature
+        (structure and shapes: all they read), labels on a first batch."""
+        leaves, treedef = jax.tree.flatten(batch)
+        signature = (what, treedef, *[np.shape(v) for v in leaves])
+        if not first and signature in self._checked:
+            return
+        self._check_form(batch, what)
+        if len(self._checked) >= _CHECKED_SIZE:
+            self._checked.clear()
+        self._checked.add(signature)
+        if first:
+            self._check_first(batch, what)
+
+    def _check_form(self, batch: tuple, what: str) -> None:
+        """The checks of a batch's form (rows, microbatches, a mask with BatchNorm)."""
         check_rows(batch, what)
         if what == "fit":
             check_microbatches(batch, self.grad_accum_steps, self.strategy.num_replicas_in_sync)
             if batch[3] is not None and self._model.batch_stats:
                 raise BatchError(_PADDED_BATCH_STATS)
-        if not first:
-            return
+
+    def _check_first(self, batch: tuple, what: str) -> None:
+        """The checks of a first batch: its specs, the model's outputs, the labels' range."""
         x, y = batch[0], batch[1]
         abstract = jax.tree.map(  # shapes only: the state may live in host memory
             lambda v: jax.ShapeDtypeStruct(
