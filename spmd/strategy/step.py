@@ -107,7 +107,12 @@ class Step:
     def _run_plain(self, hot: _Hot, state: Any, data: tuple) -> Any:
         """The fast path of a pytree state on one process, inlined: the state the last
         call returned (its structure and every leaf the same objects, none deleted) and
-        a batch of the same form run the same program; else `_MISS`."""
+        a batch of the same form run the same program; else `_MISS`.
+
+        The deleted leaves are looked for on every call: jit given a donated array
+        of a multi-device state can crash the process (seen on XLA:CPU, 8 devices)
+        rather than raise.
+        """
         leaves, treedef = _flatten(state)
         if (
             treedef != hot.state_def
