@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import spmd
+from spmd.trainer import batch_checks
 from spmd.trainer import trainer as trainer_module
 
 
@@ -66,9 +67,9 @@ def test_fit_calls_batch_hooks_in_order_with_the_batch_index():
 
 def test_batch_form_is_checked_once_per_signature(monkeypatch):
     calls = []
-    check_rows = trainer_module.check_rows
+    check_rows = batch_checks.check_rows
     monkeypatch.setattr(
-        trainer_module,
+        batch_checks,
         "check_rows",
         lambda batch, what: calls.append(what) or check_rows(batch, what),
     )
