@@ -2,7 +2,9 @@
 
 Run: python bench/bench_feed.py [--quick]
 
-The floor is a `jax.jit` step on a device-resident batch. The paths: spmd's
+The floor is a `jax.jit` step on a device-resident batch. "host CPU" is the
+main thread's CPU time per step against the floor's (wall time on a loaded
+machine moves with other work; this moves little). The paths: spmd's
 step on placed batches; the step given a numpy batch per call; a
 `distribute_dataset` iterator (prefetch on, a free host pipeline); and
 `Trainer.fit` on arrays with default options. The tiny model's step is all
@@ -12,7 +14,9 @@ dispatch, so every microsecond of Python per step shows.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -100,6 +104,29 @@ def _runners(strategy, devices) -> dict:
     }
 
 
+def _host_timed(runners: dict) -> tuple[dict, dict]:
+    """The runners, each also summing the calling thread's CPU time per step; and the
+    median of those per-step figures (filled as the runners run).
+
+    The main thread's CPU time is what a path costs the host, read apart from
+    the devices' work and, unlike wall time, little moved by other load on the
+    machine.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    medians: dict[str, float] = {}
+
+    def timed(name, run):
+        def run_timed(steps):
+            start = time.thread_time()
+            run(steps)
+            samples[name].append((time.thread_time() - start) / steps)
+            medians[name] = statistics.median(samples[name][1:] or samples[name])  # not the warm-up
+
+        return run_timed
+
+    return {name: timed(name, run) for name, run in runners.items()}, medians
+
+
 NAMES = {
     "placed": "step, placed batches",
     "numpy": "step, numpy batch per call",
@@ -119,7 +146,7 @@ def main(quick: bool = False) -> list[dict]:
         (jax.device_count(), spmd.MirroredStrategy()),
         (1, spmd.OneDeviceStrategy()),
     ):
-        runners = _runners(strategy, jax.devices()[:count])
+        runners, host = _host_timed(_runners(strategy, jax.devices()[:count]))
         times = common.timeit(runners, steps=50 if quick else 300, repeats=3 if quick else 7)
         for name, label in NAMES.items():
             rows.append(
@@ -129,6 +156,7 @@ def main(quick: bool = False) -> list[dict]:
                     "floor": common.fmt_time(times["floor"]),
                     "spmd": common.fmt_time(times[name]),
                     "ratio": common.ratio(times[name], times["floor"]),
+                    "host CPU": f"{host[name] / host['floor']:.2f}x",
                     "target": TARGETS.get((name, count), ""),
                 }
             )
@@ -140,4 +168,4 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     common.set_cpu_devices(8)
-    print(common.table(main(args.quick), ["case", "floor", "spmd", "ratio", "target"]))
+    print(common.table(main(args.quick), ["case", "floor", "spmd", "ratio", "host CPU", "target"]))

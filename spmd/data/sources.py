@@ -159,13 +159,17 @@ class NumpyDataset:
             real = len(index)
             if real < size and remainder == "error":
                 raise BatchError(partial_message(b, real, size))
-            index = np.concatenate([index, np.full(size - real, index[-1])])[mine]
-            mask = (np.arange(size) < real).astype(np.float32)[mine]
+            mask = None
+            if real < size:
+                index = np.concatenate([index, np.full(size - real, index[-1])])
+            if remainder == "pad":
+                mask = (np.arange(size) < real).astype(np.float32)[mine]
+            index = index[mine]
             tree = jax.tree.map(lambda a, i=index: a[i], self.arrays)
             rows = order[b * size : (b + 1) * size]
             yield HostBatch(
                 tree,
-                mask if remainder == "pad" else None,
+                mask,
                 size,
                 lambda rows=rows: f"{arrays()}:{fingerprint(rows)}",
             )

@@ -302,9 +302,18 @@ class Strategy:
 
         `axis` is 0 for plain batches, 1 for K batches stacked for one call.
         """
-        if ndim <= axis or not self.batch_axes:
-            return NamedSharding(self.mesh, PartitionSpec())
-        return NamedSharding(self.mesh, PartitionSpec(*(None,) * axis, self.batch_axes))
+        # One object per (ndim, axis): the placed batches carry the very sharding
+        # the step's program expects, which its fast path checks by identity.
+        cache = self.__dict__.setdefault("_batch_shardings", {})
+        key = (ndim > axis, axis)
+        if key not in cache:
+            if ndim <= axis or not self.batch_axes:
+                cache[key] = NamedSharding(self.mesh, PartitionSpec())
+            else:
+                cache[key] = NamedSharding(
+                    self.mesh, PartitionSpec(*(None,) * axis, self.batch_axes)
+                )
+        return cache[key]
 
     @functools.cached_property
     def replicated(self) -> NamedSharding:

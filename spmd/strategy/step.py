@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import operator
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -65,18 +66,24 @@ class Step:
         if in_replica_context():
             raise ContextError(message(*STEP_IN_RUN))
         hot = self._hot
+        if hot is not None and hot.plain and state is hot.state and not kwargs:
+            result = self._run_plain(hot, state, data)
+            if result is not _MISS:
+                return result
         if hot is not None and hot.holds(state) and self._static_of(kwargs) == hot.static:
             # The state the last call returned, not donated elsewhere since, and
             # a batch of the same form. (A leaf replaced in place in that state
             # reaches the program as it is: jit dispatches on the leaves.)
-            leaves, data_def = jax.tree.flatten(data)
+            leaves, data_def = _flatten(data)
             if (
                 data_def == hot.data_def
                 and _signature(leaves) == hot.signature
                 and not _any_deleted(hot.state_leaves)
             ):
                 pure = state if hot.binding is None else hot.binding.arrays
-                call = _Call(state, pure, leaves, data_def, {}, hot.static, hot.binding)
+                call = _Call(
+                    state, pure, leaves, data_def, {}, hot.static, hot.binding, hot.signature
+                )
                 return self._run(call, hot.program)
         with nnx_state.updating(self._tag):  # flax's bookkeeping, as in nnx.jit
             return self._call(state, data, kwargs)
@@ -96,6 +103,33 @@ class Step:
             pure = jax.tree.leaves(pure)
         static = self._static_of(kwargs) if not dynamic else None
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
+
+    def _run_plain(self, hot: _Hot, state: Any, data: tuple) -> Any:
+        """The fast path of a pytree state on one process, inlined: the state the last
+        call returned (its structure and every leaf the same objects, none deleted) and
+        a batch of the same form run the same program; else `_MISS`.
+
+        The deleted leaves are looked for on every call: jit given a donated array
+        of a multi-device state can crash the process (seen on XLA:CPU, 8 devices)
+        rather than raise.
+        """
+        leaves, treedef = _flatten(state)
+        if (
+            treedef != hot.state_def
+            or not all(map(operator.is_, leaves, hot.flat_state))
+            or any(map(_IS_DELETED, leaves))
+        ):
+            return _MISS
+        batch, data_def = _flatten(data)
+        if data_def != hot.data_def or _signature(batch) != hot.signature:
+            return _MISS
+        program = hot.program
+        data = data_def.unflatten(_conform_all(batch, program.data_shardings))
+        new_leaves, out, done = program.compiled(state, data, {})
+        self._bound_in_flight(done)
+        new_state = hot.state_def.unflatten(new_leaves)
+        hot.state, hot.state_leaves, hot.flat_state = new_state, new_leaves, new_leaves
+        return new_state if program.traced.value.returns == "state" else (new_state, *out)
 
     def _static_of(self, kwargs: dict) -> tuple | None:
         """The cache key of keyword arguments that are all static, else None."""
@@ -143,10 +177,15 @@ class Step:
             result = next_state = new_pure
             if traced.returns != "state":
                 result = (new_pure, *out)
-        if call.static is not None and not reshaped and (binding is None or binding.usable):
-            self._hot = _hot(call, program, next_state, new_leaves, traced.state_def)
-        else:
+        hot = self._hot
+        if call.static is None or reshaped or (binding is not None and not binding.usable):
             self._hot = None
+        elif call.signature is not None and binding is None and next_state is not state:
+            # The fast path again (same program, batch form and statics): only the
+            # state moves on, rebuilt from these leaves.
+            hot.state, hot.state_leaves, hot.flat_state = next_state, new_leaves, new_leaves
+        else:
+            self._hot = _hot(call, program, next_state, new_leaves, traced.state_def)
         return result
 
     def lower(self, state: Any, *data: Any, **kwargs: Any) -> tuple[jax.stages.Lowered, Any]:
@@ -373,6 +412,10 @@ def _done() -> jax.Array:
     return jnp.zeros((), jnp.int8)
 
 
+_flatten = jax.tree_util.tree_flatten
+_SHARDING = operator.attrgetter("sharding")
+_IS_DELETED = operator.methodcaller("is_deleted")
+_MISS = object()  # the fast path does not apply: take the checked one
 _HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects (bounded)
 _HAS_GRAPH_SIZE = 256
 
@@ -384,6 +427,13 @@ def _multiprocess() -> bool:
 
 def _conform_all(leaves: list, shardings: list) -> list:
     """`_conform` over flat leaves, without the pytree machinery (the hot path)."""
+    try:  # batches the input pipeline placed carry these very shardings
+        if len(leaves) == len(shardings) and all(
+            map(operator.is_, map(_SHARDING, leaves), shardings)
+        ):
+            return leaves
+    except AttributeError:  # a leaf that is not an array
+        pass
     out = leaves
     for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
         current = getattr(x, "sharding", None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class Call(NamedTuple):
       kwargs: the non-static keyword arguments.
       static: the static keyword arguments' cache key, None when some are not static.
       binding: for NNX state, its split (kept while nothing else touches it).
+      signature: the batch's `signature` when already computed (the fast path).
     """
 
     state: Any
@@ -75,21 +77,49 @@ class Call(NamedTuple):
     kwargs: dict
     static: tuple | None
     binding: nnx_state.Binding | None
+    signature: tuple | None = None
 
 
-@dataclass(frozen=True)
 class Hot:
-    """What the last call of a Step returned and ran: the steady-state fast path."""
+    """What the last call of a Step returned and ran: the steady-state fast path.
 
-    state: Any
-    state_leaves: list
-    data_def: Any
-    signature: tuple
-    static: tuple
-    program: Program
-    binding: nnx_state.Binding | None = None  # for NNX state: its split, kept
-    state_def: Any = None  # for a pytree state: its structure and leaves, as returned
-    flat_state: tuple = ()
+    A plain class with slots, built once per call: the fast path pays for
+    nothing it does not read.
+    """
+
+    __slots__ = (
+        "binding",
+        "data_def",
+        "flat_state",
+        "plain",
+        "program",
+        "signature",
+        "state",
+        "state_def",
+        "state_leaves",
+        "static",
+    )
+
+    def __init__(
+        self,
+        state: Any,
+        state_leaves: list,
+        data_def: Any,
+        signature: tuple,
+        static: tuple,
+        program: Program,
+        binding: nnx_state.Binding | None = None,  # for NNX state: its split, kept
+        state_def: Any = None,  # for a pytree state: its structure and leaves, as returned
+        flat_state: Any = (),
+    ):
+        self.state, self.state_leaves, self.data_def = state, state_leaves, data_def
+        self.signature, self.static, self.program = signature, static, program
+        self.binding, self.state_def, self.flat_state = binding, state_def, flat_state
+        # A pytree state rebuilt from the program's leaves, no keyword arguments, one
+        # process: the Step's inlined fast path (`Step._run_plain`) applies.
+        self.plain = (
+            binding is None and static == () and flat_state is state_leaves and not _multiprocess()
+        )
 
     def holds(self, state: Any) -> bool:
         """Whether `state` is what the last call returned, untouched since.
@@ -102,41 +132,64 @@ class Hot:
             return self.binding.matches(state)
         if state is not self.state:
             return False
-        leaves, treedef = jax.tree.flatten(state)
+        leaves, treedef = _flatten(state)
         return treedef == self.state_def and all(map(operator.is_, leaves, self.flat_state))
 
 
-def hot(call: Call, program: Program, next_state: Any, new_leaves: Any, state_def: Any) -> Hot:
+def hot(
+    call: Call,
+    program: Program,
+    next_state: Any,
+    new_leaves: Any,
+    state_def: Any,
+) -> Hot:
     """The fast path's record after a call that returned `next_state`."""
     if call.binding is not None:
         flat_state, state_def = (), None
     elif next_state is not call.state:  # rebuilt from these leaves: no flatten needed
         flat_state = new_leaves
     else:
-        flat_state, state_def = jax.tree.flatten(next_state)
+        flat_state, state_def = _flatten(next_state)
     return Hot(
         next_state,
         arrays(next_state) if new_leaves is None else new_leaves,
         call.data_def,
-        signature(call.leaves),
+        signature(call.leaves) if call.signature is None else call.signature,
         call.static,
         program,
         call.binding,
         state_def,
-        tuple(flat_state),
+        flat_state,
     )
+
+
+_flatten = jax.tree_util.tree_flatten
+
+
+@functools.cache
+def _multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
 def signature(leaves: list) -> tuple:
     """Shape and dtype of each batch leaf: what must match for the fast path."""
-    return tuple(
-        (x.shape, x.dtype) if hasattr(x, "dtype") else (np.shape(x), type(x)) for x in leaves
-    )
+    try:  # arrays, numpy or jax: the common case, without a Python loop
+        return tuple(map(_SHAPE_DTYPE, leaves))
+    except AttributeError:
+        return tuple(
+            (x.shape, x.dtype) if hasattr(x, "dtype") else (np.shape(x), type(x)) for x in leaves
+        )
 
 
 def any_deleted(leaves: list) -> bool:
     """Whether an array of `leaves` (jax.Arrays) was deleted: donated to another call since."""
-    return any(x.is_deleted() for x in leaves)
+    return any(map(_IS_DELETED, leaves))
+
+
+_IS_DELETED = operator.methodcaller("is_deleted")
 
 
 def arrays(tree: Any) -> list:

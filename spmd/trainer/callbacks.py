@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -91,7 +91,12 @@ _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
 
 class CallbackList:
-    """Calls a hook on every callback, in order."""
+    """Calls a hook on every callback, in order.
+
+    Each hook's dispatch is built once: only the callbacks that override it
+    (in their class or on the instance) are called, and a hook none overrides
+    is a no-op, so a batch hook costs nothing when no callback reads batches.
+    """
 
     def __init__(self, callbacks: Sequence[Callback], trainer: Trainer, params: dict[str, Any]):
         for callback in callbacks:
@@ -106,16 +111,36 @@ class CallbackList:
             callback.set_trainer(trainer)
             callback.set_params(params)
         self.callbacks = list(callbacks)
+        for name in _HOOKS:
+            setattr(self, name, _dispatch([m for c in self.callbacks if (m := _hook(c, name))]))
 
-    def __getattr__(self, name: str):
-        if name not in _HOOKS:
-            raise AttributeError(name)
+    def overrides(self, name: str) -> bool:
+        """Whether some callback overrides hook `name` (e.g. "on_train_batch_end")."""
+        return getattr(self, name) is not _nothing
 
-        def call(*args: Any, **kwargs: Any) -> None:
-            for callback in self.callbacks:
-                getattr(callback, name)(*args, **kwargs)
 
-        return call
+def _hook(callback: Callback, name: str) -> Callable | None:
+    """`callback`'s bound hook `name`, or None where it is `Callback`'s no-op."""
+    method = getattr(callback, name)
+    return None if getattr(method, "__func__", None) is getattr(Callback, name) else method
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """The dispatch of a hook no callback overrides."""
+
+
+def _dispatch(methods: list[Callable]) -> Callable:
+    """One call of every method in `methods`, in order."""
+    if not methods:
+        return _nothing
+    if len(methods) == 1:
+        return methods[0]
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        for method in methods:
+            method(*args, **kwargs)
+
+    return call
 
 
 class History(Callback):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,13 +15,11 @@ from flax import nnx
 
 from spmd.errors import BatchError, ConfigurationError, SpmdError, message, received
 from spmd.strategy.base import Strategy, get_strategy
+from spmd.trainer.batch_checks import BatchChecks
 from spmd.trainer.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
 from spmd.trainer.data import (
-    BatchSpecs,
     as_dataset,
     check_count,
-    check_label_range,
-    check_microbatches,
     check_rows,
     host_first,
     is_arrays,
@@ -30,9 +29,6 @@ from spmd.trainer.data import (
 )
 from spmd.trainer.losses import (
     Metric,
-    check_fit,
-    check_labels,
-    check_outputs,
     resolve_loss,
     resolve_metrics,
 )
@@ -40,6 +36,7 @@ from spmd.trainer.model import averages, cast, example_weights, first_nan, stack
 
 __all__ = ["NonFiniteLossError", "Trainer"]
 
+_NAN_READ_S = 0.05  # fit reads the NaN flag at most this often between epochs' ends
 _PRECISIONS = {None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -135,10 +132,11 @@ class Trainer:
         self.stop_training = False
         self.dataset: Any = None
         self._steps: dict[str, Any] = {}
-        self._specs = BatchSpecs()
         self._epoch_start = 0
         self._iterator: Any = None  # fit's iterator over self.dataset, across epochs
         self._fit_first = True
+        self._checks = BatchChecks()
+        self._nan_read = 0.0  # when fit last read the NaN flag (time.monotonic)
 
     # -- state ----------------------------------------------------------------
 
@@ -294,10 +292,17 @@ class Trainer:
 
     def _check_finite(self, wait: bool) -> None:
         """Raises if a step's loss was NaN/inf; reads the flag only once it is computed
-        (or at `wait`, the epoch's end), so the steps never wait for the check."""
+        and at most every `_NAN_READ_S` (always at `wait`, the epoch's end), so the steps
+        never wait for the check and a tiny step pays no transfer each. The flag holds
+        the first non-finite step, so a later read still names it."""
         flag = self.state.get("nan_step")
-        if not self.terminate_on_nan or flag is None or not (wait or flag.is_ready()):
+        if not self.terminate_on_nan or flag is None:
             return
+        if not wait:  # a read is a host transfer: at most every _NAN_READ_S, once computed
+            now = time.monotonic()
+            if now - self._nan_read < _NAN_READ_S or not flag.is_ready():
+                return
+            self._nan_read = now
         step = int(jax.device_get(flag))
         if step >= 0:
             raise NonFiniteLossError(
@@ -314,28 +319,8 @@ class Trainer:
             )
 
     def _check_batch(self, batch: tuple, what: str, first: bool) -> None:
-        """Checks a batch before it runs: rows and microbatches always, labels on a first batch."""
-        check_rows(batch, what)
-        if what == "fit":
-            check_microbatches(batch, self.grad_accum_steps, self.strategy.num_replicas_in_sync)
-            if batch[3] is not None and self._model.batch_stats:
-                raise BatchError(_PADDED_BATCH_STATS)
-        if not first:
-            return
-        x, y = batch[0], batch[1]
-        abstract = jax.tree.map(  # shapes only: the state may live in host memory
-            lambda v: jax.ShapeDtypeStruct(
-                np.shape(v), np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
-            ),
-            (self.state["params"], self.state["rest"], x, y),
-        )
-        labels = abstract[3]
-        self._specs.check(what, abstract[2], labels)
-        outputs = jax.eval_shape(lambda p, r, x: self._forward(p, r, x, False)[0], *abstract[:3])
-        check_outputs(self.loss_name, self.metrics, outputs)
-        check_labels(self.loss_name, outputs, labels)
-        check_fit(self.loss_name, self.loss_fn, self.metrics, outputs, labels)
-        check_label_range(self.loss_name, outputs, y, what)
+        """Checks a batch before it runs (see `BatchChecks.check`)."""
+        self._checks.check(self, batch, what, first)
 
     # -- data -----------------------------------------------------------------
 
@@ -391,7 +376,7 @@ class Trainer:
             )
         self._precheck(data, batch_size, validation_data, val_size)
         if "nan_step" in self.state:
-            self.state["nan_step"] = self.strategy.put(jnp.full((), -1, jnp.int32))
+            self.state["nan_step"] = _like(jnp.full((), -1, jnp.int32), self.state["nan_step"])
         history = History()
         steps = steps_per_epoch or self.dataset.num_batches
         verbose = (1 if sys.stdout.isatty() else 2) if verbose == "auto" else verbose
@@ -427,7 +412,7 @@ class Trainer:
                 )
             self._check_finite(wait=True)
             logs = self.running_metrics()
-            self.state["metrics"] = self.strategy.put(self._zero_sums())
+            self.state["metrics"] = _like(self._zero_sums(), self.state["metrics"])
             if val_data is not None:
                 val = self._evaluate_dataset(val_data, "validation_data")
                 logs.update({f"val_{k}": v for k, v in val.items()})
@@ -588,11 +573,7 @@ _AMBIGUOUS_PREDICT = message(
 )
 
 
-_PADDED_BATCH_STATS = message(
-    "Training on padded batches needs a model without BatchNorm statistics: the mask keeps "
-    "the padding out of the loss, but the padded rows would enter the batch statistics.",
-    received(remainder="pad", model_has_batch_stats=True),
-    "train on a dataset that drops the last partial batch (drop_remainder=True, or "
-    'InputOptions(remainder="drop")), or pass the arrays with batch_size (fit drops it); '
-    "keep padding for evaluate and predict.",
-)
+def _like(values: Any, placed: Any) -> Any:
+    """`values` placed as the arrays `placed` are (a reset of part of the train state,
+    without resolving the strategy's rules again)."""
+    return jax.device_put(values, jax.tree.map(lambda a: a.sharding, placed))

@@ -1,0 +1,110 @@
+"""Trainer.fit's per-step work: hooks dispatched only to the callbacks that override them,
+batch checks once per batch signature, the NaN flag read at most every interval, and no
+state dict mutated in place (the step's fast path keeps the returned state)."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import spmd
+from spmd.trainer import batch_checks
+from spmd.trainer import trainer as trainer_module
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def _data(n=160):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return x, (x[:, 0] > 0).astype(np.int32)
+
+
+def _trainer(**kwargs):
+    return spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.sgd(0.1),
+        "sparse_categorical_crossentropy",
+        strategy=spmd.MirroredStrategy(),
+        **kwargs,
+    )
+
+
+class Batches(spmd.callbacks.Callback):
+    def __init__(self):
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(batch)
+
+
+def test_hooks_are_dispatched_to_the_callbacks_that_override_them():
+    counting, patched = Batches(), spmd.callbacks.Callback()
+    seen = []
+    patched.on_epoch_end = lambda epoch, logs=None: seen.append(epoch)  # on the instance
+    hooks = spmd.callbacks.CallbackList([counting, patched], trainer=None, params={})
+    assert not hooks.overrides("on_train_batch_begin")
+    assert hooks.overrides("on_train_batch_end") and hooks.overrides("on_epoch_end")
+    hooks.on_train_batch_begin(0)  # nobody's: a no-op
+    hooks.on_train_batch_end(3)
+    hooks.on_epoch_end(1, {"loss": 0.5})
+    assert counting.ends == [3] and seen == [1]
+
+
+def test_fit_calls_batch_hooks_in_order_with_the_batch_index():
+    callback = Batches()
+    _trainer().fit(_data(), batch_size=16, epochs=2, callbacks=[callback], verbose=0)
+    assert callback.ends == list(range(10)) * 2
+
+
+def test_batch_form_is_checked_once_per_signature(monkeypatch):
+    calls = []
+    check_rows = batch_checks.check_rows
+    monkeypatch.setattr(
+        batch_checks,
+        "check_rows",
+        lambda batch, what: calls.append(what) or check_rows(batch, what),
+    )
+    _trainer().fit(_data(), batch_size=16, epochs=3, verbose=0)
+    assert calls == ["fit", "fit"]  # the precheck, then the first batch of the one shape
+
+
+def test_a_new_batch_shape_is_still_checked():
+    x, y = _data()
+    batches = [(x[:16], y[:16]), (x[16:32], y[16:32]), (x[32:32], y[32:32])]  # last has no rows
+    with pytest.raises(spmd.errors.BatchError, match="has rows"):
+        _trainer().fit(batches, verbose=0)
+
+
+def test_the_nan_flag_is_read_at_most_every_interval(monkeypatch):
+    monkeypatch.setattr(trainer_module, "_NAN_READ_S", 3600.0)
+    trainer = _trainer()
+    trainer.fit(_data(), batch_size=16, verbose=0)  # compiles: the steps below are fast
+    reads = []
+    get = jax.device_get
+
+    def counting(tree):
+        if tree is trainer.state.get("nan_step"):
+            reads.append(tree)
+        return get(tree)
+
+    monkeypatch.setattr(trainer_module.jax, "device_get", counting)
+    trainer.fit(_data(), batch_size=16, epochs=2, verbose=0)
+    assert len(reads) <= 2 + 2  # each epoch's end, and at most one read between per epoch
+
+
+def test_a_nan_is_still_named_by_its_step_when_read_late(monkeypatch):
+    monkeypatch.setattr(trainer_module, "_NAN_READ_S", 3600.0)
+    x, y = _data()
+    x = x.copy()
+    x[16 * 4 + 1] = np.nan  # batch 4 of epoch 0
+    with pytest.raises(spmd.NonFiniteLossError, match="batch_in_epoch=4"):
+        _trainer().fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
