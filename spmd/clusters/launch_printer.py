@@ -8,7 +8,7 @@ import sys
 import threading
 
 from spmd.clusters.distributed import FOLLOWER
-from spmd.clusters.launch_results import GroupResult
+from spmd.clusters.launch_results import NOT_ARRIVED_LINE, GroupResult
 
 __all__ = ["FOLLOWER_LINE", "Printer", "summary"]
 
@@ -65,7 +65,11 @@ class Printer:
 
 
 def summary(result: GroupResult, printer: Printer) -> str | None:
-    """One paragraph on the first failure: process, exception type and message."""
+    """One paragraph on the first failure: process, exception type and message.
+
+    A process that failed because others never reached a collective (its error
+    starts "process(es) [K] did not reach ...") is not at fault: those are named.
+    """
     if not result.failed:
         return None
     first = result.processes[result.failed[0]]
@@ -75,6 +79,17 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
         who, index = f"process {leader} (process {index} ended because it failed)", leader
     exception = printer.exception(index)
     what = f"raised {exception}" if exception else "printed no Python exception"
+    absent = NOT_ARRIVED_LINE.search(exception or "")
+    if absent is not None:
+        hung = [int(k) for k in absent[1].split(",")]
+        one = len(hung) == 1
+        names = f"process {hung[0]}" if one else f"processes {hung}"
+        return (
+            f"first failure: {names}, alive but hung or slow: {'it' if one else 'they'} never "
+            f"reached the collective that process {index} waited in; process {index} then "
+            f"{what}. Look at what {names} {'was' if one else 'were'} doing (the output above, "
+            "py-spy dump)."
+        )
     return (
         f"first failure: {who}; it {what}. The other processes' output "
         "after that (C++ check failures, collectives that lost a peer) follows from it."

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 
-__all__ = ["EXIT_GRACE", "PREEMPTED_EXIT_CODE", "GroupResult", "ProcessResult"]
+__all__ = [
+    "EXIT_GRACE",
+    "NOT_ARRIVED_LINE",
+    "PREEMPTED_EXIT_CODE",
+    "GroupResult",
+    "ProcessResult",
+    "not_arrived",
+]
 
 # A process that exits with this code was preempted (it saved what it needs and
 # stopped on purpose); `launch` restarts the group without counting it as a failure.
@@ -16,6 +24,14 @@ GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL when stopping processe
 # processes end together (jax.distributed's shutdown barrier) never comes near it; a
 # process that left early while its peers wait for it in a collective makes the job fail.
 EXIT_GRACE = 30.0
+# How an error about processes that never reached a collective starts (spmd.checkpoint's
+# guard): `spmd launch` reads it to name those processes, not the one that waited, as at fault.
+NOT_ARRIVED_LINE = re.compile(r"process\(es\) \[([\d, ]+)\] did not reach ")
+
+
+def not_arrived(missing: list[int], what: str, timeout: float) -> str:
+    """E.g. "process(es) [1] did not reach save(step=5) within 30 s (hung or slow)"."""
+    return f"process(es) {sorted(missing)} did not reach {what} within {timeout:g} s (hung or slow)"
 
 
 @dataclasses.dataclass(frozen=True)
