@@ -6,8 +6,9 @@ the same results from real processes.
 
 import signal
 
-from spmd.clusters.launch_printer import Printer, summary
+from spmd.clusters.launch_printer import Printer, not_worth_restarting, summary
 from spmd.clusters.launch_results import (
+    CONFIGURATION_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     TIMEOUT_EXIT_CODE,
     GroupResult,
@@ -81,3 +82,18 @@ def test_processes_that_never_reached_a_collective_are_named_not_the_one_that_wa
     assert "process 0 then raised spmd.errors.CheckpointError: process(es) [1, 2] did not " in text
     one = _printer_with(0, "Traceback (most recent call last):", error.replace("[1, 2]", "[1]"))
     assert summary(_group(1, 1, failed=(0, 1)), one).startswith("first failure: process 1, ")
+
+
+def test_only_configuration_errors_of_their_own_stop_the_restarts():
+    """Exit code 78 (ConfigurationError/BatchError) from every process that failed on its own."""
+    code = CONFIGURATION_EXIT_CODE
+    peer = _printer_with(1, "spmd: ending: process 0 failed (ConfigurationError: x); ending too.")
+    why = not_worth_restarting(_group(code, 1, failed=(0, 1)), peer)
+    assert why is not None and why.startswith("not restarting: process 0 raised a configuration")
+    assert not_worth_restarting(_group(code, code, failed=(0, 1)), Printer()) is not None
+    assert not_worth_restarting(_group(code, 1, failed=(0, 1)), Printer()) is None  # 1 its own
+    assert not_worth_restarting(_group(1, 1, failed=(0, 1)), peer) is None
+    assert not_worth_restarting(_group(0, 0), Printer()) is None
+    assert (
+        ProcessResult(1, code).describe() == "process 1 exited with code 78 (a configuration error)"
+    )

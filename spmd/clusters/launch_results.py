@@ -7,6 +7,7 @@ import re
 import signal
 
 __all__ = [
+    "CONFIGURATION_EXIT_CODE",
     "EXIT_GRACE",
     "NOT_ARRIVED_LINE",
     "PREEMPTED_EXIT_CODE",
@@ -18,6 +19,10 @@ __all__ = [
 # A process that exits with this code was preempted (it saved what it needs and
 # stopped on purpose); `launch` restarts the group without counting it as a failure.
 PREEMPTED_EXIT_CODE = 42
+# A process that exits with this code raised spmd's ConfigurationError or BatchError
+# (sysexits' EX_CONFIG): the same program raises it again, so `launch` neither restarts
+# nor shrinks the job for it.
+CONFIGURATION_EXIT_CODE = 78
 TIMEOUT_EXIT_CODE = 124  # what `launch` returns when its timeout ends the run, as timeout(1)
 GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL when stopping processes
 # Seconds the other processes have to end once one has exited with code 0. A job whose
@@ -61,6 +66,11 @@ class ProcessResult:
             return f"process {self.process_index} was killed by {signal_name(-self.returncode)}"
         if self.returncode == PREEMPTED_EXIT_CODE:
             return f"process {self.process_index} was preempted (exit code {PREEMPTED_EXIT_CODE})"
+        if self.returncode == CONFIGURATION_EXIT_CODE:
+            return (
+                f"process {self.process_index} exited with code {CONFIGURATION_EXIT_CODE} "
+                "(a configuration error)"
+            )
         return f"process {self.process_index} exited with code {self.returncode}"
 
 
