@@ -80,19 +80,16 @@ def _requeue_recipe() -> str:
     return section.split("```sh", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostile: the Slurm requeue loop cannot outlive a lost node nor shrink, as docs claim",
-)
 def test_the_requeue_recipe_survives_a_lost_node_and_numbers_its_attempts():
-    """docs/multihost.md says the scheduler's loop goes on "with fewer or more nodes".
+    """docs/multihost.md says the scheduler's loop goes on with the nodes left.
 
-    As written it cannot: without `#SBATCH --no-kill` Slurm cancels the whole
-    allocation when a node fails, so there is no next attempt; each `srun`
-    asks for every node of the allocation, never fewer; without
-    `--kill-on-bad-exit=1` a task that raised leaves the others running up to
-    heartbeat_timeout (unless the cluster's KillOnBadExit says otherwise); and
-    no attempt sets SPMD_RESTART_COUNT, so `spmd.restart_count()` is 0 on each.
+    It can only with each of these: without `#SBATCH --no-kill` Slurm cancels
+    the whole allocation when a node fails, so there is no next attempt;
+    without `--nodes`, each `srun` asks for every node of the allocation, never
+    fewer; without `--kill-on-bad-exit=1` a task that raised leaves the others
+    running up to heartbeat_timeout (unless the cluster's KillOnBadExit says
+    otherwise); and without SPMD_RESTART_COUNT `spmd.restart_count()` is 0 on
+    each attempt.
     """
     recipe = _requeue_recipe()
     assert "srun" in recipe and "for attempt" in recipe  # the recipe is the one meant

@@ -6,11 +6,14 @@ the same results from real processes.
 
 import signal
 
+from spmd.clusters.launch_printer import Printer, not_worth_restarting, summary
 from spmd.clusters.launch_results import (
+    CONFIGURATION_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     TIMEOUT_EXIT_CODE,
     GroupResult,
     ProcessResult,
+    not_arrived,
     signal_name,
 )
 
@@ -54,3 +57,43 @@ def test_a_timeout_and_an_early_exit_are_failures_even_with_code_0():
     early = _group(0, -signal.SIGTERM, exited_early=(0,))
     assert not early.ok and early.exit_code == 1
     assert early.describe().startswith("process 0 exited with code 0 while the others ran on")
+
+
+def _printer_with(index: int, *lines: str) -> Printer:
+    printer = Printer()
+    for line in lines:
+        printer(index, "stderr", line + "\n")
+    return printer
+
+
+def test_the_first_failure_is_the_process_that_raised(capsys):
+    group = _group(1, 1, failed=(0, 1))
+    printer = _printer_with(0, "Traceback (most recent call last):", "  File x", "ValueError: bad")
+    text = summary(group, printer)
+    assert text.startswith("first failure: process 0 exited with code 1; it raised ValueError: bad")
+
+
+def test_processes_that_never_reached_a_collective_are_named_not_the_one_that_waited(capsys):
+    """Process 0 waited in save(step=5) for process 1, which hung: process 1 is at fault."""
+    error = f"spmd.errors.CheckpointError: {not_arrived([2, 1], 'save(step=5)', 30.0)}: ..."
+    printer = _printer_with(0, "Traceback (most recent call last):", "  File x", error)
+    text = summary(_group(1, 1, 1, failed=(0, 1, 2)), printer)
+    assert text.startswith("first failure: processes [1, 2], alive but hung or slow"), text
+    assert "process 0 then raised spmd.errors.CheckpointError: process(es) [1, 2] did not " in text
+    one = _printer_with(0, "Traceback (most recent call last):", error.replace("[1, 2]", "[1]"))
+    assert summary(_group(1, 1, failed=(0, 1)), one).startswith("first failure: process 1, ")
+
+
+def test_only_configuration_errors_of_their_own_stop_the_restarts():
+    """Exit code 78 (ConfigurationError/BatchError) from every process that failed on its own."""
+    code = CONFIGURATION_EXIT_CODE
+    peer = _printer_with(1, "spmd: ending: process 0 failed (ConfigurationError: x); ending too.")
+    why = not_worth_restarting(_group(code, 1, failed=(0, 1)), peer)
+    assert why is not None and why.startswith("not restarting: process 0 raised a configuration")
+    assert not_worth_restarting(_group(code, code, failed=(0, 1)), Printer()) is not None
+    assert not_worth_restarting(_group(code, 1, failed=(0, 1)), Printer()) is None  # 1 its own
+    assert not_worth_restarting(_group(1, 1, failed=(0, 1)), peer) is None
+    assert not_worth_restarting(_group(0, 0), Printer()) is None
+    assert (
+        ProcessResult(1, code).describe() == "process 1 exited with code 78 (a configuration error)"
+    )

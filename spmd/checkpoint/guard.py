@@ -1,7 +1,7 @@
 """Checks that keep a checkpoint directory consistent: one manager, agreed steps, bounded waits.
 
 Processes agree through the key-value store of JAX's coordination service,
-with a deadline: a process that never arrives (a save entered under
+with a deadline: a process that never arrives (hung, or a save entered under
 `if is_chief:`), or that brings another directory or step, is an error named
 within `timeout` seconds on the processes that did arrive, never a hang in a
 collective.
@@ -23,6 +23,7 @@ import jax
 from etils import epath
 
 from spmd.clusters.jax_state import coordination_client
+from spmd.clusters.launch_results import not_arrived
 from spmd.errors import CheckpointError, message, received
 
 __all__ = [
@@ -238,13 +239,17 @@ def _client() -> Any:
 
 
 def _absent(what: str, missing: list[int], present: list[int], timeout: float) -> CheckpointError:
+    """The error for a collective some processes did not reach: they lead it, as at fault."""
     return CheckpointError(
         message(
-            f"Every process calls {what}, together (it is a collective).",
+            f"{not_arrived(missing, what, timeout)}: every process calls {what} together "
+            "(it is a collective), so this one cannot go on without them.",
             received(arrived=present, not_arrived_within_s={timeout: missing}),
-            "call the CheckpointManager's methods on every process with the same arguments, "
-            "never under `if is_chief:` (the manager decides which process writes what); if the "
-            "missing processes are only slow, raise coordination_timeout.",
+            f"look at what processes {missing} were doing (their output above; py-spy dump "
+            "--pid) — stuck in a data loader, a deadlock, a lost host; if they are only slow, "
+            "raise coordination_timeout. If they never call it: call the CheckpointManager's "
+            "methods on every process with the same arguments, never under `if is_chief:` (the "
+            "manager decides which process writes what).",
         )
     )
 

@@ -31,7 +31,8 @@ def _add_launch(subparsers: Subparsers) -> None:
             "port). Each line of output is prefixed with its process index. If a process "
             "fails, or exits with code 0 while the others run on past --exit-grace, the others "
             "are stopped; the group is restarted up to --max-restarts times. A process exiting "
-            "with code 42 (preempted) restarts the group without using up --max-restarts. "
+            "with code 42 (preempted) restarts the group without using up --max-restarts; one "
+            "exiting with code 78 (spmd's ConfigurationError or BatchError) ends the launch. "
             "Ctrl-C, SIGTERM and SIGHUP stop every process; so does SIGKILL of spmd launch."
         ),
         epilog="example: spmd launch -n 2 --devices-per-process 4 -- python train.py --epochs 3",

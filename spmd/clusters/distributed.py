@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmd.clusters.jax_state import global_state
-from spmd.clusters.launch_results import PREEMPTED_EXIT_CODE
-from spmd.errors import InitializationError, message, received
+from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE, PREEMPTED_EXIT_CODE
+from spmd.errors import BatchError, ConfigurationError, InitializationError, message, received
 
 __all__ = [
     "EXIT_TIMEOUT",
@@ -297,14 +297,18 @@ def _exit_promptly_on_errors() -> None:
 
     Otherwise the failing process waits in jax.distributed's shutdown barrier
     while the others wait in a collective for it. The traceback is printed
-    first; `SystemExit` (e.g. a preemption's code 42) exits normally.
+    first; `SystemExit` (e.g. a preemption's code 42) exits normally. spmd's
+    ConfigurationError and BatchError exit with CONFIGURATION_EXIT_CODE: a
+    restart would raise them again, and `spmd launch` does not restart for them.
     """
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
         previous(kind, value, traceback)
         report_failure(f"{kind.__name__}: {value}")
-        _end(1, f"process {_state['process']} failed; its peers were told to stop.")
+        deterministic = issubclass(kind, (ConfigurationError, BatchError))
+        code = CONFIGURATION_EXIT_CODE if deterministic else 1
+        _end(code, f"process {_state['process']} failed; its peers were told to stop.")
 
     sys.excepthook = hook
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from spmd.clusters.launch_keeper import Keeper, group_alive, signal_groups
-from spmd.clusters.launch_printer import FOLLOWER_LINE, Printer, summary
+from spmd.clusters.launch_printer import FOLLOWER_LINE, Printer, not_worth_restarting, summary
 from spmd.clusters.launch_results import (
     EXIT_GRACE,
     GRACE_PERIOD,
@@ -451,7 +451,9 @@ def launch(
     restarts left relaunches the job on one process fewer (down to
     `min_processes`), with `max_restarts` restarts again at that size. The
     program resumes from its checkpoint on the smaller mesh; SPMD_NUM_PROCESSES
-    says how many processes this attempt has.
+    says how many processes this attempt has. Neither happens when every
+    process that failed on its own exited with CONFIGURATION_EXIT_CODE (78:
+    spmd's ConfigurationError or BatchError, which a restart raises again).
 
     Args:
       command: the program and its arguments, e.g. ["python", "train.py"].
@@ -530,6 +532,9 @@ def _attempts(command: Sequence[str], settings: _Settings, budget: dict[str, int
         first = summary(result, printer)
         if first is not None:
             _report(first)
+        if (why := not_worth_restarting(result, printer)) is not None:
+            _report(why)
+            return result.exit_code
         size = _next_size(result, size, settings.min_processes, budget, used)
         if size == 0:
             return result.exit_code

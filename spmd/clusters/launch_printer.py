@@ -8,9 +8,9 @@ import sys
 import threading
 
 from spmd.clusters.distributed import FOLLOWER
-from spmd.clusters.launch_results import GroupResult
+from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE, NOT_ARRIVED_LINE, GroupResult
 
-__all__ = ["FOLLOWER_LINE", "Printer", "summary"]
+__all__ = ["FOLLOWER_LINE", "Printer", "not_worth_restarting", "summary"]
 
 # What a process that ends because a peer failed says last, naming the peer.
 FOLLOWER_LINE = re.compile(rf"^spmd: {FOLLOWER} (\d+) failed")
@@ -65,7 +65,11 @@ class Printer:
 
 
 def summary(result: GroupResult, printer: Printer) -> str | None:
-    """One paragraph on the first failure: process, exception type and message."""
+    """One paragraph on the first failure: process, exception type and message.
+
+    A process that failed because others never reached a collective (its error
+    starts "process(es) [K] did not reach ...") is not at fault: those are named.
+    """
     if not result.failed:
         return None
     first = result.processes[result.failed[0]]
@@ -75,7 +79,38 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
         who, index = f"process {leader} (process {index} ended because it failed)", leader
     exception = printer.exception(index)
     what = f"raised {exception}" if exception else "printed no Python exception"
+    absent = NOT_ARRIVED_LINE.search(exception or "")
+    if absent is not None:
+        hung = [int(k) for k in absent[1].split(",")]
+        one = len(hung) == 1
+        names = f"process {hung[0]}" if one else f"processes {hung}"
+        return (
+            f"first failure: {names}, alive but hung or slow: {'it' if one else 'they'} never "
+            f"reached the collective that process {index} waited in; process {index} then "
+            f"{what}. Look at what {names} {'was' if one else 'were'} doing (the output above, "
+            "py-spy dump)."
+        )
     return (
         f"first failure: {who}; it {what}. The other processes' output "
         "after that (C++ check failures, collectives that lost a peer) follows from it."
+    )
+
+
+def not_worth_restarting(result: GroupResult, printer: Printer) -> str | None:
+    """Why restarting or shrinking the job cannot help, or None if it may.
+
+    So when every process that failed on its own (not one that ended because a
+    peer failed) raised spmd's ConfigurationError or BatchError
+    (CONFIGURATION_EXIT_CODE): the same program raises it again at any size.
+    """
+    own = [i for i in result.failed if printer.follows(i) is None]
+    codes = {result.processes[i].returncode for i in own}
+    if not own or codes != {CONFIGURATION_EXIT_CODE}:
+        return None
+    names = ", ".join(map(str, own))
+    return (
+        f"not restarting: process {names} raised a configuration error (spmd's "
+        f"ConfigurationError or BatchError, exit code {CONFIGURATION_EXIT_CODE}), which the "
+        "same program raises again at any size; fix the program or its arguments (the error "
+        "above says how), then launch again."
     )

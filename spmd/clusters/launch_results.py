@@ -3,19 +3,40 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 
-__all__ = ["EXIT_GRACE", "PREEMPTED_EXIT_CODE", "GroupResult", "ProcessResult"]
+__all__ = [
+    "CONFIGURATION_EXIT_CODE",
+    "EXIT_GRACE",
+    "NOT_ARRIVED_LINE",
+    "PREEMPTED_EXIT_CODE",
+    "GroupResult",
+    "ProcessResult",
+    "not_arrived",
+]
 
 # A process that exits with this code was preempted (it saved what it needs and
 # stopped on purpose); `launch` restarts the group without counting it as a failure.
 PREEMPTED_EXIT_CODE = 42
+# A process that exits with this code raised spmd's ConfigurationError or BatchError
+# (sysexits' EX_CONFIG): the same program raises it again, so `launch` neither restarts
+# nor shrinks the job for it.
+CONFIGURATION_EXIT_CODE = 78
 TIMEOUT_EXIT_CODE = 124  # what `launch` returns when its timeout ends the run, as timeout(1)
 GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL when stopping processes
 # Seconds the other processes have to end once one has exited with code 0. A job whose
 # processes end together (jax.distributed's shutdown barrier) never comes near it; a
 # process that left early while its peers wait for it in a collective makes the job fail.
 EXIT_GRACE = 30.0
+# How an error about processes that never reached a collective starts (spmd.checkpoint's
+# guard): `spmd launch` reads it to name those processes, not the one that waited, as at fault.
+NOT_ARRIVED_LINE = re.compile(r"process\(es\) \[([\d, ]+)\] did not reach ")
+
+
+def not_arrived(missing: list[int], what: str, timeout: float) -> str:
+    """E.g. "process(es) [1] did not reach save(step=5) within 30 s (hung or slow)"."""
+    return f"process(es) {sorted(missing)} did not reach {what} within {timeout:g} s (hung or slow)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +66,11 @@ class ProcessResult:
             return f"process {self.process_index} was killed by {signal_name(-self.returncode)}"
         if self.returncode == PREEMPTED_EXIT_CODE:
             return f"process {self.process_index} was preempted (exit code {PREEMPTED_EXIT_CODE})"
+        if self.returncode == CONFIGURATION_EXIT_CODE:
+            return (
+                f"process {self.process_index} exited with code {CONFIGURATION_EXIT_CODE} "
+                "(a configuration error)"
+            )
         return f"process {self.process_index} exited with code {self.returncode}"
 
 

@@ -76,7 +76,7 @@ def test_a_save_entered_by_the_chief_only_is_an_error_naming_the_absent(tmp_path
     reports = _job("chief_only", tmp_path)
     _assert_named_error_in_time(
         reports[0],
-        "save(step=1)",
+        f"process(es) [1] did not reach save(step=1) within {TIMEOUT_S} s (hung or slow)",
         "arrived=[0]",
         f"not_arrived_within_s={{{TIMEOUT_S}.0: [1]}}",
         "if is_chief:",

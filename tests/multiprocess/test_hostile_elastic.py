@@ -60,19 +60,16 @@ def test_the_coordinator_lost_for_good_shrinks_the_job_to_the_oracle(tmp_path, o
     _assert_same_trajectory(dict(np.load(tmp_path / "final.npz")), one_process)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostile: a hung process is reported as process 0's misuse of CheckpointManager",
-)
 def test_a_hung_process_is_named_as_the_failure_and_the_job_shrinks(tmp_path, one_process, capfd):
     """Process 1 hangs (alive, heartbeating, never at step 4's collective).
 
-    What works: process 0's save(step=5) waits 30 s for it, fails, and the job
-    shrinks to 1 process and matches the oracle. What is wrong: the launcher
-    names process 0 as the first failure, and the error's fix says "never under
-    `if is_chief:`"; the process at fault is 1, which never arrived.
+    Process 0's save(step=5) waits 30 s for it, fails, and the job shrinks to 1
+    process and matches the oracle. The process at fault is 1, which never
+    arrived: the launcher names it as the first failure (not process 0, which
+    waited), and the error leads with it (the `if is_chief:` misuse second).
     """
     code, output, errors = _shrink(tmp_path, capfd, "--hang")
     assert code == 0, output + errors
     _assert_same_trajectory(dict(np.load(tmp_path / "final.npz")), one_process)
     assert "first failure: process 1" in errors, errors
+    assert "process(es) [1] did not reach save(step=5) within 30 s (hung or slow)" in errors

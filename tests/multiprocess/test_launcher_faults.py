@@ -18,6 +18,7 @@ import pytest
 
 from spmd.cli import main as cli
 from spmd.clusters.launch import launch
+from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE
 
 from .procs import alive, child_env, wait_gone
 
@@ -135,6 +136,36 @@ def test_a_worker_that_exits_0_early_fails_the_job_and_is_named(capsys):
     assert code == 1 and elapsed < 10, (code, elapsed)
     assert "process 0 exited with code 0 while the others ran on" in err
     assert "giving up" in err
+
+
+RAISES_A_CONFIGURATION_ERROR = """
+import spmd, spmd.clusters.launch
+info = spmd.initialize()
+print("ATTEMPT", spmd.clusters.launch.restart_count(), "SIZE", info.process_count, flush=True)
+raise spmd.ConfigurationError("a batch of 7 rows cannot split over 2 replicas")
+"""
+
+
+def test_a_configuration_error_is_not_restarted_nor_shrunk(capfd):
+    """Every process raises spmd.ConfigurationError: one attempt, not 3 restarts at each size."""
+    start = time.monotonic()
+    code = launch(
+        [PY, "-c", RAISES_A_CONFIGURATION_ERROR],
+        2,
+        max_restarts=3,
+        min_processes=1,
+        env=child_env(),
+        grace_period=1.0,
+    )
+    elapsed = time.monotonic() - start
+    out, err = capfd.readouterr()
+    assert code == CONFIGURATION_EXIT_CODE, (code, out, err)
+    assert out.count("ATTEMPT 0 SIZE 2") == 2 and "ATTEMPT 1" not in out, out
+    assert "restarting all" not in err and "relaunching" not in err, err
+    assert "it raised spmd.errors.ConfigurationError: a batch of 7 rows cannot split" in err, err
+    assert "spmd launch: not restarting: process " in err, err
+    assert "raised a configuration error (spmd's ConfigurationError or BatchError" in err, err
+    assert elapsed < 45, elapsed
 
 
 def test_processes_that_end_together_still_succeed():
