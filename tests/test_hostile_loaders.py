@@ -209,9 +209,6 @@ def test_grain_data_loader_restored_with_another_seed_is_an_error(strategy):
 # -- findings: wrong today; each test states the correct behaviour ------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="hostile: a grain element without a batch axis blames ragged leaves"
-)
 def test_grain_pipeline_without_a_final_batch_says_to_batch(strategy):
     unbatched = grain.MapDataset.source(np.arange(N)).map(lambda i: i * 2)
     with pytest.raises(spmd.BatchError, match=r"\.batch\(") as caught:

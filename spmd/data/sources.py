@@ -451,10 +451,23 @@ def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
     Raises:
       BatchError: the leaves' leading sizes differ (a ragged batch), or none has one.
     """
-    sizes = {np.shape(x)[0] for x in jax.tree.leaves(tree) if np.ndim(x) > 0}
+    leaves = jax.tree.leaves(tree)
+    sizes = {np.shape(x)[0] for x in leaves if np.ndim(x) > 0}
     if len(sizes) == 1:
         return sizes.pop()
     where = {} if index is None else {"batch_index": index}
+    if not sizes:
+        shapes = [list(np.shape(x)) for x in leaves[:4]]
+        raise BatchError(
+            message(
+                f"Every array of a {what} has a leading (batch) axis: an element of the data "
+                "is a whole global batch, not one example.",
+                received(**where, leaf_shapes=shapes, num_leaves=len(leaves)),
+                "batch the examples: end a grain or tf.data pipeline with "
+                ".batch(global_batch_size), or pass arrays with the examples on the leading "
+                "axis.",
+            )
+        )
     raise BatchError(
         message(
             f"Every array of a {what} must have the same leading (batch) size.",
