@@ -229,7 +229,6 @@ def test_empty_dataset_is_a_batch_error(strategy, loader):
         _ids(strategy.distribute_dataset(ds))
 
 
-@pytest.mark.xfail(strict=True, reason="hostile: a string leaf is jax's TypeError naming no leaf")
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_string_leaf_is_a_batch_error_naming_the_leaf(strategy, loader):
     if loader == "tf":

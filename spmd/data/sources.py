@@ -342,6 +342,7 @@ def _sized(
     expected = batch_size
     for index, (batch, is_last) in enumerate(_with_last(elements)):
         batch = jax.tree.map(np.asarray, batch)
+        _check_numeric(batch, index)
         size = leading_size(batch, what="batch", index=index)
         if size == 0:
             raise BatchError(_empty_message(index))
@@ -365,6 +366,31 @@ def _sized(
         if remainder == "drop":
             return
         yield index, batch, expected, size
+
+
+def _check_numeric(batch: Any, index: int) -> None:
+    """Raises for a leaf of text or Python objects, which no device array can hold.
+
+    Raises:
+      BatchError: naming the leaf, its dtype and how to leave it out.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if leaf.dtype.kind in "USOV":
+            kind = {"U": "str", "S": "bytes", "O": "object", "V": "void"}[leaf.dtype.kind]
+            raise BatchError(
+                message(
+                    "Every leaf of a batch is numeric or bool: it becomes a jax.Array on the "
+                    "devices.",
+                    received(
+                        batch_index=index,
+                        leaf=jax.tree_util.keystr(path) or "(the batch)",
+                        dtype=f"{leaf.dtype} ({kind})",
+                    ),
+                    "drop that leaf before distributing (e.g. .map(lambda e: {k: v for k, v "
+                    "in e.items() if k != 'name'})), or tokenize/encode it to integer ids in "
+                    "the pipeline.",
+                )
+            )
 
 
 def _empty_message(index: int) -> str:
