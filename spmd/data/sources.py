@@ -296,6 +296,8 @@ def global_batches(
     remainder: Remainder,
     start: int = 0,
     batch_size: int | None = None,
+    *,
+    resumed: bool = False,
 ) -> Iterator[HostBatch]:
     """This process's rows of each global batch of `elements` (DATA sharding).
 
@@ -306,8 +308,10 @@ def global_batches(
       remainder: what to do with a smaller last batch.
       start: how many batches to skip (a resumed position).
       batch_size: the global batch size, if known before the first batch.
+      resumed: `elements` start where a saved position left off (not at the
+        start of the data), so that having none is not an empty dataset.
     """
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size):
+    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
         _check_divisible(expected, ctx.num_replicas_in_sync, index)
         batch, mask = _pad(batch, real, expected, remainder)
         per = expected // ctx.num_input_pipelines
@@ -323,23 +327,36 @@ def local_batches(
     remainder: Remainder,
     start: int = 0,
     batch_size: int | None = None,
+    *,
+    resumed: bool = False,
 ) -> Iterator[HostBatch]:
     """Each element is already this pipeline's part of a global batch (FILE, OFF, a function).
 
     Args are as for `global_batches`, with `batch_size` the rows per pipeline.
     """
     pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size):
+    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
         _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
         batch, mask = _pad(batch, real, expected, remainder)
         yield HostBatch(batch, mask, expected * pipelines)
 
 
 def _sized(
-    elements: Iterable[Any], remainder: Remainder, start: int, batch_size: int | None
+    elements: Iterable[Any],
+    remainder: Remainder,
+    start: int,
+    batch_size: int | None,
+    resumed: bool = False,
 ) -> Iterator[tuple[int, Any, int, int]]:
-    """(index, batch, expected size, real size) for each batch from `start` that is kept."""
+    """(index, batch, expected size, real size) for each batch from `start` that is kept.
+
+    Raises:
+      BatchError: no element at all from the start of the data (an empty
+        dataset), a leaf that is not numeric, or batches of uneven sizes.
+    """
     expected = batch_size
+    if not start and not resumed:
+        elements = _not_empty(elements)
     for index, (batch, is_last) in enumerate(_with_last(elements)):
         batch = jax.tree.map(np.asarray, batch)
         _check_numeric(batch, index)
@@ -391,6 +408,23 @@ def _check_numeric(batch: Any, index: int) -> None:
                     "the pipeline.",
                 )
             )
+
+
+def _not_empty(elements: Iterable[Any]) -> Iterator[Any]:
+    """`elements`, or a BatchError if there is none: an empty dataset is an epoch of no batch."""
+    empty = True
+    for element in elements:
+        empty = False
+        yield element
+    if empty:
+        raise BatchError(
+            message(
+                "A dataset yields at least one batch a pass.",
+                received(batches=0),
+                "check that the data is not empty: its source, a filter, or a shard that "
+                "leaves this input pipeline nothing (e.g. fewer records than pipelines).",
+            )
+        )
 
 
 def _empty_message(index: int) -> str:
