@@ -303,10 +303,6 @@ def test_fit_on_an_infinite_tf_dataset_without_steps_per_epoch_is_an_error(strat
         trainer.fit(ds, epochs=1, verbose=0, callbacks=[_StopAfter(20)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostile: tf.distribute's per-replica dataset_fn silently gives 1/8 the global batch",
-)
 def test_tf_dataset_function_batched_per_replica_is_an_error(strategy):
     def dataset_fn(ctx):  # tf.distribute's idiom: a global batch of 64, 8 per replica
         return tf.data.Dataset.range(N * 8).batch(ctx.get_per_replica_batch_size(64))
@@ -315,9 +311,6 @@ def test_tf_dataset_function_batched_per_replica_is_an_error(strategy):
         _ids(strategy.distribute_datasets_from_function(dataset_fn), 1)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="hostile: a float64 numpy state with x64 off restores as 'damaged'"
-)
 def test_float64_state_with_64_bit_mode_off_is_restored_or_refused_never_damaged(tmp_path):
     assert not jax.config.jax_enable_x64
     state = {"w": np.arange(4, dtype=np.float64) / 3, "step": np.arange(3, dtype=np.int64)}
