@@ -48,7 +48,7 @@ def plan_tf(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
     if policy is AutoShardPolicy.FILE:
         dataset, batch_size = _file_sharded(dataset, ctx)
         per = batch_size // ctx.num_input_pipelines
-        passes = Passes(dataset, opened=1)  # the probe for files was one pass of its shuffles
+        passes = Passes(dataset)  # after the probe for files, which a resumed run makes too
 
     def read(epoch: int, start: int) -> Iterator[HostBatch]:
         elements = passes.open(epoch)
@@ -100,8 +100,8 @@ class Passes:
     advances the seed without reading a record.
     """
 
-    def __init__(self, dataset: Any, opened: int = 0):
-        self._dataset, self._opened = dataset, opened
+    def __init__(self, dataset: Any):
+        self._dataset, self._opened = dataset, 0
         self._reshuffles = reshuffles(dataset)
         self._lock = threading.Lock()
 
