@@ -378,3 +378,25 @@ def test_backup_and_restore_falls_back_to_the_older_backup(tmp_path, caplog):
     assert len(got) == len(jax.tree_util.tree_leaves(want["params"]))
     for a, b in zip(got, jax.tree_util.tree_leaves(want["params"]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)  # bitwise
+
+
+def test_a_64_bit_state_restored_with_64_bit_mode_off_is_refused_not_set_aside(tmp_path):
+    """An intact step whose float64/int64 arrays jax holds as 32 bits is not 'damaged'.
+
+    restore_newest (restore_or_init, BackupAndRestore) skips and sets aside damaged
+    steps: a dtype it cannot hold must stop it with the dtypes and the 64-bit mode
+    instead, leaving the good step where it is.
+    """
+    assert not jax.config.jax_enable_x64
+    state = {"w": np.arange(4, dtype=np.float64) / 3, "step": np.arange(3, dtype=np.int64)}
+    with spmd.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+    with spmd.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        with pytest.raises(spmd.CheckpointError, match="float64.*jax_enable_x64") as caught:
+            ckpt.restore_newest(state)
+        assert not isinstance(caught.value, Damaged)
+        assert ckpt.all_steps() == [1] and not ckpt.damaged_steps()
+        restored = ckpt.restore(1)  # without a target: numpy, as saved
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert restored["step"].dtype == np.int64

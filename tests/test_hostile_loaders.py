@@ -209,9 +209,6 @@ def test_grain_data_loader_restored_with_another_seed_is_an_error(strategy):
 # -- findings: wrong today; each test states the correct behaviour ------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="hostile: a grain element without a batch axis blames ragged leaves"
-)
 def test_grain_pipeline_without_a_final_batch_says_to_batch(strategy):
     unbatched = grain.MapDataset.source(np.arange(N)).map(lambda i: i * 2)
     with pytest.raises(spmd.BatchError, match=r"\.batch\(") as caught:
@@ -219,9 +216,6 @@ def test_grain_pipeline_without_a_final_batch_says_to_batch(strategy):
     assert "leading_sizes=[]" not in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="hostile: an empty grain/tf.data dataset is an epoch of 0 batches, silently"
-)
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_empty_dataset_is_a_batch_error(strategy, loader):
     if loader == "tf":
@@ -232,7 +226,6 @@ def test_empty_dataset_is_a_batch_error(strategy, loader):
         _ids(strategy.distribute_dataset(ds))
 
 
-@pytest.mark.xfail(strict=True, reason="hostile: a string leaf is jax's TypeError naming no leaf")
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_string_leaf_is_a_batch_error_naming_the_leaf(strategy, loader):
     if loader == "tf":
@@ -248,9 +241,6 @@ def test_string_leaf_is_a_batch_error_naming_the_leaf(strategy, loader):
     assert "str" in str(caught.value) or "object" in str(caught.value)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="hostile: grain state restored into a pipeline of another seed, silently"
-)
 def test_grain_position_restored_into_another_seed_is_a_configuration_error(strategy):
     iterator = iter(strategy.distribute_dataset(_grain(seed=7)))
     _ids(iterator, 2)
@@ -261,10 +251,6 @@ def test_grain_position_restored_into_another_seed_is_a_configuration_error(stra
         _ids(other, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostile: a restore with another global batch size resumes at another record",
-)
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_restore_with_another_global_batch_size_is_a_configuration_error(strategy, loader):
     def make(batch):
@@ -279,10 +265,6 @@ def test_restore_with_another_global_batch_size_is_a_configuration_error(strateg
         _ids(bigger, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostile: tf.data reshuffled each epoch resumes epoch e>0 in epoch 0's order",
-)
 def test_tf_shuffle_resumed_in_a_later_epoch_continues_at_the_exact_record(strategy):
     def make():
         return tf.data.Dataset.range(32).shuffle(32, seed=1).batch(8)  # reshuffle_each_iteration
@@ -314,10 +296,6 @@ class _StopAfter(spmd.callbacks.Callback):
             raise RuntimeError(f"still in epoch 0 after {self.seen} batches")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostile: fit on an infinite tf.data dataset without steps_per_epoch never ends",
-)
 def test_fit_on_an_infinite_tf_dataset_without_steps_per_epoch_is_an_error(strategy, data):
     ds = tf.data.Dataset.from_tensor_slices(data).batch(BATCH).repeat()
     trainer = _trainer(strategy)
@@ -325,10 +303,6 @@ def test_fit_on_an_infinite_tf_dataset_without_steps_per_epoch_is_an_error(strat
         trainer.fit(ds, epochs=1, verbose=0, callbacks=[_StopAfter(20)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hostile: tf.distribute's per-replica dataset_fn silently gives 1/8 the global batch",
-)
 def test_tf_dataset_function_batched_per_replica_is_an_error(strategy):
     def dataset_fn(ctx):  # tf.distribute's idiom: a global batch of 64, 8 per replica
         return tf.data.Dataset.range(N * 8).batch(ctx.get_per_replica_batch_size(64))
@@ -337,9 +311,6 @@ def test_tf_dataset_function_batched_per_replica_is_an_error(strategy):
         _ids(strategy.distribute_datasets_from_function(dataset_fn), 1)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="hostile: a float64 numpy state with x64 off restores as 'damaged'"
-)
 def test_float64_state_with_64_bit_mode_off_is_restored_or_refused_never_damaged(tmp_path):
     assert not jax.config.jax_enable_x64
     state = {"w": np.arange(4, dtype=np.float64) / 3, "step": np.arange(3, dtype=np.int64)}

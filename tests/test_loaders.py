@@ -285,3 +285,43 @@ def test_processes_of_one_pipeline_at_different_grain_states_is_an_error(monkeyp
     every_pipeline = _votes(monkeypatch, {0: {"0": {"next_index": 2}}, 1: {"0": {"next_index": 3}}})
     with pytest.raises(spmd.CheckpointError, match="same source position"):
         every_pipeline({"epoch": 0, "batch": 2, "per_pipeline": {"0": {}}}, 1.0)
+
+
+def _shuffled_tfrecords(directory):
+    for f in range(2):
+        with tf.io.TFRecordWriter(f"{directory}/t-{f}.tfrecord") as writer:
+            for i in range(16):
+                writer.write(tf.io.serialize_tensor(tf.constant(f * 16 + i, tf.int64)).numpy())
+    files = tf.data.Dataset.list_files(f"{directory}/t-*.tfrecord", shuffle=False)
+    ds = files.interleave(tf.data.TFRecordDataset, cycle_length=1)
+    ds = ds.map(lambda s: tf.io.parse_tensor(s, tf.int64)).shuffle(32, seed=1).batch(8)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
+    return ds.with_options(options)
+
+
+def test_tf_file_sharded_reshuffling_pipeline_resumes_a_later_pass_at_the_exact_record(
+    strategy, tmp_path
+):
+    dist = strategy.distribute_dataset(_shuffled_tfrecords(tmp_path))
+    epoch0 = _ids(dist)
+    iterator = iter(dist)
+    first = _ids(iterator, 2)
+    state = iterator.get_state()
+    rest = _ids(iterator)
+    assert sorted(sum(first + rest, [])) == list(range(32)) and first + rest != epoch0
+    resumed = strategy.distribute_dataset(_shuffled_tfrecords(tmp_path))
+    resumed.set_state(state)
+    assert _ids(resumed) == rest
+
+
+def test_reshuffling_tf_pass_read_again_in_the_same_dataset_is_a_configuration_error(strategy):
+    dist = strategy.distribute_dataset(tf.data.Dataset.range(32).shuffle(32, seed=1).batch(8))
+    iterator = iter(dist)
+    _ids(iterator, 2)
+    state = iterator.get_state()
+    _ids(iterator)
+    _ids(dist)  # pass 1
+    dist.set_state(state)  # back to pass 0, whose order tf.data cannot give again
+    with pytest.raises(spmd.ConfigurationError, match="reshuffle_each_iteration"):
+        _ids(dist)

@@ -390,6 +390,7 @@ class CheckpointManager:
         saved = self._read(step, "tree", lambda: self._store.saved_tree(step))
         ct.check_match(saved, wanted, step)
         values = self._read(step, "arrays", lambda: self._store.restore_placed(step, abstract))
+        ct.check_restored_dtypes(saved, values, step)  # before the checksum: not damage
         self._verify(step, values)
         return rebuild(ct.wrap_keys(values, flat))
 

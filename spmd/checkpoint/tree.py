@@ -169,6 +169,41 @@ def wrap_keys(values: Flat, target: Flat) -> Flat:
     }
 
 
+def check_restored_dtypes(saved: dict[str, tuple], values: Flat, step: int) -> None:
+    """Raises a CheckpointError naming arrays restored in another dtype than saved.
+
+    With 64-bit mode off, jax holds a float64/int64 array as float32/int32:
+    the values are not the saved ones, though the files are intact, so this
+    is not damage (a checksum mismatch) and must not be skipped as such.
+
+    Args:
+      saved: path -> (shape, dtype) of the checkpoint.
+      values: path -> restored array.
+      step: the checkpoint's step, for the message.
+    """
+    differ = {
+        p: f"saved {np.dtype(saved[p][1])}, restored {np.dtype(v.dtype)}"
+        for p, v in values.items()
+        if p in saved and np.dtype(saved[p][1]) != np.dtype(v.dtype)
+    }
+    if not differ:
+        return
+    raise CheckpointError(
+        message(
+            "A restored array has the dtype it was saved with (the checkpoint is intact; "
+            "jax cannot hold that dtype now).",
+            received(
+                step=step,
+                dtype_differs=_clip([f"{p}: {d}" for p, d in sorted(differ.items())]),
+                jax_enable_x64=bool(jax.config.jax_enable_x64),
+            ),
+            "turn 64-bit mode on before restoring (jax.config.update('jax_enable_x64', "
+            "True)) as when it was saved, or restore without a target (numpy, as saved) "
+            "and cast the 64-bit leaves to 32 bits yourself.",
+        )
+    )
+
+
 def check_match(saved: dict[str, tuple], wanted: dict[str, tuple], step: int) -> None:
     """Raises a CheckpointError naming the paths where a checkpoint and a target differ.
 

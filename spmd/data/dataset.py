@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -119,20 +120,77 @@ def distribute_datasets_from_function(
                 "ctx.input_pipeline_id and ctx.num_input_pipelines.",
             )
         )
-    ctx = input_context(strategy)
+    ctx = _AskedContext(*dataclasses.astuple(input_context(strategy)))
     first = [dataset_fn(ctx)]
 
     def elements() -> Iterable[Any]:
         return first.pop() if first else dataset_fn(ctx)
 
+    def batches(epoch: int, start: int) -> Iterator[HostBatch]:
+        for index, batch in enumerate(local_batches(elements(), ctx, remainder, start)):
+            if not index:
+                ctx.check_rows(batch.global_size // ctx.num_input_pipelines)
+            yield batch
+
     remainder = options.remainder or "error"
-    plan = Plan(
-        lambda epoch, start: local_batches(elements(), ctx, remainder, start),
-        FUNCTION,
-        remainder,
-        ctx,
-    )
+    plan = Plan(batches, FUNCTION, remainder, ctx)
     return DistributedDataset(strategy, plan, options)
+
+
+class _AskedContext(InputContext):
+    """The InputContext a dataset function gets: it notes the per-replica sizes asked for.
+
+    tf.distribute's dataset function batches by `get_per_replica_batch_size`;
+    spmd's by the per-pipeline size. Where the two differ, a function ported
+    unchanged would train on a global batch `num_replicas / num_pipelines`
+    times smaller than meant, so its first batch is compared with what it asked.
+    """
+
+    def __init__(self, *fields: int):
+        super().__init__(*fields)
+        object.__setattr__(self, "_asked", set())
+
+    def __repr__(self) -> str:
+        return repr(InputContext(*dataclasses.astuple(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InputContext):
+            return NotImplemented
+        return dataclasses.astuple(self) == dataclasses.astuple(other)
+
+    __hash__ = InputContext.__hash__
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The rows each replica gets of a global batch (see `InputContext`)."""
+        per_replica = super().get_per_replica_batch_size(global_batch_size)
+        self._asked.add(global_batch_size)
+        return per_replica
+
+    def check_rows(self, rows: int) -> None:
+        """Raises if `rows` (per pipeline) is a per-replica size that the function asked for.
+
+        Raises:
+          BatchError: the function batched by `get_per_replica_batch_size(g)`
+            where the pipeline feeds `get_per_pipeline_batch_size(g)` rows.
+        """
+        for size in sorted(self._asked):
+            per_replica = size // self.num_replicas_in_sync
+            if rows == per_replica != size // self.num_input_pipelines:
+                raise BatchError(
+                    message(
+                        "A dataset function batches by the rows its input pipeline feeds: "
+                        "ctx.get_per_pipeline_batch_size(global_batch_size) (tf.distribute's "
+                        "functions batch per replica; spmd's per pipeline, i.e. process).",
+                        received(
+                            rows_per_pipeline=rows,
+                            get_per_replica_batch_size=f"{size} -> {per_replica}",
+                            get_per_pipeline_batch_size=f"{size} -> "
+                            f"{size // self.num_input_pipelines}",
+                        ),
+                        f"batch by ctx.get_per_pipeline_batch_size({size}): the global batch "
+                        f"is now {rows * self.num_input_pipelines}, not {size}.",
+                    )
+                )
 
 
 def make_numpy_dataset(

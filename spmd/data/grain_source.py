@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -88,9 +89,52 @@ def plan_grain(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
 
     def read(epoch: int, start: int) -> Iterator[HostBatch]:
         elements, skip = positions.open(epoch, start)
-        return batches(elements, ctx, remainder, skip)
+        return batches(elements, ctx, remainder, skip, resumed=start > 0)
 
-    return Plan(read, policy.name, remainder, ctx, positions=positions)
+    return Plan(
+        read,
+        policy.name,
+        remainder,
+        ctx,
+        positions=positions,
+        source=describe(dataset),
+        infinite=_endless(dataset),
+    )
+
+
+def _endless(dataset: Any) -> bool:
+    """Whether a grain MapDataset repeats without end (grain gives it a length near 2**61)."""
+    import grain
+
+    if not isinstance(dataset, grain.MapDataset):
+        return False
+    try:
+        return len(dataset) >= sys.maxsize // 8
+    except (TypeError, ValueError, NotImplementedError):
+        return False
+
+
+def describe(dataset: Any) -> str:
+    """A grain pipeline's seeded transformations, e.g. "ShuffleMapDataset[seed=7]".
+
+    A position (grain's state) only means the same records in a pipeline
+    shuffled (or randomly mapped) with the same seeds. Other transformations
+    are left out: a map added on resume (a counter, a new augmentation) keeps
+    the records where they were.
+    """
+    found: list[str] = []
+    stack = [dataset]
+    while stack:
+        node = stack.pop()
+        seeds = [
+            f"{name.strip('_')}={getattr(node, name)}"
+            for name in ("_seed", "_seed_rng_seed")
+            if getattr(node, name, None) is not None
+        ]
+        if seeds:
+            found.append(f"{type(node).__name__}[{', '.join(seeds)}]")
+        stack.extend(getattr(node, "_parents", ()))
+    return ", ".join(found)
 
 
 def _policy(dataset: Any, ctx: InputContext, policy: AutoShardPolicy) -> AutoShardPolicy:

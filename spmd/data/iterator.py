@@ -56,6 +56,9 @@ class Plan:
       seed: the shuffle seed, if the dataset shuffles.
       num_dropped: real examples the remainder drops per epoch, when known ahead.
       positions: the source's own positions, saved in the state as `per_pipeline`.
+      source: a description of the pipeline that a position depends on (its
+        transformations and seeds), saved in the state and compared on restore.
+      infinite: the dataset never ends (`repeat()`): an epoch needs a step count.
     """
 
     batches: Callable[[int, int], Iterator[HostBatch]]
@@ -68,6 +71,8 @@ class Plan:
     seed: int | None = None
     num_dropped: int | None = None
     positions: SourcePositions | None = None
+    source: str | None = None
+    infinite: bool = False
 
 
 @dataclass
@@ -111,12 +116,13 @@ class DistributedDataset:
         self._options = options
         self._next = (0, 0)  # (epoch, batch) where the next iter() starts
         self._latest: _Cursor | None = None  # the latest iterator's position
+        self._global_batch_size = plan.global_batch_size  # or a restored state's
 
     def __iter__(self) -> DistributedIterator:
         epoch, batch = self._next
         self._next = (epoch + 1, 0)
         iterator = DistributedIterator(
-            self._strategy, self._plan, self._options, self, epoch, batch
+            self._strategy, self._plan, self._options, self, epoch, batch, self._global_batch_size
         )
         self._latest = iterator._cursor
         return iterator
@@ -125,6 +131,11 @@ class DistributedDataset:
     def num_batches(self) -> int | None:
         """Global batches per epoch, or None when not known before reading."""
         return self._plan.num_batches
+
+    @property
+    def infinite(self) -> bool:
+        """Whether the dataset is known never to end (e.g. a tf.data `repeat()`)."""
+        return self._plan.infinite
 
     @property
     def num_examples(self) -> int | None:
@@ -151,11 +162,15 @@ class DistributedDataset:
         """
         if self._latest is not None and not self._latest.closed:
             return self._latest.state(self._plan)
-        return _state(self._plan, *self._next, self._plan.global_batch_size)
+        return _state(self._plan, *self._next, self._global_batch_size)
 
     def set_state(self, state: dict) -> None:
-        """Makes the next `iter()` start at `state` (from `get_state()`, e.g. a checkpoint)."""
-        self._next = _check_state(state, self._plan)
+        """Makes the next `iter()` start at `state` (from `get_state()`, e.g. a checkpoint).
+
+        The state's global batch size is checked against the first batch read.
+        """
+        self._next = _check_state(state, self._plan, self._global_batch_size)
+        self._global_batch_size = self._global_batch_size or _saved_size(state)
         self._latest = None
 
     def _note_epoch(self, epoch: int, cursor: _Cursor) -> None:
@@ -186,10 +201,11 @@ class DistributedIterator:
         dataset: DistributedDataset,
         epoch: int,
         batch: int,
+        global_batch_size: int | None = None,
     ):
         self._strategy, self._plan, self._options = strategy, plan, options
         self._dataset = dataset
-        self._cursor = _Cursor(epoch, batch, plan.global_batch_size)
+        self._cursor = _Cursor(epoch, batch, global_batch_size or plan.global_batch_size)
         self._source: Prefetcher | Iterator[Any] | None = None
         self._finished = False  # the epoch ended (or failed)
 
@@ -236,6 +252,7 @@ class DistributedIterator:
         cursor = self._cursor
         epoch, batch = _check_state(state, self._plan, cursor.global_batch_size)
         self._stop_source()
+        cursor.global_batch_size = cursor.global_batch_size or _saved_size(state)
         cursor.epoch, cursor.batch, cursor.exhausted, cursor.closed = epoch, batch, False, False
         self._finished = False
         self._dataset._note_epoch(epoch, cursor)
@@ -268,6 +285,7 @@ class DistributedIterator:
             check,
             stop,
             contents,
+            self._cursor.global_batch_size,
         )
         if self._options.prefetch:
             return Prefetcher(items, self._options.prefetch, stop)
@@ -286,8 +304,14 @@ def _device_batches(
     check: HostCheck | None,
     stop: threading.Event,
     contents: bool = False,
+    global_batch_size: int | None = None,
 ) -> Iterator[Any]:
-    """Places each host batch on the devices, after every process agrees it has one."""
+    """Places each host batch on the devices, after every process agrees it has one.
+
+    Raises:
+      ConfigurationError: a batch of another size than `global_batch_size`
+        (the size a restored position was saved with).
+    """
     host = plan.batches(epoch, start)
     place = _Placer(strategy)
     for step in itertools.count():
@@ -302,7 +326,24 @@ def _device_batches(
             check.agree(step, _record(batch, contents), stop)
         if batch is None:
             return
+        if global_batch_size is not None and batch.global_size != global_batch_size:
+            raise ConfigurationError(_size_message(global_batch_size, batch.global_size))
         yield place(batch)
+
+
+def _size_message(saved: int, now: int) -> str:
+    return message(
+        "A saved position only means the same batches with the same global_batch_size: "
+        "batch b of another size starts at another record.",
+        received(global_batch_size=f"{saved} saved, {now} now"),
+        "restore with the global batch size the state was saved with, or start the epoch "
+        "over from {'epoch': e, 'batch': 0}.",
+    )
+
+
+def _saved_size(state: dict) -> int | None:
+    size = state.get("global_batch_size")
+    return size if isinstance(size, int) and size > 0 else None
 
 
 class _Placer:
@@ -376,6 +417,8 @@ def _state(plan: Plan, epoch: int, batch: int, global_batch_size: int | None) ->
         "auto_shard_policy": plan.policy,
         "num_input_pipelines": plan.ctx.num_input_pipelines,
     }
+    if plan.source is not None:
+        state["source"] = plan.source
     if plan.positions is not None:
         state["per_pipeline"] = plan.positions.state(epoch, batch)
     return state
@@ -394,7 +437,7 @@ def _check_state(state: dict, plan: Plan, global_batch_size: int | None = None) 
             )
         )
     ours = _state(plan, 0, 0, global_batch_size or plan.global_batch_size)
-    keys = ["seed", "global_batch_size"]
+    keys = ["seed", "source", "global_batch_size"]
     if state.get("auto_shard_policy") in _PER_PIPELINE or plan.policy in _PER_PIPELINE:
         keys.append("num_input_pipelines")
     differ = {
@@ -406,7 +449,7 @@ def _check_state(state: dict, plan: Plan, global_batch_size: int | None = None) 
         raise ConfigurationError(
             message(
                 "A saved position only means the same batches for the same data: the same "
-                "seed and global batch size (and, when each process reads its own part, the "
+                "seed, pipeline and global batch size (and, when each process reads its own part, the "
                 "same number of input pipelines).",
                 received(
                     **{k: f"{saved!r} saved, {now!r} now" for k, (saved, now) in differ.items()}

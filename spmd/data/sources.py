@@ -300,6 +300,8 @@ def global_batches(
     remainder: Remainder,
     start: int = 0,
     batch_size: int | None = None,
+    *,
+    resumed: bool = False,
 ) -> Iterator[HostBatch]:
     """This process's rows of each global batch of `elements` (DATA sharding).
 
@@ -310,8 +312,10 @@ def global_batches(
       remainder: what to do with a smaller last batch.
       start: how many batches to skip (a resumed position).
       batch_size: the global batch size, if known before the first batch.
+      resumed: `elements` start where a saved position left off (not at the
+        start of the data), so that having none is not an empty dataset.
     """
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size):
+    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
         _check_divisible(expected, ctx.num_replicas_in_sync, index)
         batch, mask = _pad(batch, real, expected, remainder)
         per = expected // ctx.num_input_pipelines
@@ -327,25 +331,39 @@ def local_batches(
     remainder: Remainder,
     start: int = 0,
     batch_size: int | None = None,
+    *,
+    resumed: bool = False,
 ) -> Iterator[HostBatch]:
     """Each element is already this pipeline's part of a global batch (FILE, OFF, a function).
 
     Args are as for `global_batches`, with `batch_size` the rows per pipeline.
     """
     pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size):
+    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
         _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
         batch, mask = _pad(batch, real, expected, remainder)
         yield HostBatch(batch, mask, expected * pipelines)
 
 
 def _sized(
-    elements: Iterable[Any], remainder: Remainder, start: int, batch_size: int | None
+    elements: Iterable[Any],
+    remainder: Remainder,
+    start: int,
+    batch_size: int | None,
+    resumed: bool = False,
 ) -> Iterator[tuple[int, Any, int, int]]:
-    """(index, batch, expected size, real size) for each batch from `start` that is kept."""
+    """(index, batch, expected size, real size) for each batch from `start` that is kept.
+
+    Raises:
+      BatchError: no element at all from the start of the data (an empty
+        dataset), a leaf that is not numeric, or batches of uneven sizes.
+    """
     expected = batch_size
+    if not start and not resumed:
+        elements = _not_empty(elements)
     for index, (batch, is_last) in enumerate(_with_last(elements)):
         batch = jax.tree.map(np.asarray, batch)
+        _check_numeric(batch, index)
         size = leading_size(batch, what="batch", index=index)
         if size == 0:
             raise BatchError(_empty_message(index))
@@ -369,6 +387,48 @@ def _sized(
         if remainder == "drop":
             return
         yield index, batch, expected, size
+
+
+def _check_numeric(batch: Any, index: int) -> None:
+    """Raises for a leaf of text or Python objects, which no device array can hold.
+
+    Raises:
+      BatchError: naming the leaf, its dtype and how to leave it out.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if leaf.dtype.kind in "USOV":
+            kind = {"U": "str", "S": "bytes", "O": "object", "V": "void"}[leaf.dtype.kind]
+            raise BatchError(
+                message(
+                    "Every leaf of a batch is numeric or bool: it becomes a jax.Array on the "
+                    "devices.",
+                    received(
+                        batch_index=index,
+                        leaf=jax.tree_util.keystr(path) or "(the batch)",
+                        dtype=f"{leaf.dtype} ({kind})",
+                    ),
+                    "drop that leaf before distributing (e.g. .map(lambda e: {k: v for k, v "
+                    "in e.items() if k != 'name'})), or tokenize/encode it to integer ids in "
+                    "the pipeline.",
+                )
+            )
+
+
+def _not_empty(elements: Iterable[Any]) -> Iterator[Any]:
+    """`elements`, or a BatchError if there is none: an empty dataset is an epoch of no batch."""
+    empty = True
+    for element in elements:
+        empty = False
+        yield element
+    if empty:
+        raise BatchError(
+            message(
+                "A dataset yields at least one batch a pass.",
+                received(batches=0),
+                "check that the data is not empty: its source, a filter, or a shard that "
+                "leaves this input pipeline nothing (e.g. fewer records than pipelines).",
+            )
+        )
 
 
 def _empty_message(index: int) -> str:
@@ -455,10 +515,23 @@ def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
     Raises:
       BatchError: the leaves' leading sizes differ (a ragged batch), or none has one.
     """
-    sizes = {np.shape(x)[0] for x in jax.tree.leaves(tree) if np.ndim(x) > 0}
+    leaves = jax.tree.leaves(tree)
+    sizes = {np.shape(x)[0] for x in leaves if np.ndim(x) > 0}
     if len(sizes) == 1:
         return sizes.pop()
     where = {} if index is None else {"batch_index": index}
+    if not sizes:
+        shapes = [list(np.shape(x)) for x in leaves[:4]]
+        raise BatchError(
+            message(
+                f"Every array of a {what} has a leading (batch) axis: an element of the data "
+                "is a whole global batch, not one example.",
+                received(**where, leaf_shapes=shapes, num_leaves=len(leaves)),
+                "batch the examples: end a grain or tf.data pipeline with "
+                ".batch(global_batch_size), or pass arrays with the examples on the leading "
+                "axis.",
+            )
+        )
     raise BatchError(
         message(
             f"Every array of a {what} must have the same leading (batch) size.",

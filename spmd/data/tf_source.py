@@ -14,6 +14,7 @@ and DATA is used otherwise (spmd does not guess files inside a graph).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,17 +44,111 @@ def plan_tf(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
     policy = _policy(dataset, options.auto_shard_policy)
     remainder = options.remainder or "error"
     batch_size = per = None
+    passes = Passes(dataset)
     if policy is AutoShardPolicy.FILE:
         dataset, batch_size = _file_sharded(dataset, ctx)
         per = batch_size // ctx.num_input_pipelines
+        passes = Passes(dataset)  # after the probe for files, which a resumed run makes too
 
     def read(epoch: int, start: int) -> Iterator[HostBatch]:
-        elements = dataset.as_numpy_iterator()
+        elements = passes.open(epoch)
         if policy is AutoShardPolicy.DATA:
             return global_batches(elements, ctx, remainder, start)
         return local_batches(elements, ctx, remainder, start, per)
 
-    return Plan(read, policy.name, remainder, ctx, global_batch_size=batch_size)
+    count = _cardinality(dataset, remainder) if policy is not AutoShardPolicy.FILE else None
+    return Plan(
+        read,
+        policy.name,
+        remainder,
+        ctx,
+        num_batches=count if count is None or count >= 0 else None,
+        global_batch_size=batch_size,
+        infinite=count == _INFINITE,
+    )
+
+
+_INFINITE = -1  # tf.data.INFINITE_CARDINALITY
+
+
+def _cardinality(dataset: Any, remainder: str) -> int | None:
+    """Batches a pass yields, -1 for an endless dataset, None when not known before reading.
+
+    A known count is the count of batches only when no partial last batch is
+    dropped: remainder "error" or "pad", or a batch size fixed in the graph
+    (`.batch(n, drop_remainder=True)`).
+    """
+    import tensorflow as tf
+
+    count = int(dataset.cardinality())
+    if count == tf.data.INFINITE_CARDINALITY:
+        return _INFINITE
+    if count < 0:
+        return None
+    shapes = [s.shape for s in tf.nest.flatten(dataset.element_spec) if s.shape.rank]
+    fixed = bool(shapes) and all(s[0] is not None for s in shapes)
+    return count if remainder != "drop" or fixed else None
+
+
+class Passes:
+    """Opens pass `epoch` of a tf.data pipeline in the order an uninterrupted run reads it.
+
+    A `shuffle` with `reshuffle_each_iteration` (tf.data's default) draws a
+    new order for each iterator made of the dataset, from a seed that each
+    one advances. A dataset built anew (a resumed process) has made none, so
+    for pass `e` the first `e` iterators are made and dropped: each one
+    advances the seed without reading a record.
+    """
+
+    def __init__(self, dataset: Any):
+        self._dataset, self._opened = dataset, 0
+        self._reshuffles = reshuffles(dataset)
+        self._lock = threading.Lock()
+
+    def open(self, epoch: int) -> Iterator[Any]:
+        """A numpy iterator over pass `epoch`.
+
+        Raises:
+          ConfigurationError: a reshuffling dataset asked for a pass it has
+            already started (its order is gone: tf.data cannot go back).
+        """
+        with self._lock:
+            if self._reshuffles:
+                if self._opened > epoch:
+                    raise ConfigurationError(_replay_message(epoch, self._opened))
+                while self._opened < epoch:
+                    self._dataset.as_numpy_iterator()  # advances the shuffle's seed
+                    self._opened += 1
+            self._opened += 1
+            return self._dataset.as_numpy_iterator()
+
+
+def reshuffles(dataset: Any) -> bool:
+    """Whether a `shuffle(..., reshuffle_each_iteration=True)` is part of the pipeline."""
+    stack, seen = [dataset], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if getattr(node, "_reshuffle_each_iteration", False) is True:
+            return True
+        try:
+            stack.extend(node._inputs())
+        except (AttributeError, NotImplementedError):
+            continue
+    return False
+
+
+def _replay_message(epoch: int, opened: int) -> str:
+    return message(
+        "A tf.data pipeline that reshuffles each iteration (shuffle's default "
+        "reshuffle_each_iteration=True) gives pass e its order once: a pass already started "
+        "cannot be read again in the same order.",
+        received(epoch=epoch, passes_already_opened=opened),
+        "restore into a dataset built anew (a new tf.data.Dataset, as a restarted process "
+        "does), or shuffle with reshuffle_each_iteration=False (one order for every pass).",
+    )
 
 
 def _policy(dataset: Any, policy: AutoShardPolicy) -> AutoShardPolicy:

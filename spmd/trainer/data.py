@@ -184,6 +184,25 @@ def check_distributed(data: DistributedDataset, *, pad: bool, what: str) -> None
         )
 
 
+def check_endless(data: DistributedDataset, steps_per_epoch: int | None) -> None:
+    """Raises for an endless dataset without `steps_per_epoch`, as Keras does.
+
+    Raises:
+      ConfigurationError: the dataset never ends (`repeat()`), so an epoch
+        would never end either.
+    """
+    if data.infinite and steps_per_epoch is None:
+        raise ConfigurationError(
+            message(
+                "fit on a dataset that never ends (repeat() with no count) needs "
+                "steps_per_epoch: the number of batches that make an epoch.",
+                received(steps_per_epoch=None, dataset="infinite"),
+                "pass steps_per_epoch=N (e.g. examples // global_batch_size), or repeat the "
+                "dataset a finite number of times.",
+            )
+        )
+
+
 def check_rows(batch: tuple, what: str) -> None:
     """Raises if a batch has no rows (it would give a NaN loss, or nothing).
 

@@ -20,6 +20,7 @@ from spmd.trainer.callbacks import Callback, CallbackList, EpochLogger, History,
 from spmd.trainer.data import (
     as_dataset,
     check_count,
+    check_endless,
     check_rows,
     host_first,
     is_arrays,
@@ -368,6 +369,7 @@ class Trainer:
         check_count("epochs", epochs, allow_none=False)
         self.build()
         self.dataset = self._dataset(data, batch_size, shuffle=shuffle, pad=False, what="fit")
+        check_endless(self.dataset, steps_per_epoch)
         val_size = validation_batch_size or batch_size
         val_data = None
         if validation_data is not None:  # made now: its errors come before the first step
