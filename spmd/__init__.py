@@ -111,8 +111,10 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "losses",
     "make_mesh",
     "partitioners",
+    "scale_regularization_loss",
 ]
 
 # Where each public name lives: the module `spmd.X` imports on first use.

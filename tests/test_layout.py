@@ -53,8 +53,10 @@ PUBLIC = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "losses",
     "make_mesh",
     "partitioners",
+    "scale_regularization_loss",
 ]
 
 
@@ -196,3 +198,38 @@ def test_no_module_over_600_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
+
+
+# ------------------------------------------------------------------ the lazy root
+
+
+def _type_checking_names() -> dict[str, str]:
+    """The names spmd/__init__.py imports under `if TYPE_CHECKING:` (what IDEs and type
+    checkers see), each with the module it comes from."""
+    tree = ast.parse((SPMD / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and _type_checking_only(n))
+    found = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+        for alias in node.names:
+            assert alias.asname == alias.name, f"re-export as itself: {ast.unparse(node)}"
+            is_module = node.module == "spmd"  # `from spmd import callbacks as callbacks`
+            found[alias.name] = f"spmd.{alias.name}" if is_module else node.module
+    return found
+
+
+def test_all_where_and_type_checking_imports_agree():
+    """`__all__` (what `from spmd import *` gives), `_WHERE` (what `spmd.X` imports) and the
+    TYPE_CHECKING imports (what an IDE sees) name the same things from the same modules."""
+    assert set(spmd.__all__) == set(spmd._WHERE), set(spmd.__all__) ^ set(spmd._WHERE)
+    assert _type_checking_names() == spmd._WHERE
+    assert sorted(spmd.__all__) == sorted(set(spmd.__all__)), "a name twice in __all__"
+
+
+def test_every_public_name_lives_where_the_map_says():
+    for name, module in spmd._WHERE.items():
+        value = getattr(spmd, name)
+        if module == f"spmd.{name}":
+            assert value is importlib.import_module(module), name
+        else:
+            assert value is getattr(importlib.import_module(module), name), name
