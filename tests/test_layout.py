@@ -1,8 +1,14 @@
 """The package layout: the public names `import spmd` gives stay exactly these."""
 
 import ast
+import functools
 import importlib
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import spmd
 
@@ -233,3 +239,36 @@ def test_every_public_name_lives_where_the_map_says():
             assert value is importlib.import_module(module), name
         else:
             assert value is getattr(importlib.import_module(module), name), name
+
+
+_FRESH = """
+import pickle, sys
+import spmd
+from spmd import *
+import jax
+jax.config.update("jax_num_cpu_devices", 8)  # after import spmd, before first use: as examples do
+assert sorted(n for n in dir() if n in spmd.__all__) == sorted(spmd.__all__)
+assert MirroredStrategy().num_replicas_in_sync == 8 == jax.device_count()
+assert hasattr(spmd, "Trainer") and not hasattr(spmd, "Trainerr")
+assert not hasattr(spmd, "x.y") and not hasattr(spmd, "cli.main") and not hasattr(spmd, "_WHERE_")
+try:
+    spmd.MirroredStrategyy
+except AttributeError as e:
+    assert "MirroredStrategyy" in str(e)
+assert "MirroredStrategy" in dir(spmd)  # what the interpreter's "Did you mean" reads
+sys.stdout.buffer.write(pickle.dumps(spmd.InputOptions(prefetch=3, check_contents=False)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_lazy_root_in_a_fresh_process():
+    """`from spmd import *`, `hasattr`, a typo, `jax.config.update` after `import spmd`, and a
+    pickled public value read back by another fresh process that only imports pickle."""
+    env = {**os.environ, "PYTHONPATH": str(SPMD.parent), "JAX_PLATFORMS": "cpu"}
+    run = functools.partial(subprocess.run, capture_output=True, env=env, timeout=120)
+    made = run([sys.executable, "-c", _FRESH])
+    assert made.returncode == 0, made.stderr.decode()[-3000:]
+    read = "import pickle, sys; print(pickle.loads(sys.stdin.buffer.read()))"
+    back = run([sys.executable, "-c", read], input=made.stdout)
+    assert back.returncode == 0, back.stderr.decode()[-3000:]
+    assert "prefetch=3" in back.stdout.decode() and "check_contents=False" in back.stdout.decode()
