@@ -92,7 +92,7 @@ def test_the_requeue_recipe_survives_a_lost_node_and_numbers_its_attempts():
     asks for every node of the allocation, never fewer; without
     `--kill-on-bad-exit=1` a task that raised leaves the others running up to
     heartbeat_timeout (unless the cluster's KillOnBadExit says otherwise); and
-    no attempt sets SPMD_RESTART_COUNT, so `spmd.restart_count()` is 0 on each.
+    no attempt sets SPMD_RESTART_COUNT, so `spmd.clusters.launch.restart_count()` is 0 on each.
     """
     recipe = _requeue_recipe()
     assert "srun" in recipe and "for attempt" in recipe  # the recipe is the one meant

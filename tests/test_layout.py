@@ -4,6 +4,7 @@ import ast
 import functools
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -272,3 +273,48 @@ def test_the_lazy_root_in_a_fresh_process():
     back = run([sys.executable, "-c", read], input=made.stdout)
     assert back.returncode == 0, back.stderr.decode()[-3000:]
     assert "prefetch=3" in back.stdout.decode() and "check_contents=False" in back.stdout.decode()
+
+
+# ------------------------------------------------------------------ names the repository gives
+
+ROOT = SPMD.parent
+_DOTTED = re.compile(r"(?<![\w./-])spmd(?:\.[A-Za-z_]\w*)+")
+_PATH = re.compile(r"(?<![\w./-])spmd/[\w/]+\.py\b")
+_PLACEHOLDERS = {"spmd.X"}  # spmd/__init__.py's docstring: "`spmd.X` works as usual"
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether `spmd.a.b.c` is an attribute chain or a module path that exists."""
+    parts = dotted.split(".")
+    value = spmd
+    for i, part in enumerate(parts[1:], start=2):
+        if hasattr(value, part):
+            value = getattr(value, part)
+            continue
+        try:
+            value = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            return False
+    return True
+
+
+def _texts() -> list[Path]:
+    """The docs, examples, tests, bench and spmd/ itself (this file names made-up modules)."""
+    found = [*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md")]
+    for folder in ("examples", "tests", "bench", "spmd"):
+        found += sorted((ROOT / folder).rglob("*.py"))
+    return [path for path in found if path.resolve() != Path(__file__).resolve()]
+
+
+def test_every_spmd_module_and_file_the_repository_names_exists():
+    """`spmd.cluster_gloo`, `spmd/prefetch.py`: names of modules the layout moved, left in a
+    doc, a docstring or a test's subprocess code, fail here rather than at a user's."""
+    stale = set()
+    for path in _texts():
+        text = path.read_text()
+        where = path.relative_to(ROOT).as_posix()
+        stale |= {
+            (where, m) for m in set(_DOTTED.findall(text)) - _PLACEHOLDERS if not _resolves(m)
+        }
+        stale |= {(where, m) for m in set(_PATH.findall(text)) if not (ROOT / m).exists()}
+    assert not stale, sorted(stale)
