@@ -114,7 +114,11 @@ def _type_checking_only(node: ast.If) -> bool:
 
 def _imports(tree: ast.AST):
     """The import statements that run at some point: in functions too, under
-    `if TYPE_CHECKING:` not."""
+    `if TYPE_CHECKING:` not. Also the imports that are not statements: a call
+    `importlib.import_module("spmd.x")` or `__import__("spmd.x")` with a literal name,
+    and `spmd.X` read off the lazy root (it imports `spmd._WHERE[X]`). A name computed at
+    run time (`import_module(name)`, as spmd/__init__.py does) cannot be seen; spmd/
+    has none besides the root's `__getattr__`."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, ast.If) and _type_checking_only(node):
             yield from (n for child in node.orelse for n in _imports_of(child))
@@ -123,15 +127,32 @@ def _imports(tree: ast.AST):
 
 
 def _imports_of(node: ast.AST):
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
+    if isinstance(node, (ast.Import, ast.ImportFrom)) or _imported_name(node):
         yield node
     else:
         yield from _imports(node)
 
 
-def _targets(name: str, node: ast.Import | ast.ImportFrom, modules: dict) -> set[str]:
-    """The spmd modules an import statement of module `name` runs."""
-    if isinstance(node, ast.Import):
+def _imported_name(node: ast.AST) -> str | None:
+    """The module a call `import_module("spmd.x")` / `__import__("spmd.x")` imports, or the
+    module `spmd.X` (X a public name or a submodule) imports; else None."""
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        text = node.args[0].value
+        if called in ("import_module", "__import__") and isinstance(text, str):
+            return text if text.split(".")[0] == "spmd" else None
+    root = isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "spmd"
+    if root and not node.attr.startswith("_"):
+        return spmd._WHERE.get(node.attr, f"spmd.{node.attr}")
+    return None
+
+
+def _targets(name: str, node: ast.AST, modules: dict) -> set[str]:
+    """The spmd modules an import statement (or call, or `spmd.X`) of module `name` runs."""
+    if (dynamic := _imported_name(node)) is not None:
+        bases = [dynamic]
+    elif isinstance(node, ast.Import):
         bases = [alias.name for alias in node.names]
     else:
         package = name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
@@ -191,6 +212,34 @@ def test_the_cycle_finder_sees_imports_in_functions_and_skips_type_checking():
     assert found == {"spmd.c"}
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_cycle_finder_sees_relative_dynamic_and_lazy_root_imports():
+    """`from . import x`, `import spmd.a.c as c`, `importlib.import_module("spmd.x")`,
+    `__import__`, and `spmd.Trainer` read off the lazy root are arrows too."""
+    modules = {
+        name: Path(f"{name.replace('.', '/')}.py")
+        for name in ("spmd", "spmd.a", "spmd.a.b", "spmd.a.c", "spmd.x", "spmd.trainer")
+    }
+    modules["spmd.trainer.trainer"] = Path("spmd/trainer/trainer.py")
+    cases = {
+        "from . import c\n": {"spmd.a.c"},
+        "from .. import x\n": {"spmd.x"},
+        "import spmd.a.c as c\n": {"spmd.a.c"},
+        "import importlib\ndef f():\n    return importlib.import_module('spmd.x')\n": {"spmd.x"},
+        "from importlib import import_module\nimport_module('spmd.a.c')\n": {"spmd.a.c"},
+        "__import__('spmd.x')\n": {"spmd.x"},
+        "import importlib\nimportlib.import_module('numpy')\n": set(),
+        "import spmd\ndef f():\n    return spmd.Trainer\n": {
+            "spmd.trainer",
+            "spmd.trainer.trainer",
+        },
+        "import spmd\nv = spmd.__version__\n": set(),
+    }
+    for code, expected in cases.items():
+        nodes = _imports(ast.parse(code))
+        found = set().union(*(_targets("spmd.a.b", n, modules) for n in nodes))
+        assert found == expected, (code, found)
 
 
 def test_no_import_cycle_inside_spmd():
