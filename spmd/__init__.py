@@ -111,8 +111,10 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "losses",
     "make_mesh",
     "partitioners",
+    "scale_regularization_loss",
 ]
 
 # Where each public name lives: the module `spmd.X` imports on first use.
@@ -174,7 +176,8 @@ def __getattr__(name: str) -> Any:
     """Imports a public name on first use and keeps it (PEP 562)."""
     module = _WHERE.get(name)
     if module is None:
-        if name.startswith("_") or importlib.util.find_spec(f"spmd.{name}") is None:
+        dotted = not name.isidentifier()  # getattr(spmd, "x.y"): no attribute, not an import
+        if name.startswith("_") or dotted or importlib.util.find_spec(f"spmd.{name}") is None:
             raise AttributeError(f"module 'spmd' has no attribute {name!r}")
         module = f"spmd.{name}"  # a submodule, imported on first use as it always was
     if module == f"spmd.{name}":  # a public module: spmd.callbacks, spmd.partitioners

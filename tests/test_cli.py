@@ -87,6 +87,11 @@ def test_env_strategy_filter_and_malformed_tf_config_is_a_clean_error(monkeypatc
         (["launch", "-n", "2"], "give the program to run after --"),
         (["launch", "-n", "2", "--"], "give the program to run after --"),
         (["env", "--devices", "0"], "--devices: must be an integer >= 1"),
+        (
+            ["launch", "-n", "2", "--min-processes", "3", "--", "x"],
+            "--min-processes: must be at most -n/--num-processes (2); received 3",
+        ),
+        (["env", "--strategy", "mirored"], "--strategy: must be one of default, mirrored,"),
     ],
 )
 def test_bad_arguments_are_usage_errors(argv, expected, capsys):
@@ -180,6 +185,14 @@ def test_demo_help_says_the_batch_is_rounded(capsys):
         cli.main(["demo", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "the global batch (default 64); rounded up to a multiple of the replicas" in help_text
+
+
+def test_strategy_names_are_read_as_by_name_reads_them():
+    from spmd.cli.demo_command import strategy_name
+
+    args = cli.build_parser().parse_args(["env", "--strategy", "MirroredStrategy"])
+    assert args.strategy == ["mirrored"]
+    assert strategy_name("parameter-server-strategy") == "parameter_server"
 
 
 def test_demo_strategy_names_are_the_strategies_names():

@@ -14,7 +14,7 @@ from typing import Any
 from spmd.cli.types import positive_int
 from spmd.clusters.spec import ENV_DEVICES_PER_PROCESS
 
-__all__ = ["STRATEGY_NAMES", "add_arguments", "add_subcommand", "global_batch"]
+__all__ = ["STRATEGY_NAMES", "add_arguments", "add_subcommand", "global_batch", "strategy_name"]
 
 DEFAULT_DEVICES = 8  # simulated CPU devices of a one-process run
 GLOBAL_BATCH = 64  # rounded up to a multiple of the replicas
@@ -31,6 +31,19 @@ STRATEGY_NAMES = (
     "one_device",
     "parameter_server",
 )
+
+
+def strategy_name(text: str) -> str:
+    """argparse type of `spmd env --strategy`: a name `by_name` takes, checked without jax.
+
+    "MirroredStrategy" and "mirrored-strategy" give "mirrored", as `by_name` reads them.
+    """
+    key = text.lower().replace("-", "_").removesuffix("_strategy").removesuffix("strategy")
+    if key not in STRATEGY_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(STRATEGY_NAMES)}; received {text!r}"
+        )
+    return key
 
 
 def global_batch(requested: int | None, replicas: int) -> int:

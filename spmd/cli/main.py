@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import spmd
-from spmd.cli.demo_command import add_subcommand
+from spmd.cli.demo_command import add_subcommand, strategy_name
 from spmd.cli.types import non_negative_int, positive_float, positive_int
 from spmd.clusters.launch_results import EXIT_GRACE
 from spmd.errors import SpmdError
@@ -81,6 +81,11 @@ def _run_launch(args: argparse.Namespace) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         args.parser.error("give the program to run after --, e.g. -- python train.py")
+    if args.min_processes is not None and args.min_processes > args.num_processes:
+        args.parser.error(
+            f"argument --min-processes: must be at most -n/--num-processes "
+            f"({args.num_processes}); received {args.min_processes}"
+        )
     try:
         return launch(
             program,
@@ -116,6 +121,7 @@ def _add_env(subparsers: Subparsers) -> None:
     )
     p.add_argument(
         "--strategy",
+        type=strategy_name,
         action="append",
         metavar="NAME",
         help="only this strategy (repeatable); default: every named strategy",

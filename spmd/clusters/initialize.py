@@ -222,7 +222,7 @@ def initialize(
     reaching its end alone) tells the others through the coordination
     service and each ends within about a second; a SIGTERM ends every process
     at once unless a checkpoint manager is waiting to save (see
-    `spmd.preemption.PreemptionWatcher`).
+    `spmd.checkpoint.preemption.PreemptionWatcher`).
 
     Returns:
       The ClusterInfo of this process.

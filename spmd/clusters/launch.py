@@ -230,7 +230,7 @@ def run_group(
     `exit_grace` seconds later. Each process is in a process group of its own,
     and every group is stopped at the end, also that of a process that already
     exited. Each process gets SIGKILL if this process dies (Linux:
-    PR_SET_PDEATHSIG), and a keeper process (spmd.launch_keeper) then stops
+    PR_SET_PDEATHSIG), and a keeper process (spmd.clusters.launch_keeper) then stops
     every group, so that no worker nor a child of one outlives the launcher,
     whichever way it ends.
 
@@ -445,7 +445,7 @@ def launch(
     others still run `exit_grace` seconds later fails the attempt. Ctrl-C,
     SIGTERM or SIGHUP stop every process (a second one kills them at once);
     SIGKILL of the launcher kills them and their children too (Linux; a keeper
-    process, spmd.launch_keeper, stops every worker's process group).
+    process, spmd.clusters.launch_keeper, stops every worker's process group).
 
     Elastic: with `min_processes` below `num_processes`, a failure with no
     restarts left relaunches the job on one process fewer (down to

@@ -61,7 +61,7 @@ def distribute_dataset(
     (its own files), DATA otherwise (its rows of each global batch; a
     `NumpyDataset` reads only those rows), OFF when `dataset` already is this
     process's share. A `tf.data.Dataset` is sharded as tf.distribute shards
-    it (spmd/tf_source.py: FILE by TF's own file rewrite, AUTO from its
+    it (spmd/data/tf_source.py: FILE by TF's own file rewrite, AUTO from its
     options); a grain pipeline by grain's shard options, with grain's state
     in the position (`grain_shard_options`).
 

@@ -378,7 +378,7 @@ class Strategy:
         """Each global batch of `dataset` as global jax.Arrays over the replicas.
 
         Returns a `spmd.DistributedDataset`; `options` is a `spmd.InputOptions`
-        (sharding policy, padding, prefetch). See `spmd.data.distribute_dataset`.
+        (sharding policy, padding, prefetch). See `spmd.data.dataset.distribute_dataset`.
         """
 
         return distribute_dataset(self, dataset, options)
@@ -390,7 +390,7 @@ class Strategy:
     ) -> DistributedDataset:
         """Each process's batches from `dataset_fn(spmd.InputContext)`, as global jax.Arrays.
 
-        See `spmd.data.distribute_datasets_from_function`.
+        See `spmd.data.dataset.distribute_datasets_from_function`.
         """
 
         return distribute_datasets_from_function(self, dataset_fn, options)
@@ -406,7 +406,7 @@ class Strategy:
     ) -> NumpyDataset:
         """In-memory arrays as a `spmd.NumpyDataset` of global batches, for `distribute_dataset`.
 
-        See `spmd.data.make_numpy_dataset`.
+        See `spmd.data.dataset.make_numpy_dataset`.
         """
 
         return make_numpy_dataset(

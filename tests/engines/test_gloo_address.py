@@ -85,7 +85,7 @@ def test_use_gloo_address_binds_jaxs_own_function_once(restore_gloo):
 
 @pytest.mark.engines
 def test_no_route_to_the_coordinator_fails_within_seconds(two_hosts):
-    code = "from spmd.cluster_gloo import gloo_address; gloo_address('10.99.0.1:2222')"
+    code = "from spmd.clusters.gloo import gloo_address; gloo_address('10.99.0.1:2222')"
     start = time.monotonic()
     done = subprocess.run(
         ["ip", "netns", "exec", two_hosts[0], sys.executable, "-c", code],
