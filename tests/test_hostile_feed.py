@@ -69,9 +69,7 @@ def test_a_nan_in_the_second_one_batch_epoch_is_named_there():
     x, y = _data()
     x[16] = np.nan  # the second batch: epoch 1 with steps_per_epoch=1
     with pytest.raises(spmd.NonFiniteLossError, match=r"epoch=1.*batch_in_epoch=0"):
-        _trainer().fit(
-            (x, y), batch_size=16, epochs=3, steps_per_epoch=1, shuffle=False, verbose=0
-        )
+        _trainer().fit((x, y), batch_size=16, epochs=3, steps_per_epoch=1, shuffle=False, verbose=0)
 
 
 def test_a_nan_is_named_after_the_trainer_state_is_replaced():
