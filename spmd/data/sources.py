@@ -447,12 +447,12 @@ def _with_last(elements: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
     """
     iterator = iter(elements)
     try:
-        previous = next(iterator)
+        previous = _own(next(iterator))
     except StopIteration:
         return
     while True:
         try:
-            element = next(iterator)
+            element = _own(next(iterator))
         except StopIteration:
             yield previous, True
             return
@@ -461,6 +461,16 @@ def _with_last(elements: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
             raise
         yield previous, False
         previous = element
+
+
+def _own(element: Any) -> Any:
+    """A copy of an element's arrays, taken before the next element is read.
+
+    A loader may refill the buffer it yielded for its next element (and XLA:CPU
+    can alias a host buffer it places, even when asked to copy): each batch
+    keeps the values it had when it was read.
+    """
+    return jax.tree.map(np.array, element)
 
 
 def _pad(batch: Any, real: int, size: int, remainder: Remainder) -> tuple[Any, np.ndarray | None]:

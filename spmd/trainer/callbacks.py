@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -88,14 +89,18 @@ class Callback:
 
 
 _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
+_BATCH_HOOKS = [name for name in _HOOKS if "_batch_" in name]
 
 
 class CallbackList:
     """Calls a hook on every callback, in order.
 
-    Each hook's dispatch is built once: only the callbacks that override it
+    A batch hook's dispatch is built ahead: only the callbacks that override it
     (in their class or on the instance) are called, and a hook none overrides
     is a no-op, so a batch hook costs nothing when no callback reads batches.
+    The other hooks look each callback's hook up when called (as Keras does) and
+    then build the batch hooks' dispatch again, so a hook a callback sets on
+    itself (in `on_train_begin`, `on_epoch_begin`, ...) is called from then on.
     """
 
     def __init__(self, callbacks: Sequence[Callback], trainer: Trainer, params: dict[str, Any]):
@@ -112,11 +117,26 @@ class CallbackList:
             callback.set_params(params)
         self.callbacks = list(callbacks)
         for name in _HOOKS:
+            if name not in _BATCH_HOOKS:
+                setattr(self, name, functools.partial(self._call, name))
+        self._build()
+
+    def _build(self) -> None:
+        """Builds each batch hook's dispatch from the callbacks' hooks as they are now."""
+        for name in _BATCH_HOOKS:
             setattr(self, name, _dispatch([m for c in self.callbacks if (m := _hook(c, name))]))
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Calls hook `name` on every callback that has it now, then rebuilds the batch hooks."""
+        for callback in self.callbacks:
+            method = _hook(callback, name)
+            if method is not None:
+                method(*args, **kwargs)
+        self._build()
 
     def overrides(self, name: str) -> bool:
         """Whether some callback overrides hook `name` (e.g. "on_train_batch_end")."""
-        return getattr(self, name) is not _nothing
+        return any(_hook(c, name) is not None for c in self.callbacks)
 
 
 def _hook(callback: Callback, name: str) -> Callable | None:

@@ -306,13 +306,14 @@ class Trainer:
             self._nan_read = now
         step = int(jax.device_get(flag))
         if step >= 0:
+            # The flag counts the state's steps, which need not be `iterations` (a
+            # state trained elsewhere): the epoch began this epoch's batches ago.
+            start = int(jax.device_get(self.state["step"])) - (self.iterations - self._epoch_start)
             raise NonFiniteLossError(
                 message(
                     "The loss is finite at every step (terminate_on_nan=True stops at the first "
                     "that is not, as Keras' TerminateOnNaN does).",
-                    received(
-                        epoch=self.epoch, batch_in_epoch=step - self._epoch_start, global_step=step
-                    ),
+                    received(epoch=self.epoch, batch_in_epoch=step - start, global_step=step),
                     "look for labels outside the loss's range (a class id >= the number of "
                     "outputs, or < 0), NaN or inf in the inputs, or a learning rate too high; "
                     "pass Trainer(terminate_on_nan=False) to train on regardless.",
