@@ -97,7 +97,8 @@ def test_min_processes_must_be_between_one_and_the_process_count(capsys):
         with pytest.raises(spmd.ConfigurationError) as info:
             launch(["true"], num_processes=2, min_processes=bad)
         assert "min_processes" in str(info.value) and "from 1 to num_processes" in str(info.value)
-    assert main(["launch", "-n", "2", "--min-processes", "3", "--", "true"]) == 1
-    assert "min_processes" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["launch", "-n", "2", "--min-processes", "0", "--", "true"])
+    for argv in (["--min-processes", "3"], ["--min-processes", "0"]):  # usage errors: exit 2
+        with pytest.raises(SystemExit) as exited:
+            main(["launch", "-n", "2", *argv, "--", "true"])
+        assert exited.value.code == 2
+        assert "--min-processes" in capsys.readouterr().err
