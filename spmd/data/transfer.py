@@ -10,22 +10,32 @@ import numpy as np
 
 __all__ = ["host_put"]
 
-try:  # private: guarded, JAX may move it; jax.device_put is the fallback
-    from jax._src.interpreters.pxla import shard_args as _shard_args
+try:  # private: guarded, JAX may move them; jax.device_put is the fallback
+    from jax._src import core as _core
+    from jax._src import dtypes as _dtypes
     from jax._src.lib import xla_client as _xc
 
-    _COPY = _xc.ArrayCopySemantics.ALWAYS_COPY
+    _batched_device_put = _xc.batched_device_put
+    _canonical = _dtypes.canonicalize_dtype
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
-    _shard_args = None
+    _batched_device_put = None
+
+# (sharding, shape, dtype) -> (abstract value, devices, index of each device's shard
+# or None when every device holds the whole array). Bounded: cleared when full.
+_PLANS: dict[tuple, tuple[Any, list, tuple | None]] = {}
+_MAX_PLANS = 256
 
 
 def host_put(leaves: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax.Array]:
     """Each numpy array in its sharding, as `jax.device_put(leaves, shardings)` gives.
 
     `jax.device_put` spends most of a small batch's transfer in Python (pytree
-    broadcast, abstract values, per-leaf dispatch); this goes straight to the
-    batched transfer it ends in (`shard_args`, which also canonicalizes dtypes
-    as device_put does). Only for one process, whose rows are the whole batch.
+    broadcast, abstract values, device indices, per-leaf dispatch). This
+    computes a leaf's abstract value, devices and shard indices once per
+    sharding, shape and dtype, and hands the shards straight to the batched
+    transfer device_put ends in, after the same dtype canonicalization (a
+    float64 leaf becomes float32 unless x64 is on). Only for one process,
+    whose rows are the whole batch.
 
     Args:
       leaves: numpy arrays, each the whole global value.
@@ -34,6 +44,31 @@ def host_put(leaves: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax
     Returns:
       The placed arrays, in order.
     """
-    if _shard_args is None or not all(type(x) is np.ndarray for x in leaves):
+    if _batched_device_put is None or not all(type(x) is np.ndarray for x in leaves):
         return jax.device_put(list(leaves), list(shardings))
-    return list(_shard_args(list(shardings), [None] * len(leaves), [_COPY] * len(leaves), leaves))
+    placed = []
+    for x, sharding in zip(leaves, shardings, strict=True):
+        dtype = _canonical(x.dtype)
+        if dtype != x.dtype:
+            x = np.asarray(x, dtype)
+        plan = _PLANS.get((sharding, x.shape, dtype))
+        if plan is None:
+            plan = _plan(sharding, x.shape, dtype)
+        aval, devices, indices = plan
+        shards = [x] * len(devices) if indices is None else [x[i] for i in indices]
+        placed.append(_batched_device_put(aval, sharding, shards, devices, True))
+    return placed
+
+
+def _plan(sharding: Any, shape: tuple, dtype: np.dtype) -> tuple[Any, list, tuple | None]:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _dtypes.check_valid_dtype(dtype)
+    aval = _core.ShapedArray(shape, dtype, sharding=None)
+    devices = list(sharding._addressable_device_assignment)
+    if sharding.is_fully_replicated:
+        indices = None
+    else:
+        indices = tuple(sharding.addressable_devices_indices_map(shape).values())
+    plan = _PLANS[(sharding, shape, dtype)] = (aval, devices, indices)
+    return plan
