@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd.data.input_context import input_context
+from spmd.data.prefetch import INLINE_S
 
 N, BATCH, FEATURES, CLASSES = 1001, 64, 5, 3
 
@@ -383,24 +384,60 @@ def test_producer_error_surfaces_in_consumer(strategy):
     assert not _wait_no_threads()
 
 
-def test_prefetch_runs_ahead_by_its_depth_and_stops(strategy):
+def test_prefetch_runs_ahead_by_its_depth_and_stops(strategy, monkeypatch):
+    monkeypatch.setattr(spmd.data.iterator, "INLINE_S", 0.01)
     produced = []
 
-    def counting():
+    def counting():  # slow: each batch takes longer than the consumer's thread is given
         for i in range(100):
+            time.sleep(0.03)
             produced.append(i)
             yield np.full(8, i)
 
     it = iter(strategy.distribute_dataset(counting(), spmd.InputOptions(prefetch=3)))
-    assert int(next(it)[0]) == 0
+    # the first batch (not timed) and two slow ones in the consumer's thread start the thread
+    assert [int(next(it)[0]) for _ in range(3)] == [0, 1, 2]
     deadline = time.monotonic() + 5
-    while len(produced) < 3 and time.monotonic() < deadline:
+    while len(produced) < 6 and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # time to run further ahead, if it wrongly would
-    # the consumed batch, 3 in the queue, one held by the blocked producer, one looked ahead
-    assert 3 <= len(produced) <= 6
+    # 3 consumed, 3 in the queue, one held by the blocked producer, one looked ahead
+    assert 6 <= len(produced) <= 8
     assert _prefetch_threads()
+    assert int(next(it)[0]) == 3
     it.close()
+    assert not _wait_no_threads()
+
+
+def test_a_cheap_pipeline_is_placed_without_a_thread(strategy, monkeypatch):
+    """A batch that comes in under INLINE_S is placed by the consumer's own next():
+    a second Python thread would only compete with the step's dispatch for the GIL."""
+    assert 0 < INLINE_S < 0.001
+    monkeypatch.setattr(spmd.data.iterator, "INLINE_S", 10.0)  # cheap whatever the load
+    data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    it = iter(strategy.distribute_dataset(strategy.make_numpy_dataset(data, 16)))
+    seen = [np.asarray(next(it)) for _ in range(3)]
+    assert not _prefetch_threads()
+    seen += [np.asarray(b) for b in it]
+    np.testing.assert_array_equal(np.concatenate(seen), data)
+
+
+def test_a_pipeline_that_turns_slow_starts_the_thread_and_keeps_every_batch(strategy, monkeypatch):
+    monkeypatch.setattr(spmd.data.iterator, "INLINE_S", 0.5)
+
+    def turning(n=40):
+        for i in range(n):
+            if i >= 10:  # read one ahead: the 10th batch is the first slow one
+                time.sleep(0.6 if i < 13 else 0.0)
+            yield np.full(8, i, np.float32)
+
+    it = iter(strategy.distribute_dataset(turning(), spmd.InputOptions(prefetch=2)))
+    values = [int(next(it)[0]) for _ in range(9)]
+    assert not _prefetch_threads()
+    values += [int(next(it)[0]) for _ in range(2)]  # the 10th and 11th: two slow in a row
+    assert _prefetch_threads()
+    values += [int(b[0]) for b in it]
+    assert values == list(range(40))
     assert not _wait_no_threads()
 
 

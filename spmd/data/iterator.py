@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from spmd.data.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
-from spmd.data.prefetch import HostCheck, Prefetcher
+from spmd.data.prefetch import INLINE_S, HostCheck, Prefetcher
 from spmd.data.sources import HostBatch, with_mask
 from spmd.data.transfer import host_put
 from spmd.errors import ConfigurationError, message, received
@@ -288,7 +288,10 @@ class DistributedIterator:
             self._cursor.global_batch_size,
         )
         if self._options.prefetch:
-            return Prefetcher(items, self._options.prefetch, stop)
+            # Several processes agree on each batch over the network: that wait
+            # belongs in the background thread from the start.
+            inline_s = None if check is not None else INLINE_S
+            return Prefetcher(items, self._options.prefetch, stop, inline_s)
         return items
 
     def _finish(self, exhausted: bool) -> None:

@@ -217,28 +217,54 @@ class _Failure:
         self.error = error
 
 
+# An element produced in the consumer's next() in under this many seconds keeps the
+# pipeline there: a handover to and from a producer thread costs ~0.1-0.3 ms of GIL
+# waits on a dispatch-bound step. Two slower elements in a row start the thread.
+INLINE_S = 250e-6
+_SLOW_IN_A_ROW = 2
+
+
 class Prefetcher:
-    """Runs an iterator in a background thread, up to `depth` elements ahead.
+    """Runs an iterator up to `depth` elements ahead in a background thread, once it is slow.
+
+    Each element is first produced in the consumer's own `next()`, timed: a
+    cheap pipeline (its elements come in under `inline_s`) never starts a
+    thread. Its transfers are asynchronous, so they already overlap the
+    devices' work on the step just dispatched, and a second Python thread
+    would only compete with the step's dispatch for the GIL (on a
+    dispatch-bound step that costs more than the whole pipeline). Two
+    elements in a row slower than `inline_s` start the thread, which runs
+    `depth` elements ahead from then on (the first element, which also pays
+    the pipeline's start, is not timed). With `inline_s=None` the thread
+    starts at once.
 
     The thread holds no reference to the Prefetcher, so dropping the last
     reference (or `close()`) stops it; an exception in the producer is raised
     by the `next()` that reaches it.
 
     Args:
-      items: produces the elements (runs in the thread).
+      items: produces the elements (in the consumer's thread, then in the
+        background thread).
       depth: how many elements may wait in the queue.
       stop: set to stop the producer; `items` may watch it while it waits.
+      inline_s: how long (seconds) an element may take in the consumer's
+        thread before the background thread takes over, or None.
     """
 
-    def __init__(self, items: Iterator[Any], depth: int, stop: threading.Event):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = stop
-        thread = threading.Thread(
-            target=_produce, args=(items, self._queue, stop), name="spmd-prefetch", daemon=True
-        )
-        thread.start()
-        self._thread = thread
-        self._finalizer = weakref.finalize(self, _shutdown, stop, self._queue, thread)
+    def __init__(
+        self,
+        items: Iterator[Any],
+        depth: int,
+        stop: threading.Event,
+        inline_s: float | None = INLINE_S,
+    ):
+        self._items, self._depth, self._stop, self._inline_s = items, depth, stop, inline_s
+        self._slow = 0  # elements in a row slower than inline_s
+        self._first = True  # the first element also pays the pipeline's start: not timed
+        self._queue: queue.Queue | None = None
+        self._finalizer = weakref.finalize(self, _close_items, stop, items)
+        if inline_s is None:
+            self._start_thread()
 
     def __iter__(self) -> Prefetcher:
         return self
@@ -246,6 +272,8 @@ class Prefetcher:
     def __next__(self) -> Any:
         if not self._finalizer.alive:
             raise StopIteration
+        if self._queue is None:
+            return self._next_inline()
         item = self._queue.get()
         if isinstance(item, _End):
             self.close()
@@ -255,9 +283,48 @@ class Prefetcher:
             raise item.error
         return item
 
+    def _next_inline(self) -> Any:
+        start = time.perf_counter()
+        try:
+            item = next(self._items)
+        except BaseException:  # the end, or the pipeline's error: nothing more to produce
+            self.close()
+            raise
+        if self._first or time.perf_counter() - start <= self._inline_s:
+            self._first, self._slow = False, 0
+        else:
+            self._slow += 1
+            if self._slow == _SLOW_IN_A_ROW:
+                self._start_thread()
+        return item
+
+    def _start_thread(self) -> None:
+        self._queue = queue.Queue(maxsize=self._depth)
+        thread = threading.Thread(
+            target=_produce,
+            args=(self._items, self._queue, self._stop),
+            name="spmd-prefetch",
+            daemon=True,
+        )
+        self._finalizer.detach()
+        thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._queue, thread)
+
+    @property
+    def threaded(self) -> bool:
+        """Whether the background thread produces the elements (the pipeline was slow)."""
+        return self._queue is not None
+
     def close(self) -> None:
-        """Stops the producer thread and waits for it to end."""
+        """Stops the producer (thread) and closes `items`."""
         self._finalizer()
+
+
+def _close_items(stop: threading.Event, items: Iterator[Any]) -> None:
+    stop.set()
+    close: Callable[[], None] | None = getattr(items, "close", None)
+    if close is not None:
+        close()
 
 
 def _produce(items: Iterator[Any], out: queue.Queue, stop: threading.Event) -> None:
