@@ -318,11 +318,14 @@ def global_batches(
     for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
         _check_divisible(expected, ctx.num_replicas_in_sync, index)
         batch, mask = _pad(batch, real, expected, remainder)
-        per = expected // ctx.num_input_pipelines
-        mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
-        tree = jax.tree.map(lambda x, m=mine: x[m] if np.ndim(x) else x, batch)
+        tree = batch
+        if ctx.num_input_pipelines > 1:
+            per = expected // ctx.num_input_pipelines
+            mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
+            tree = jax.tree.map(lambda x, m=mine: x[m] if np.ndim(x) else x, batch)
+            mask = None if mask is None else mask[mine]
         content = functools.partial(fingerprint, batch)
-        yield HostBatch(tree, None if mask is None else mask[mine], expected, content)
+        yield HostBatch(tree, mask, expected, content)
 
 
 def local_batches(
@@ -362,8 +365,7 @@ def _sized(
     if not start and not resumed:
         elements = _not_empty(elements)
     for index, (batch, is_last) in enumerate(_with_last(elements)):
-        batch = jax.tree.map(np.asarray, batch)
-        _check_numeric(batch, index)
+        _check_numeric(batch, index)  # _with_last made every leaf a numpy array
         size = leading_size(batch, what="batch", index=index)
         if size == 0:
             raise BatchError(_empty_message(index))
