@@ -529,8 +529,30 @@ def test_host_put_places_as_device_put_does(strategy):
     x[0, 0] = 99.0
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.sharding == w.sharding and g.committed
+        assert g.aval == w.aval  # the type jit sees: sharding and memory space included
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert float(got[0][0, 0]) == 0.0
     # a leaf that is not a plain numpy array takes jax.device_put
     [placed] = host_put([jnp.ones((8, 2))], [strategy.batch_sharding(2)])
     assert placed.sharding == strategy.batch_sharding(2)
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_host_put_types_a_batch_as_device_put_does_on_any_mesh(axis_type):
+    """On a mesh of explicit axes the type carries the sharding (float32[16@d,1]):
+    a batch placed by the input pipeline has device_put's type, so a step sees the
+    same program input either way."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from spmd.data.transfer import host_put
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(getattr(AxisType, axis_type),))
+    sharding = NamedSharding(mesh, P("d"))
+    x = np.arange(16, dtype=np.float32).reshape(16, 1)
+    [got] = host_put([x], [sharding])
+    want = jax.device_put(x, sharding)
+    assert got.aval == want.aval and jax.typeof(got) == jax.typeof(want)
+    with jax.set_mesh(mesh):
+        double = jax.jit(lambda v: v * 2)
+        np.testing.assert_array_equal(np.asarray(double(got)), np.asarray(double(want)))

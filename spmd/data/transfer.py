@@ -64,7 +64,7 @@ def _plan(sharding: Any, shape: tuple, dtype: np.dtype) -> tuple[Any, list, tupl
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
     _dtypes.check_valid_dtype(dtype)
-    aval = _core.ShapedArray(shape, dtype, sharding=None)
+    aval = _core.update_aval_with_sharding(_core.ShapedArray(shape, dtype), sharding)
     devices = list(sharding._addressable_device_assignment)
     if sharding.is_fully_replicated:
         indices = None
