@@ -2,6 +2,7 @@
 
 Usage: python resume_worker.py CKPT_DIR OUT.npz [--steps N] [--stop-at K] [--sleep S]
                                [--heartbeat H] [--devices D] [--fail-at K --fail-above P]
+                               [--failing P] [--hang] [--batch B]
 
 Every process joins (TF_CONFIG, spmd launch's variables, ...), then trains one
 model under MultiWorkerMirroredStrategy on spmd's own shuffled numpy dataset, a
@@ -10,9 +11,10 @@ data position) after every step. A relaunch resumes from the newest one.
 
 The state keeps the loss of every step ("losses") and how often each example
 was trained on ("seen"), so a resumed run that lost or repeated an example
-shows it. With --fail-at K --fail-above P, the last process kills itself
-(SIGKILL) at step K whenever the job has more than P processes: a host lost
-for good. With --stop-at K the job ends cleanly after step K (a run to be
+shows it. With --fail-at K --fail-above P, the last process (or process
+--failing P) kills itself (SIGKILL) at step K whenever the job has more than P
+processes: a host lost for good; with --hang it sleeps instead, alive and
+heartbeating but never at the next collective. With --stop-at K the job ends cleanly after step K (a run to be
 continued by a later launch). Process 0 prints one JSON line per step and
 writes the final state to OUT.
 """
@@ -33,6 +35,9 @@ parser.add_argument("--heartbeat", type=int, default=100, help="spmd.initialize 
 parser.add_argument("--devices", type=int, default=None)
 parser.add_argument("--fail-at", type=int, default=None)
 parser.add_argument("--fail-above", type=int, default=1)
+parser.add_argument("--failing", type=int, default=-1, help="which process fails: -1 the last")
+parser.add_argument("--hang", action="store_true", help="the failing process hangs, not dies")
+parser.add_argument("--batch", type=int, default=8)
 args = parser.parse_args()
 
 import spmd  # noqa: E402
@@ -47,7 +52,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-BATCH, FEATURES = 8, 4
+BATCH, FEATURES = args.batch, 4
 tx = optax.adam(1e-2)
 
 
@@ -92,13 +97,15 @@ dataset = strategy.distribute_dataset(
 )
 batches = iter(dataset)
 ckpt = spmd.CheckpointManager(args.ckpt_dir, max_to_keep=2)
-last = info.process_index == info.process_count - 1
+failing = info.process_index == args.failing % info.process_count
 with strategy.scope():
     state, start = ckpt.restore_or_init(create_state, jax.random.key(0), data=batches)
     say("start", step=start, position=batches.get_state()["batch"])
     step_fn = strategy.step(train_step)
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
-        if step == args.fail_at and last and info.process_count > args.fail_above:
+        if step == args.fail_at and failing and info.process_count > args.fail_above:
+            if args.hang:
+                time.sleep(3600)  # alive, heartbeating, never at the collective
             os.kill(os.getpid(), signal.SIGKILL)
         state, loss = step_fn(state, *next(batches))
         ckpt.save(step + 1, state, data=batches)

@@ -1,7 +1,7 @@
 """A hostile user's `spmd launch --min-processes`: which process fails, and how.
 
-Each job is hostile_elastic_worker.py (resume_worker.py plus --failing P and
---hang): MultiWorkerMirroredStrategy over 2 devices a process, a global batch
+Each job is resume_worker.py with --failing P and --hang:
+MultiWorkerMirroredStrategy over 2 devices a process, a global batch
 of 8, a checkpoint after every step. The oracle is one uninterrupted process
 with 4 devices; a job that shrank must match it, each example trained once.
 """
@@ -21,7 +21,7 @@ from .procs import child_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-WORKER = Path(__file__).with_name("hostile_elastic_worker.py")
+WORKER = Path(__file__).with_name("resume_worker.py")
 STEPS, BATCH = 10, 8
 
 
