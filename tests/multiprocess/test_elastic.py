@@ -10,8 +10,6 @@ every example must be trained on exactly once.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,27 +17,12 @@ import pytest
 import spmd
 from spmd.cli.main import main
 from spmd.clusters.launch import launch
-from spmd.testing import run_processes
 
 from .procs import child_env
+from .resume_job import assert_same_trajectory
+from .resume_job import command as job_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
-
-WORKER = Path(__file__).with_name("resume_worker.py")
-STEPS, BATCH = 10, 8
-
-
-def _command(ckpt: Path, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, str(WORKER), str(ckpt), str(out), "--steps", str(STEPS), *flags]
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict:
-    """The oracle: the job as one process with 4 devices, never interrupted."""
-    folder = tmp_path_factory.mktemp("elastic_oracle")
-    out = folder / "one.npz"
-    run_processes(_command(folder / "ckpt", out), 1, devices_per_process=4, env=child_env())
-    return dict(np.load(out))
 
 
 def _events(output: str) -> list[dict]:
@@ -47,19 +30,12 @@ def _events(output: str) -> list[dict]:
     return [json.loads(line[4:]) for line in output.splitlines() if line.startswith("[0] {")]
 
 
-def _assert_same_trajectory(got: dict, want: dict) -> None:
-    np.testing.assert_array_equal(got["seen"], np.ones(STEPS * BATCH))  # none lost or repeated
-    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got["v"], want["v"], rtol=1e-5, atol=1e-6)
-
-
 def test_a_process_lost_for_good_shrinks_the_job_with_the_same_global_batch(
     tmp_path, one_process, capfd
 ):
     """Process 1 dies (SIGKILL) at step 4 whenever there are 2: after its restart, 1 goes on."""
     out = tmp_path / "final.npz"
-    command = _command(tmp_path / "ckpt", out, "--fail-at", "4", "--fail-above", "1")
+    command = job_command(tmp_path / "ckpt", out, "--fail-at", "4", "--fail-above", "1")
     code = launch(
         command,
         num_processes=2,
@@ -77,19 +53,19 @@ def test_a_process_lost_for_good_shrinks_the_job_with_the_same_global_batch(
     # Each resumes from the newest complete checkpoint: that of step 4 (saved
     # asynchronously) may not be complete when process 1 dies at step 4.
     assert starts[0]["step"] == 0 and all(3 <= e["step"] <= 4 for e in starts[1:]), starts
-    _assert_same_trajectory(dict(np.load(out)), one_process)
+    assert_same_trajectory(dict(np.load(out)), one_process)
 
 
 def test_a_later_launch_on_more_processes_grows_the_job_back(tmp_path, one_process, capfd):
     """Steps 0-4 on one process, the rest on two: the checkpoint restores into the larger mesh."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "final.npz"
-    small = launch(_command(ckpt, out, "--stop-at", "5"), 1, 2, timeout=120, env=child_env())
-    large = launch(_command(ckpt, out), 2, 2, timeout=120, env=child_env())
+    small = launch(job_command(ckpt, out, "--stop-at", "5"), 1, 2, timeout=120, env=child_env())
+    large = launch(job_command(ckpt, out), 2, 2, timeout=120, env=child_env())
     output, errors = capfd.readouterr()
     assert (small, large) == (0, 0), output + errors
     starts = [e for e in _events(output) if e["event"] == "start"]
     assert [(e["processes"], e["step"]) for e in starts] == [(1, 0), (2, 5)], starts
-    _assert_same_trajectory(dict(np.load(out)), one_process)
+    assert_same_trajectory(dict(np.load(out)), one_process)
 
 
 def test_min_processes_must_be_between_one_and_the_process_count(capsys):
