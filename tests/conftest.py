@@ -1,5 +1,10 @@
 """Eight simulated CPU devices for the whole test session, set before JAX starts.
 
+With SPMD_TEST_PLATFORM=gpu the GPU is this process's default backend too
+(`jax.devices()` is the GPU), beside the eight CPU devices; the processes the
+multi-process tests start stay on CPU devices (JAX_PLATFORMS=cpu in their
+environment). See docs/performance.md, "On a GPU".
+
 Also the test tiers: a test marked `multiprocess`, `engines` or `bench` is
 `slow` too, so `python -m pytest -q -m "not slow"` is the fast tier; and with
 `-q` pytest still prints one line per test file. Setting SPMD_TEST_RECORD to a
@@ -14,11 +19,28 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also what child processes inherit
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+ACCELERATOR = os.environ.get("SPMD_TEST_PLATFORM", "cpu").replace("gpu", "cuda")
+if ACCELERATOR != "cpu":
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # many test processes, one GPU
+    jax.config.update("jax_platforms", f"{ACCELERATOR},cpu")
+    # The oracles are float32; a GPU's default float32 matmul is TF32 (10-bit mantissa).
+    jax.config.update("jax_default_matmul_precision", "float32")
+    jax.config.update("jax_platform_name", "cpu")  # modules build their meshes when collected
+
+
+@pytest.fixture(autouse=True)
+def _default_backend(request):
+    """On an accelerator run: the test's default backend, the CPU devices for `cpu_mesh` tests."""
+    if ACCELERATOR != "cpu":
+        cpu = request.node.get_closest_marker("cpu_mesh") is not None
+        jax.config.update("jax_platform_name", "cpu" if cpu else ACCELERATOR)
+    yield
+
 
 SLOW_TOO = ("multiprocess", "engines", "bench")
 SPMD = str(Path(__file__).resolve().parent.parent / "spmd") + os.sep

@@ -88,6 +88,7 @@ def saved_by_strategy(tmp_path_factory, state):
     return saved
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 @pytest.mark.parametrize("source", sorted(STRATEGIES))
 def test_restore_into_every_other_strategy(source, saved_by_strategy):
@@ -102,6 +103,7 @@ def test_restore_into_every_other_strategy(source, saved_by_strategy):
                 assert restored["params"]["embed"].sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.cpu_mesh
 def test_restore_into_a_placed_state_takes_its_layout(saved_by_strategy):
     directory, state = saved_by_strategy["mirrored"]
     placed = STRATEGIES["two_d"]().put(jax.jit(create_state)(jax.random.key(5)))
@@ -111,6 +113,7 @@ def test_restore_into_a_placed_state_takes_its_layout(saved_by_strategy):
     _assert_placed_as(restored, placed)
 
 
+@pytest.mark.cpu_mesh
 def test_leaves_without_sharding_take_the_current_strategy(saved_by_strategy):
     directory, state = saved_by_strategy["mirrored"]
     strategy = STRATEGIES["parameter_server_4"]()
@@ -132,6 +135,7 @@ def _is_pickle(data: bytes) -> bool:
     return bool(ops) and ops[-1][0].name == "STOP" and ops[-1][2] == len(data) - 1
 
 
+@pytest.mark.cpu_mesh
 def test_no_checkpoint_file_is_a_pickle(saved_by_strategy):
     assert _is_pickle(pickle.dumps({"w": np.ones(2)}))  # the detector does detect pickles
     files = [p for directory, _ in saved_by_strategy.values() for p in directory.rglob("*")]
@@ -141,6 +145,7 @@ def test_no_checkpoint_file_is_a_pickle(saved_by_strategy):
     assert not [p for p in files if p.suffix in (".pkl", ".pickle", ".npy")]
 
 
+@pytest.mark.cpu_mesh
 def test_restore_to_numpy_for_inspection(saved_by_strategy):
     directory, state = saved_by_strategy["parameter_server_4"]
     with spmd.CheckpointManager(directory) as ckpt:
@@ -153,6 +158,7 @@ def test_restore_to_numpy_for_inspection(saved_by_strategy):
     assert tree["opt"]["0"]["mu"]["embed"].shape == (8, 4)  # optax's tuple, by index
 
 
+@pytest.mark.cpu_mesh
 def test_mismatched_tree_names_the_paths(saved_by_strategy):
     directory, _ = saved_by_strategy["mirrored"]
     target = STRATEGIES["mirrored"]().abstract_state(create_state, jax.random.key(0))
@@ -227,6 +233,7 @@ def create_small(key):
     return {"kernel": jax.random.normal(key, (8, 2)), "key": key}
 
 
+@pytest.mark.cpu_mesh
 def test_restore_or_init_starts_fresh_then_resumes(ckpt):
     strategy = spmd.MirroredStrategy()
     with strategy.scope():

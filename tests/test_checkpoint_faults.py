@@ -102,6 +102,7 @@ def test_flipped_bytes_are_an_error_naming_step_and_array(tmp_path, into):
         _assert_equal(ckpt.restore(1, target=_target()), make_state(1))  # step 1 is untouched
 
 
+@pytest.mark.cpu_mesh
 def test_checksums_are_the_same_for_every_layout_and_for_numpy():
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     arrays = {

@@ -346,6 +346,7 @@ def test_two_processes_by_hand_with_tf_config_psum_over_gloo():
 # ------------------------------------------------------------------ misuse under spmd launch
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("name", ["MirroredStrategy", "MultiWorkerMirroredStrategy"])
 def test_a_strategy_under_spmd_launch_without_initialize_is_an_error(monkeypatch, name):
     import importlib

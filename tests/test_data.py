@@ -63,6 +63,7 @@ def test_input_context_batch_sizes():
     _assert_teaches(info.value, "global_batch_size=66", "68")
 
 
+@pytest.mark.cpu_mesh
 def test_input_context_of_strategies(strategy):
     assert input_context(strategy) == spmd.InputContext(1, 0, 8)
     assert input_context(spmd.get_strategy()) == spmd.InputContext(1, 0, 1)
@@ -118,6 +119,7 @@ def test_numpy_shuffle_is_deterministic_per_seed_and_epoch(strategy):
     assert not np.array_equal(first[0], other[0])  # a new order for another seed
 
 
+@pytest.mark.cpu_mesh
 def test_numpy_dataset_bad_input(strategy):
     x, y, _ = _data()
     with pytest.raises(spmd.BatchError) as info:
@@ -295,6 +297,7 @@ def test_padded_dict_batches_come_with_the_mask(strategy):
         ([12, 12], ["global_batch_size=12", "multiple of 8"]),
     ],
 )
+@pytest.mark.cpu_mesh
 def test_bad_batch_sizes(strategy, sizes, words):
     with pytest.raises(spmd.BatchError) as info:
         list(strategy.distribute_dataset(_batches(sizes)))
@@ -347,6 +350,7 @@ def test_file_policy_needs_files(strategy, tmp_path):
 # -- distribute_datasets_from_function ----------------------------------------------------
 
 
+@pytest.mark.cpu_mesh
 def test_from_function_gets_its_context(strategy):
     contexts = []
 
@@ -537,6 +541,7 @@ def test_host_put_places_as_device_put_does(strategy):
     assert placed.sharding == strategy.batch_sharding(2)
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_host_put_types_a_batch_as_device_put_does_on_any_mesh(axis_type):
     """On a mesh of explicit axes the type carries the sharding (float32[16@d,1]):

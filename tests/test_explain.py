@@ -54,6 +54,7 @@ def _real_bytes_per_device(state):
         ),
     ],
 )
+@pytest.mark.cpu_mesh
 def test_state_bytes_match_the_real_shards(make):
     strategy = make()
     abstract = strategy.abstract_state(create, jax.random.key(0))
@@ -67,6 +68,7 @@ def test_state_bytes_match_the_real_shards(make):
     assert "per device" in str(report)
 
 
+@pytest.mark.cpu_mesh
 def test_sharded_state_is_one_over_n():
     full = spmd.MirroredStrategy().explain(
         train_step, spmd.MirroredStrategy().abstract_state(create, jax.random.key(0)), *BATCHES
@@ -76,6 +78,7 @@ def test_sharded_state_is_one_over_n():
     assert sharded.state_bytes * 8 == pytest.approx(full.state_bytes, rel=0.01)
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_collectives_are_counted():
     strategy = spmd.MirroredStrategy()

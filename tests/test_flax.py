@@ -77,6 +77,7 @@ def oracle(steps=3):
     return [float(step(model, opt, x, y)) for _ in range(steps)], model
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_annotations_lay_out_init_put_and_abstract_state():
     strategy = two_d()
@@ -93,6 +94,7 @@ def test_annotations_lay_out_init_put_and_abstract_state():
     assert eager.w[...].sharding.spec == P("model")
 
 
+@pytest.mark.cpu_mesh
 def test_state_spec_says_where_each_layout_came_from():
     strategy = two_d(rules=[(r"up/bias", P("model"))])
     model, opt = strategy.abstract_state(create)
@@ -108,6 +110,7 @@ def test_state_spec_says_where_each_layout_came_from():
     assert specs[1]["opt_state"][0]["mu"]["up"]["bias"] == P("model")
 
 
+@pytest.mark.cpu_mesh
 def test_a_rule_that_overrides_an_annotation_warns():
     strategy = two_d(rules=[(r"up/kernel", P("model"))])
     with pytest.warns(LayoutConflictWarning, match="overriding its annotation"):
@@ -115,6 +118,7 @@ def test_a_rule_that_overrides_an_annotation_warns():
     assert specs[0]["up"]["kernel"] == P("model")
 
 
+@pytest.mark.cpu_mesh
 def test_a_rule_that_agrees_with_an_annotation_is_quiet():
     strategy = two_d(rules=[(r"up/kernel", P(None, "model"))])
     with warnings.catch_warnings():
@@ -122,6 +126,7 @@ def test_a_rule_that_agrees_with_an_annotation_is_quiet():
         strategy.state_spec(strategy.abstract_state(create))
 
 
+@pytest.mark.cpu_mesh
 def test_logical_rule_naming_a_missing_mesh_axis_is_an_error():
     with pytest.raises(spmd.ConfigurationError, match="'tensor'"):
         spmd.Strategy(spmd.make_mesh({"data": 8}), logical_axis_rules=[("mlp", "tensor")])
@@ -129,12 +134,14 @@ def test_logical_rule_naming_a_missing_mesh_axis_is_an_error():
         spmd.MirroredStrategy(logical_axis_rules=[("mlp",)])
 
 
+@pytest.mark.cpu_mesh
 def test_plain_strategy_rejects_an_unmapped_name_and_names_it():
     strategy = spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}), logical_axis_rules=[])
     with pytest.raises(spmd.ConfigurationError, match="names 'embed'"):
         strategy.init(create)
 
 
+@pytest.mark.cpu_mesh
 def test_names_equal_to_mesh_axes_map_to_them():
     mesh = spmd.make_mesh({"embed": 2, "mlp": 4})
     model, _ = spmd.Strategy(mesh).init(create)
@@ -153,6 +160,7 @@ def test_names_equal_to_mesh_axes_map_to_them():
     ],
     ids=["one_device", "mirrored", "central_storage", "parameter_server", "2d"],
 )
+@pytest.mark.cpu_mesh
 def test_an_annotated_model_trains_unchanged_on_every_strategy(make):
     expected, expected_model = oracle()
     strategy = make()
@@ -161,12 +169,14 @@ def test_an_annotated_model_trains_unchanged_on_every_strategy(make):
     np.testing.assert_allclose(model.w[...], expected_model.w[...], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.cpu_mesh
 def test_parameter_server_shards_a_replicated_annotation_by_its_partitioner():
     strategy = spmd.ParameterServerStrategy(FixedShardsPartitioner(2))
     model, _ = strategy.init(create)
     assert model.w[...].sharding.spec == P("ps2")
 
 
+@pytest.mark.cpu_mesh
 def test_step_carries_its_mesh_outside_the_scope():
     strategy = two_d()
     model, opt = strategy.init(create)
@@ -181,6 +191,7 @@ def test_step_carries_its_mesh_outside_the_scope():
     assert np.isfinite(float(step((model, opt), x)))
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_checkpoint_restores_into_the_annotated_layout(tmp_path):
     strategy = two_d()
@@ -325,6 +336,7 @@ def test_nnx_step_matches_nnx_jit_over_many_fast_steps():
     np.testing.assert_array_equal(model.w[...], expected_model.w[...])
 
 
+@pytest.mark.cpu_mesh
 def test_linen_annotations_through_the_nnx_bridge_are_honored():
     from flax import linen as nn
     from flax.nnx import bridge

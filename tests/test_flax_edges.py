@@ -157,6 +157,7 @@ def test_hand_written_step_with_dropout_runs_on_central_storage():
 # --- 2. Optimizer moments whose shape is not the parameter's (adafactor) ---------------
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_adafactor_on_an_annotated_model_trains_on_a_2d_mesh():
     """optax.adafactor's factored moments (v_row, v_col) inherit the parameter's
@@ -256,6 +257,7 @@ def test_a_rule_using_one_mesh_axis_twice_is_a_configuration_error():
         two_d(rules=[("up/kernel", P("model", "model"))])
 
 
+@pytest.mark.cpu_mesh
 def test_a_logical_rule_using_one_mesh_axis_twice_is_a_configuration_error():
     """("mlp", ("model", "model")) is rejected when the Strategy is built."""
     with pytest.raises(spmd.ConfigurationError, match="mlp"):
@@ -351,6 +353,7 @@ def _plain_create():
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 @pytest.mark.parametrize("other_mesh", [False, True], ids=["same-devices", "other-mesh"])
 def test_weights_copied_from_another_strategys_model_are_a_named_error(other_mesh):
@@ -376,6 +379,7 @@ def test_weights_copied_from_another_strategys_model_are_a_named_error(other_mes
     assert got == pytest.approx(float(_mse(other, x, y)), rel=1e-6)
 
 
+@pytest.mark.cpu_mesh
 def test_a_pytree_state_laid_out_by_another_strategy_is_a_named_error():
     """The same for a pytree state: an array laid out otherwise on the step's mesh."""
     strategy = spmd.MirroredStrategy()
@@ -427,6 +431,7 @@ class Indivisible(nnx.Module):
         self.w = nnx.Param(nnx.with_partitioning(INIT, (None, "mlp"))(rngs.params(), (8, 3)))
 
 
+@pytest.mark.cpu_mesh
 def test_an_annotation_that_does_not_divide_is_reported_as_an_annotation():
     """A dimension of 3 annotated "mlp" -> model (2): the error says the layout came
     from the annotation, not from a rule."""
@@ -533,6 +538,7 @@ class DotReluDot(nnx.Module):
         return y @ self.w2[...]
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_the_gspmd_guide_constraint_on_a_mesh_without_its_axes_is_a_named_error():
     """A `with_sharding_constraint(y, P("data", "model"))` in model code names mesh
@@ -575,6 +581,7 @@ class LogicalDotReluDot(DotReluDot):
         return y @ self.w2[...]
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("name", ["mirrored", "2-D"])
 def test_a_constraint_in_logical_names_runs_on_any_strategy(name):
     """The fix the error above gives: logical names, mapped by the strategy's rules

@@ -50,6 +50,7 @@ def _numpy_dataset(strategy, batch: int):
     )
 
 
+@pytest.mark.cpu_mesh
 def test_a_global_batch_the_smaller_mesh_cannot_split_is_a_named_error():
     """8 rows on 3 replicas (4 processes of 1 device, one lost): an error naming both, no guess."""
     import jax

@@ -40,6 +40,7 @@ def test_one_device_iterable_iterator():
         assert np.asarray(element).tolist() == [i]
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("make", ["dataset", "input_fn"])
 def test_batch_splitting(two, make):
     """testBatchSplitting (split_batch_by=2): each global batch of 10 split 5 + 5."""
@@ -57,6 +58,7 @@ def test_batch_splitting(two, make):
     assert [per_replica(x) for x in dist] == expected  # a second pass gives the same
 
 
+@pytest.mark.cpu_mesh
 def test_tuple_dataset(two):
     """testTupleDataset: zip(range(10), range(10) ** 2), a global batch of 2 per step."""
     squares = np.arange(10) ** 2
@@ -67,6 +69,7 @@ def test_tuple_dataset(two):
     assert got == [[(i, i**2), (i + 1, (i + 1) ** 2)] for i in range(0, 10, 2)]
 
 
+@pytest.mark.cpu_mesh
 def test_uneven_dataset_batches_drop_remainder(two):
     """testUnevenDatasetBatches, drop_remainder=True: range(9) by 4 over 2 replicas."""
     dist = two.distribute_dataset(batches(range(9), 4, drop_remainder=True))
@@ -85,6 +88,7 @@ def test_uneven_dataset_batches_keep_remainder(two):
     assert got == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8], []]]
 
 
+@pytest.mark.cpu_mesh
 def test_uneven_dataset_batches_padded_count_every_example_once(two):
     """What spmd gives instead of [[8], []]: [8] padded, a mask that counts it once."""
     options = spmd.InputOptions(remainder="pad")
@@ -102,6 +106,7 @@ def test_two_devices_unbatched_elements(two):
     assert [per_replica(x) for x in dist] == [[i, i + 1] for i in range(0, 10, 2)]
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("drop_remainder, total", [(True, 200.0), (False, 310.0)])
 def test_dense_part_of_ragged_sparse(two, drop_remainder, total):
     """testRaggedSparse, its dense tensors: 20 rows, global batch 8, the first batch's

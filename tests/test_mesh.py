@@ -11,17 +11,20 @@ import spmd
 from spmd.mesh import _tpu_device_array, order_devices, prime_factors
 
 
+@pytest.mark.cpu_mesh
 def test_infers_minus_one_and_uses_auto_axes():
     mesh = spmd.make_mesh({"data": -1, "model": 2})
     assert dict(mesh.shape) == {"data": 4, "model": 2}
     assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
 
 
+@pytest.mark.cpu_mesh
 def test_explicit_axis_types_are_an_option():
     mesh = spmd.make_mesh({"data": 8}, axis_types=AxisType.Explicit)
     assert mesh.axis_types == (AxisType.Explicit,)
 
 
+@pytest.mark.cpu_mesh
 def test_subset_of_devices():
     mesh = spmd.make_mesh({"data": 2}, devices=jax.devices()[:2])
     assert list(mesh.devices.flat) == jax.devices()[:2]
@@ -39,6 +42,7 @@ def test_subset_of_devices():
         ({"": 8}, "named by strings"),
     ],
 )
+@pytest.mark.cpu_mesh
 def test_bad_sizes_say_what_and_how(axes, fragment):
     with pytest.raises(spmd.ConfigurationError) as info:
         spmd.make_mesh(axes)

@@ -12,6 +12,7 @@ import spmd
 X = np.arange(16, dtype=np.float32).reshape(16, 1)
 
 
+@pytest.mark.cpu_mesh
 def test_run_gives_each_replica_its_slice_and_context():
     strategy = spmd.MirroredStrategy()
 
@@ -33,6 +34,7 @@ def test_run_gives_each_replica_its_slice_and_context():
     np.testing.assert_array_equal(out["total"].values, np.full(8, X.sum()))
 
 
+@pytest.mark.cpu_mesh
 def test_reduce_sum_mean_and_axis():
     strategy = spmd.MirroredStrategy()
     per_replica = strategy.run(lambda x: x, args=(X,))  # each replica: shape (2, 1)
@@ -61,6 +63,7 @@ def test_unknown_reduce_op_teaches():
     assert "op='AVERAGE'" in str(info.value) and "ReduceOp.SUM" in str(info.value)
 
 
+@pytest.mark.cpu_mesh
 def test_gather_and_local_results():
     strategy = spmd.MirroredStrategy()
     per_replica = strategy.run(lambda x: x * 2, args=(X,))
@@ -74,6 +77,7 @@ def test_gather_and_local_results():
     assert local[3].devices() == {strategy.devices[3]}
 
 
+@pytest.mark.cpu_mesh
 def test_per_replica_values_flow_back_into_run():
     strategy = spmd.MirroredStrategy()
     first = strategy.run(lambda x: x.sum(), args=(X,))
@@ -81,6 +85,7 @@ def test_per_replica_values_flow_back_into_run():
     np.testing.assert_array_equal(second.values, X.reshape(8, 2).sum(1) * 10)
 
 
+@pytest.mark.cpu_mesh
 def test_run_over_batch_axes_of_a_two_d_mesh():
     strategy = spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}), batch_axes=("data",))
     out = strategy.run(lambda x: spmd.get_replica_context().all_gather(x.sum()[None]), args=(X,))
@@ -191,6 +196,7 @@ def test_compute_average_loss_checks_sample_weight_shape():
     assert float(column) == pytest.approx(2 * loss.mean())
 
 
+@pytest.mark.cpu_mesh
 def test_scale_regularization_loss_sums_a_vector_then_divides():
     strategy = spmd.MirroredStrategy(jax.devices()[:2])
     out = strategy.run(lambda: spmd.scale_regularization_loss(jnp.array([5.0, 12.4, 10.0])))
@@ -201,6 +207,7 @@ def test_scale_regularization_loss_sums_a_vector_then_divides():
 # -- items 7, 8, 17: run's structure, reduce over structures, context inside run, caches --
 
 
+@pytest.mark.cpu_mesh
 def test_run_returns_fns_structure_with_per_replica_leaves():
     strategy = spmd.MirroredStrategy()
     a, b = strategy.run(lambda x: (x.sum(), x * 2), args=(X,))
@@ -218,6 +225,7 @@ def test_run_returns_fns_structure_with_per_replica_leaves():
     assert strategy.experimental_local_results(a)[0].shape == ()
 
 
+@pytest.mark.cpu_mesh
 def test_reduce_along_a_negative_axis():
     strategy = spmd.MirroredStrategy()
     per_replica = strategy.run(lambda x: x.reshape(1, 2) * 1.0, args=(X,))

@@ -12,6 +12,8 @@ import spmd
 from spmd.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
 from spmd.rules import path_str, resolve_specs
 
+pytestmark = pytest.mark.cpu_mesh  # every test here uses the eight CPU devices
+
 MESH = spmd.make_mesh({"data": 4, "model": 2})
 TREE = {
     "encoder": {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)},

@@ -92,6 +92,7 @@ def _global_helper(v):
     return v * _SCALE["s"]
 
 
+@pytest.mark.cpu_mesh
 def test_run_new_lambda_sees_a_global_helpers_new_value(strategy, x):
     """A fresh lambda each step calling a helper that reads a mutated global dict
     sees the new value, as jax.jit of each fresh lambda does (it is traced anew)."""
@@ -103,6 +104,7 @@ def test_run_new_lambda_sees_a_global_helpers_new_value(strategy, x):
     np.testing.assert_allclose(got[1], want[1])
 
 
+@pytest.mark.cpu_mesh
 def test_run_new_lambda_sees_a_captured_helpers_mutated_closure(strategy, x):
     """A lambda capturing a function whose own closure is a dict sees the dict's new value."""
     box = {"s": 1.0}
@@ -118,6 +120,7 @@ def test_run_new_lambda_sees_a_captured_helpers_mutated_closure(strategy, x):
     np.testing.assert_allclose(got[1], want)
 
 
+@pytest.mark.cpu_mesh
 def test_run_bound_method_sees_its_objects_new_attribute(strategy, x):
     """strategy.run(model.forward, ...) after model.scale changed sees the new value:
     each access makes a new bound method, traced anew, as jax.jit(model.forward)."""
@@ -307,6 +310,7 @@ def test_step_inside_run_is_a_clear_error(strategy, x):
         strategy.run(lambda v: step(jnp.zeros(2), v)[1], args=(x,))
 
 
+@pytest.mark.cpu_mesh
 def test_other_strategys_run_inside_a_step_is_a_clear_error(strategy, x):
     """Another strategy's run traced inside this step: an error naming both strategies' meshes."""
     other = spmd.MirroredStrategy(jax.devices()[:2])
@@ -319,6 +323,7 @@ def test_other_strategys_run_inside_a_step_is_a_clear_error(strategy, x):
         step(jnp.zeros(2), x)
 
 
+@pytest.mark.cpu_mesh
 def test_local_results_inside_a_step_is_a_clear_error_or_works(strategy, x):
     """local_results inside a step (one process): every replica's value, in order."""
 
@@ -343,6 +348,7 @@ def test_mirrored_strategy_of_one_device_object():
     assert spmd.MirroredStrategy(jax.devices()[0]).devices == (jax.devices()[0],)
 
 
+@pytest.mark.cpu_mesh
 def test_device_ids_may_be_numpy_integers():
     s = spmd.MirroredStrategy([np.int64(0), np.int32(3)])
     assert s.devices == (jax.devices()[0], jax.devices()[3])
@@ -490,6 +496,7 @@ def test_context_errors_are_runtime_errors_and_configuration_errors(strategy, x)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, ConfigurationError)
 
 
+@pytest.mark.cpu_mesh
 def test_gather_and_reduce_of_good_values_match_numpy(strategy, x):
     """Scalars gather along axis 0; a negative axis counts from the end; a plain
     value reduced along an axis out of its range is an error."""

@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 import spmd
 from spmd.partitioners import FixedShardsPartitioner
 
+pytestmark = pytest.mark.cpu_mesh  # every test here uses the eight CPU devices
+
 
 @functools.cache
 def _strategies() -> dict:

@@ -189,6 +189,7 @@ def test_a_state_leaf_that_is_not_an_array_is_named():
     assert "'name'" in str(info.value)
 
 
+@pytest.mark.cpu_mesh
 def test_a_state_placed_by_another_strategy_says_which_and_how_to_move_it():
     two_d = spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}), name="TwoD")
     placed = two_d.put(_state())
@@ -207,6 +208,7 @@ def test_an_unhashable_static_kwarg_is_named():
     assert "sizes" in str(info.value) and "tuple" in str(info.value)
 
 
+@pytest.mark.cpu_mesh
 def test_a_spec_naming_one_axis_twice_is_an_error():
     mesh = spmd.make_mesh({"data": 4, "model": 2})
     with pytest.raises(spmd.ConfigurationError, match="at most once") as info:
@@ -240,6 +242,7 @@ def test_duplicate_devices_in_a_strategy_are_an_error():
         ("/cpu:7", [7]),
     ],
 )
+@pytest.mark.cpu_mesh
 def test_tf_device_strings_and_integer_ids_name_devices(devices, ids):
     strategy = spmd.MirroredStrategy(devices)
     assert [d.id for d in strategy.devices] == ids
@@ -249,6 +252,7 @@ def test_tf_device_strings_and_integer_ids_name_devices(devices, ids):
     )
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("bad", ["/gpu:0", "/cpu:99", "cpu", 99, None, 1.5, "/task:5/cpu:0"])
 def test_device_names_that_name_no_device_are_configuration_errors(bad):
     with pytest.raises(spmd.ConfigurationError, match="jax.Device, an integer device id"):

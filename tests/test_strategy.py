@@ -76,6 +76,7 @@ def oracle():
     return jax.device_get(state), losses
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_pytree_state_matches_one_device(name, oracle):
     strategy = STRATEGIES[name]()
@@ -157,6 +158,7 @@ def test_central_storage_keeps_state_in_host_memory():
     assert kinds == {"pinned_host"}
 
 
+@pytest.mark.cpu_mesh
 def test_parameter_server_shards_are_one_over_num_shards():
     strategy = spmd.ParameterServerStrategy(FixedShardsPartitioner(4))
     big = strategy.init(lambda: {"embedding": jnp.ones((1024, 32)), "scale": jnp.ones(())})
@@ -165,6 +167,7 @@ def test_parameter_server_shards_are_one_over_num_shards():
     assert big["scale"].sharding.is_fully_replicated
 
 
+@pytest.mark.cpu_mesh
 def test_put_places_an_existing_state():
     strategy = STRATEGIES["two_d"]()
     state = strategy.put(jax.device_get(create_state(jax.random.key(0))))
@@ -224,6 +227,7 @@ def test_scope_sets_strategy_and_mesh():
     assert spmd.get_strategy().name == "DefaultStrategy"
 
 
+@pytest.mark.cpu_mesh
 def test_num_replicas_in_sync():
     assert spmd.MirroredStrategy().num_replicas_in_sync == 8
     assert spmd.ParameterServerStrategy().num_replicas_in_sync == 8
@@ -232,6 +236,7 @@ def test_num_replicas_in_sync():
     assert spmd.get_strategy().num_replicas_in_sync == 1
 
 
+@pytest.mark.cpu_mesh
 def test_batch_not_divisible_teaches():
     step = spmd.MirroredStrategy().step(train_step)
     state = create_state(jax.random.key(0))
@@ -253,6 +258,7 @@ def test_step_must_return_the_state_first():
         step({"w": jnp.zeros(3)}, np.ones(8))
 
 
+@pytest.mark.cpu_mesh
 def test_bad_strategy_arguments():
     mesh = spmd.make_mesh({"data": 8})
     with pytest.raises(spmd.ConfigurationError, match="batch_axes must name axes"):
@@ -267,6 +273,7 @@ def test_bad_strategy_arguments():
         )
 
 
+@pytest.mark.cpu_mesh
 def test_batches_placed_elsewhere_are_moved_to_the_batch_layout():
     strategy = spmd.MirroredStrategy()
     step = strategy.step(train_step)
@@ -287,6 +294,7 @@ def test_explain_accepts_another_strategys_step():
     assert report.strategy.startswith("ParameterServerStrategy")
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_batch_axis_one_runs_stacked_batches_in_one_call():
     """K batches stacked on axis 0 and scanned in one call equal K calls of the step."""
@@ -347,6 +355,7 @@ def test_many_queued_steps_on_cpu_finish():
 # -- issue 12 item 9: variable_partitioner is any TF-protocol callable, checked ----------
 
 
+@pytest.mark.cpu_mesh
 def test_a_tf_protocol_callable_partitions_variables():
     def two_shards(shape, dtype):
         return [2] + [1] * (len(shape) - 1)

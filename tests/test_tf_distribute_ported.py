@@ -65,6 +65,7 @@ def test_compute_average_loss_default_global_batch_size(two_replicas):
     raises=spmd.BatchError,
     reason=MIGRATION + "run splits positional arguments over the replicas; TF replicates them",
 )
+@pytest.mark.cpu_mesh
 def test_compute_average_loss_positional_argument_replicated_as_in_tf(two_replicas):
     per_replica_losses = two_replicas.run(
         spmd.compute_average_loss, args=(jnp.array([2.5, 6.2, 5.0]),)
@@ -190,6 +191,7 @@ def test_replica_context_all_reduce_nested_input(strategy):
     assert tuple(float(v) for v in got) == (1.0 * n, 2.0 * n)
 
 
+@pytest.mark.cpu_mesh
 def test_capture_replica_id():
     strategy = spmd.MirroredStrategy()
     ids = strategy.run(lambda: spmd.get_replica_context().replica_id_in_sync_group)

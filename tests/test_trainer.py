@@ -188,6 +188,7 @@ def test_bad_configuration_teaches(data, make, fragment):
     assert fragment in str(info.value) and "To fix:" in str(info.value)
 
 
+@pytest.mark.cpu_mesh
 def test_bad_data_teaches(data):
     x, y = data
     trainer = spmd.Trainer(

@@ -152,6 +152,7 @@ def test_named_inputs_are_a_dict_as_x():
 # -- item 15: grad accumulation, validation data checked before the first epoch ---------------
 
 
+@pytest.mark.cpu_mesh
 def test_grad_accum_steps_that_do_not_divide_the_per_replica_batch():
     x, y = _data()
     trainer = _trainer(grad_accum_steps=3)  # 64 rows over 8 replicas: 8 each, not 3 parts

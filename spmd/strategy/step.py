@@ -285,7 +285,7 @@ class Step:
         @strategy.context(traced=True)
         def step(pure_state, data, kwargs):
             if on_host:
-                pure_state = jax.device_put(pure_state, _on_device(state_sharding))
+                pure_state = _to_memory(pure_state, state_sharding, "device")
             new_sharding, new_graphdef, same_graph = state_sharding, None, True
             if graphdef is None:
                 out = _call(strategy, fn, pure_state, data, kwargs, static)
@@ -305,7 +305,7 @@ class Step:
                 return None, out, _done()
             new_state = jax.lax.with_sharding_constraint(new_state, _on_device(new_sharding))
             if on_host:
-                new_state = jax.device_put(new_state, new_sharding)
+                new_state = _to_memory(new_state, new_sharding, "pinned_host")
             # Flat leaves out: the caller rebuilds the tree once and keeps the
             # leaves for the next call's donation check, with no flatten.
             new_leaves, state_def = jax.tree.flatten(new_state)
@@ -315,10 +315,13 @@ class Step:
         in_state = state_sharding
         if graphdef is not None:  # NNX state travels as its flat list of arrays
             step, in_state = nnx_state.flat(step, state_sharding), jax.tree.leaves(state_sharding)
+        # A host-placed state is not donated: its buffers are host memory, and
+        # on a GPU a host read of one (np.asarray, a metric, a checkpoint)
+        # leaves a zero-copy view that makes donating it an XLA error.
         compiled = jax.jit(
             step,
             in_shardings=(in_state, data_sharding, kwargs_sharding),
-            donate_argnums=(0,) if donate else (),
+            donate_argnums=(0,) if donate and not on_host else (),
         )
         return _Program(
             compiled, jax.tree.leaves(data_sharding), jax.tree.leaves(state_sharding), traced
@@ -369,6 +372,22 @@ def _misplaced(x: Any, sharding: NamedSharding) -> bool:
     if current.mesh != sharding.mesh:
         return False  # another mesh: step_checks names the strategy that placed it
     return not current.is_equivalent_to(sharding, x.ndim)
+
+
+def _to_memory(tree: Any, shardings: Any, kind: str) -> Any:
+    """Moves to memory `kind` the leaves a host placement keeps in `pinned_host`.
+
+    The leaves the placement keeps on the devices (PRNG keys) are left as
+    they are: a transfer of a key array inside the program fails to lower on
+    GPU (its sharding has the key's rank, its buffer one more).
+    """
+
+    def move(leaf, sharding):
+        if sharding.memory_kind != "pinned_host":
+            return leaf
+        return jax.device_put(leaf, sharding.with_memory_kind(kind))
+
+    return jax.tree.map(move, tree, shardings)
 
 
 def _on_device(shardings: Any) -> Any:
