@@ -135,32 +135,35 @@ NAMES = {
 }
 
 
+def fed_rows(strategy, devices, quick: bool) -> list[dict]:
+    """Each fed path's time per step on `strategy` and ratio to the floor over `devices`."""
+    runners, host = _host_timed(_runners(strategy, devices))
+    times = common.timeit(runners, steps=50 if quick else 300, repeats=3 if quick else 7)
+    count, rows = len(devices), []
+    for name, label in NAMES.items():
+        rows.append(
+            {
+                "benchmark": "fed paths, tiny model",
+                "case": f"{label}, {count} device{'s' if count > 1 else ''}",
+                "floor": common.fmt_time(times["floor"]),
+                "spmd": common.fmt_time(times[name]),
+                "ratio": common.ratio(times[name], times["floor"]),
+                "host CPU": f"{host[name] / host['floor']:.2f}x",
+                "target": TARGETS.get((name, count), ""),
+            }
+        )
+    return rows
+
+
 def main(quick: bool = False) -> list[dict]:
     """Each fed path's time per step and ratio to the floor, 8 devices and 1."""
     import jax
 
     import spmd
 
-    rows = []
-    for count, strategy in (
-        (jax.device_count(), spmd.MirroredStrategy()),
-        (1, spmd.OneDeviceStrategy()),
-    ):
-        runners, host = _host_timed(_runners(strategy, jax.devices()[:count]))
-        times = common.timeit(runners, steps=50 if quick else 300, repeats=3 if quick else 7)
-        for name, label in NAMES.items():
-            rows.append(
-                {
-                    "benchmark": "fed paths, tiny model",
-                    "case": f"{label}, {count} device{'s' if count > 1 else ''}",
-                    "floor": common.fmt_time(times["floor"]),
-                    "spmd": common.fmt_time(times[name]),
-                    "ratio": common.ratio(times[name], times["floor"]),
-                    "host CPU": f"{host[name] / host['floor']:.2f}x",
-                    "target": TARGETS.get((name, count), ""),
-                }
-            )
-    return rows
+    return fed_rows(spmd.MirroredStrategy(), jax.devices(), quick) + fed_rows(
+        spmd.OneDeviceStrategy(), jax.devices()[:1], quick
+    )
 
 
 if __name__ == "__main__":

@@ -18,14 +18,23 @@ else:
 GLOBAL_BATCH = 64
 
 
-def _floor_runner(model: str, x, y):
-    """The hand-written floor: jax.jit with NamedShardings, donation, device-resident data."""
+def _init_apply(model: str):
+    """(init, apply) of a model of common.MODELS, or of "mlp" (the 4x1024 MLP below)."""
+    return (_big_init, _big_apply) if model == "mlp" else common.MODELS[model][:2]
+
+
+def _floor_runner(model: str, x, y, devices=None):
+    """The hand-written floor: jax.jit with NamedShardings, donation, device-resident data,
+    over `devices` (every device by default)."""
     import jax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    init, apply, _, _ = common.MODELS[model]
-    mesh = jax.make_mesh((jax.device_count(),), ("replica",), axis_types=(AxisType.Auto,))
+    init, apply = _init_apply(model)
+    devices = jax.devices() if devices is None else devices
+    mesh = jax.make_mesh(
+        (len(devices),), ("replica",), axis_types=(AxisType.Auto,), devices=devices
+    )
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
     state = jax.jit(init, out_shardings=replicated)(jax.random.key(0))
     step = jax.jit(
@@ -54,7 +63,7 @@ def _floor_runner(model: str, x, y):
 def _spmd_runner(strategy, model: str, x, y):
     import jax
 
-    init, apply, _, _ = common.MODELS[model]
+    init, apply = _init_apply(model)
     state = strategy.init(init, jax.random.key(0))
     step = strategy.step(common.make_train_step(apply))
     x, y = strategy.distribute_batch((x, y))
@@ -97,18 +106,21 @@ def step_overhead(quick: bool) -> list[dict]:
     return rows
 
 
-def steps_per_execution(quick: bool) -> list[dict]:
-    """The tiny model with K batches per compiled call (a scan), against the floor's one."""
+def steps_per_execution(
+    quick: bool, strategy=None, label: str = "MirroredStrategy, 8 devices", devices=None
+) -> list[dict]:
+    """The tiny model with K batches per compiled call (a scan), against the floor's one,
+    on `strategy` (MirroredStrategy by default) and the floor over the same `devices`."""
     import jax
     import numpy as np
 
     import spmd
 
-    strategy = spmd.MirroredStrategy()
+    strategy = strategy or spmd.MirroredStrategy()
     init, apply, _, _ = common.MODELS["tiny"]
     train_step = common.make_train_step(apply)
     x, y = common.batch("tiny", GLOBAL_BATCH)
-    runners = {"floor": _floor_runner("tiny", x, y)}
+    runners = {"floor": _floor_runner("tiny", x, y, devices)}
     for k in (1, 8, 32):
 
         def many(state, xs, ys):
@@ -137,7 +149,7 @@ def steps_per_execution(quick: bool) -> list[dict]:
         rows.append(
             {
                 "benchmark": "steps_per_execution",
-                "case": f"tiny, {name}, MirroredStrategy, 8 devices",
+                "case": f"tiny, {name}, {label}",
                 "floor": common.fmt_time(times["floor"]),
                 "spmd": common.fmt_time(per_step),
                 "ratio": common.ratio(per_step, times["floor"]),

@@ -10,31 +10,23 @@ columns, their output layers by rows; Adam's moments follow), and the batch over
 strategies, which replicate the names they do not map (ParameterServer then
 shards by its partitioner), and every run gives the same losses.
 
+The model is sized by an `LMConfig` and importable (bench/bench_gpu.py trains a
+large one for its MFU figure); run as a script, it trains the small default.
+
 Run: python examples/07_sharded_transformer_lm.py [--devices 8] [--steps 30]
 """
 
 import argparse
+import dataclasses
 import sys
 
-parser = argparse.ArgumentParser(description=__doc__)
-parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (even)")
-parser.add_argument("--steps", type=int, default=30)
-args = parser.parse_args()
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-import spmd  # noqa: E402
-
-spmd.initialize(local_device_count=args.devices)  # first thing, in every process
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from spmd.partitioners import MinSizePartitioner  # noqa: E402
-
-VOCAB, DIM, HEADS, MLP, LAYERS, SEQ, GLOBAL_BATCH = 32, 64, 4, 256, 2, 32, 16
+import spmd
 
 # Where the model's logical names go on a (data, model) mesh: heads and the MLP's
 # hidden units over `model`; everything else replicated.
@@ -47,24 +39,41 @@ LOGICAL_AXIS_RULES = [
 ]
 
 
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """The model's sizes and the batch it trains on (global batch of `seq + 1` tokens)."""
+
+    vocab: int = 32
+    dim: int = 64
+    heads: int = 4
+    mlp: int = 256
+    layers: int = 2
+    seq: int = 32
+    batch: int = 16
+
+
 class TransformerLM(nnx.Module):
     """Layers stacked on a leading axis (scanned); every weight says what its axes are."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, cfg: LMConfig, rngs: nnx.Rngs):
         def dense(names, *shape):  # (layers, in, out) or (in, out), annotated
             init = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / shape[-2] ** 0.5  # noqa: E731
             return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, jnp.float32))
 
-        self.embed = dense(("vocab", "embed"), VOCAB, DIM)
+        self.heads = cfg.heads
+        self.embed = dense(("vocab", "embed"), cfg.vocab, cfg.dim)
         self.attn = nnx.Dict(
-            {w: dense(("layers", "embed", "heads"), LAYERS, DIM, DIM) for w in ("wq", "wk", "wv")}
+            {
+                w: dense(("layers", "embed", "heads"), cfg.layers, cfg.dim, cfg.dim)
+                for w in ("wq", "wk", "wv")
+            }
         )
-        self.attn["wo"] = dense(("layers", "heads", "embed"), LAYERS, DIM, DIM)
-        self.w_in = dense(("layers", "embed", "mlp"), LAYERS, DIM, MLP)
-        self.w_out = dense(("layers", "mlp", "embed"), LAYERS, MLP, DIM)
-        self.norm1 = nnx.Param(jnp.ones((LAYERS, DIM)))
-        self.norm2 = nnx.Param(jnp.ones((LAYERS, DIM)))
-        self.unembed = dense(("embed", "vocab"), DIM, VOCAB)
+        self.attn["wo"] = dense(("layers", "heads", "embed"), cfg.layers, cfg.dim, cfg.dim)
+        self.w_in = dense(("layers", "embed", "mlp"), cfg.layers, cfg.dim, cfg.mlp)
+        self.w_out = dense(("layers", "mlp", "embed"), cfg.layers, cfg.mlp, cfg.dim)
+        self.norm1 = nnx.Param(jnp.ones((cfg.layers, cfg.dim)))
+        self.norm2 = nnx.Param(jnp.ones((cfg.layers, cfg.dim)))
+        self.unembed = dense(("embed", "vocab"), cfg.dim, cfg.vocab)
 
     def __call__(self, tokens):
         layers = {
@@ -73,7 +82,9 @@ class TransformerLM(nnx.Module):
             "norm1": self.norm1[...],
             "norm2": self.norm2[...],
         }
-        x, _ = jax.lax.scan(block, self.embed[...][tokens], layers)
+        x, _ = jax.lax.scan(
+            lambda x, layer: block(x, layer, self.heads), self.embed[...][tokens], layers
+        )
         return x @ self.unembed[...]
 
 
@@ -81,23 +92,21 @@ def rms_norm(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6) * scale
 
 
-def attention(p, x):
-    b, t, _ = x.shape
-    q, k, v = (jnp.reshape(x @ p[w], (b, t, HEADS, DIM // HEADS)) for w in ("wq", "wk", "wv"))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / (DIM // HEADS) ** 0.5
-    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)  # causal
-    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
-    return out.reshape(b, t, DIM) @ p["wo"]
+def attention(p, x, heads):
+    b, t, dim = x.shape
+    q, k, v = (jnp.reshape(x @ p[w], (b, t, heads, dim // heads)) for w in ("wq", "wk", "wv"))
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # softmax(q k / sqrt(d)) v
+    return out.reshape(b, t, dim) @ p["wo"]
 
 
-def block(x, layer):
-    x = x + attention(layer["attn"], rms_norm(x, layer["norm1"]))
+def block(x, layer, heads):
+    x = x + attention(layer["attn"], rms_norm(x, layer["norm1"]), heads)
     h = jax.nn.gelu(rms_norm(x, layer["norm2"]) @ layer["mlp"]["w_in"])
     return x + h @ layer["mlp"]["w_out"], None
 
 
-def create():
-    model = TransformerLM(nnx.Rngs(0))
+def create(cfg: LMConfig = LMConfig()):
+    model = TransformerLM(cfg, nnx.Rngs(0))
     return model, nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
 
 
@@ -113,68 +122,90 @@ def train_step(state, tokens):
     return loss
 
 
-def batches(steps):
+def batches(cfg: LMConfig, steps: int):
     """A toy language: each sequence counts up by its own stride, modulo the vocabulary."""
     rng = np.random.default_rng(0)
     for _ in range(steps):
-        start = rng.integers(0, VOCAB, (GLOBAL_BATCH, 1))
-        stride = rng.integers(1, 4, (GLOBAL_BATCH, 1))
-        yield ((start + stride * np.arange(SEQ + 1)) % VOCAB).astype(np.int32)
+        start = rng.integers(0, cfg.vocab, (cfg.batch, 1))
+        stride = rng.integers(1, 4, (cfg.batch, 1))
+        yield ((start + stride * np.arange(cfg.seq + 1)) % cfg.vocab).astype(np.int32)
 
 
-def train(strategy):
-    state = strategy.init(create)  # created in place: no device holds a whole sharded kernel
+def train(strategy, steps: int, cfg: LMConfig = LMConfig()):
+    # created in place: no device holds a whole sharded kernel
+    state = strategy.init(lambda: create(cfg))
     step = strategy.step(train_step)
     losses = [
-        float(step(state, tokens)) for tokens in strategy.distribute_dataset(batches(args.steps))
+        float(step(state, tokens)) for tokens in strategy.distribute_dataset(batches(cfg, steps))
     ]
     return state[0], losses
 
 
-two_d = spmd.Strategy(
-    mesh=spmd.make_mesh({"data": -1, "model": 2}),
-    batch_axes=("data",),
-    logical_axis_rules=LOGICAL_AXIS_RULES,
-)
-strategies = [
-    spmd.OneDeviceStrategy(),  # the oracle
-    spmd.MirroredStrategy(),
-    spmd.ParameterServerStrategy(MinSizePartitioner(min_shard_bytes=16 << 10)),
-    two_d,
-]
-runs = {}
-for strategy in strategies:
-    model, losses = train(strategy)
-    runs[strategy.name] = (model, losses)
-    print(f"{strategy}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+def compare(runs, two_d, cfg: LMConfig) -> bool:
+    """Prints each strategy's gap from one device; True if all agree and the layouts are as said."""
+    from jax.sharding import PartitionSpec as P
 
-model, losses = runs["Strategy"]
-for path, layout in jax.tree_util.tree_flatten_with_path(
-    two_d.state_spec(model, sources=True), is_leaf=lambda x: isinstance(x, spmd.rules.LeafLayout)
-)[0]:
-    name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
-    print(f"  {name:<12} {str(layout.spec):<24} from {layout.source}")
+    model, losses = runs["Strategy"]
+    for path, layout in jax.tree_util.tree_flatten_with_path(
+        two_d.state_spec(model, sources=True),
+        is_leaf=lambda x: isinstance(x, spmd.rules.LeafLayout),
+    )[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+        print(f"  {name:<12} {str(layout.spec):<24} from {layout.source}")
 
-oracle_model, oracle_losses = runs["OneDeviceStrategy"]
-ok = losses[-1] < 0.5 * losses[0]
-for name, (model, losses) in runs.items():
-    loss_gap = float(np.max(np.abs(np.array(losses) - np.array(oracle_losses))))
-    weight_gap = max(
-        float(np.max(np.abs(a - b)))
-        for a, b in zip(
-            jax.tree.leaves(jax.device_get(nnx.state(model))),
-            jax.tree.leaves(jax.device_get(nnx.state(oracle_model))),
-            strict=True,
+    oracle_model, oracle_losses = runs["OneDeviceStrategy"]
+    ok = losses[-1] < 0.5 * losses[0]
+    for name, (model, losses) in runs.items():
+        loss_gap = float(np.max(np.abs(np.array(losses) - np.array(oracle_losses))))
+        weight_gap = max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(
+                jax.tree.leaves(jax.device_get(nnx.state(model))),
+                jax.tree.leaves(jax.device_get(nnx.state(oracle_model))),
+                strict=True,
+            )
         )
+        print(
+            f"{name:<24} largest difference from one device: loss {loss_gap:.1e}, weights {weight_gap:.1e}"
+        )
+        ok = ok and loss_gap < 1e-3 and weight_gap < 1e-3
+    ps_w_in = runs["ParameterServerStrategy"][0].w_in[...].sharding.spec
+    print(f"ParameterServerStrategy's partitioner splits w_in as {ps_w_in}")
+    ok = ok and ps_w_in != P()
+    wq = runs["Strategy"][0].attn["wq"][...]
+    ok = ok and wq.sharding.spec == P(None, None, "model")
+    return ok and wq.addressable_shards[0].data.shape == (cfg.layers, cfg.dim, cfg.dim // 2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (even)")
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+
+    spmd.initialize(local_device_count=args.devices)  # first thing, in every process
+
+    from spmd.partitioners import MinSizePartitioner
+
+    cfg = LMConfig()
+    two_d = spmd.Strategy(
+        mesh=spmd.make_mesh({"data": -1, "model": 2}),
+        batch_axes=("data",),
+        logical_axis_rules=LOGICAL_AXIS_RULES,
     )
-    print(
-        f"{name:<24} largest difference from one device: loss {loss_gap:.1e}, weights {weight_gap:.1e}"
-    )
-    ok = ok and loss_gap < 1e-3 and weight_gap < 1e-3
-ps_w_in = runs["ParameterServerStrategy"][0].w_in[...].sharding.spec
-print(f"ParameterServerStrategy's partitioner splits w_in as {ps_w_in}")
-ok = ok and ps_w_in != P()
-wq = runs["Strategy"][0].attn["wq"][...]
-ok = ok and wq.sharding.spec == P(None, None, "model")
-ok = ok and wq.addressable_shards[0].data.shape == (LAYERS, DIM, DIM // 2)
-sys.exit(0 if ok else 1)
+    strategies = [
+        spmd.OneDeviceStrategy(),  # the oracle
+        spmd.MirroredStrategy(),
+        spmd.ParameterServerStrategy(MinSizePartitioner(min_shard_bytes=16 << 10)),
+        two_d,
+    ]
+    runs = {}
+    for strategy in strategies:
+        model, losses = train(strategy, args.steps, cfg)
+        runs[strategy.name] = (model, losses)
+        print(f"{strategy}: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+    return 0 if compare(runs, two_d, cfg) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

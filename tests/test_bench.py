@@ -66,3 +66,32 @@ def test_tensorflow_peer_trains_and_reports_its_step_time(peer):
     assert result.returncode == 0, result.stderr[-3000:]
     times = json.loads(result.stdout.strip().splitlines()[-1])
     assert 0 < times["min"] <= times["median"] <= times["max"]
+
+
+@pytest.mark.bench
+def test_bench_gpu_quick_runs_every_section_on_cpu(tmp_path):
+    # The one-accelerator benchmarks (issue 15) as a CPU smoke run: every section gives rows.
+    out = tmp_path / "performance-gpu.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.bench_gpu", "--quick", "--output", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = out.read_text()
+    assert "FAILED" not in text
+    for section in (
+        "## step overhead (1 device)",
+        "## steps_per_execution (1 device)",
+        "## fed paths, tiny model (1 device)",
+        "## MFU, examples/07 transformer LM, bf16",
+        "## CentralStorageStrategy (1 device)",
+    ):
+        body = text.split(section, 1)[1].split("\n## ", 1)[0]
+        assert body.count("| 1x cpu |") >= 2, section  # rows, each naming its device
+    assert "x |" in text  # ratios were computed
