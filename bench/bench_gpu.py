@@ -144,7 +144,7 @@ def lm_config(args, base: dict):
         value = getattr(args, f"lm_{name}", None)
         if value is not None:
             sizes[name] = value
-    return example().LMConfig(**sizes)
+    return example().LMConfig(**sizes, attention=getattr(args, "lm_attention", None))
 
 
 def lm_pure(cfg, lr: float = 1e-4):
@@ -351,6 +351,49 @@ def _profile(directory, strategy, step_fn, state, tokens, report) -> None:
             state, _ = step(state, tokens)
         jax.block_until_ready(state)
     print(f"profile: a trace under {directory}, the step's HLO in {directory}/step.hlo.txt")
+    try:
+        print(kernel_table(directory, steps=3), flush=True)
+    except Exception:  # noqa: BLE001 - the table is a reading aid; the trace stays
+        traceback.print_exc()
+
+
+KINDS = (  # kernel name fragments -> what the kernel does
+    ("attention", ("fmha", "flash", "sdpa", "attention", "softmax", "dot_do_o")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "matmul", "wgmma", "dot")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_table(directory, steps: int) -> str:
+    """The device's kernels in the newest trace under `directory`: time per step by kernel
+    name (top 25) and by kind (matmul, attention, other), from jax.profiler's ProfileData."""
+    from collections import Counter
+
+    from jax.profiler import ProfileData
+
+    path = max(Path(directory).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    data = ProfileData.from_file(str(path))
+    per_kernel: Counter = Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                per_kernel[event.name] += event.duration_ns / 1e6 / steps
+    total = sum(per_kernel.values())
+    if not total:
+        return "device kernels: none in the trace (no GPU plane)"
+    kinds: Counter = Counter()
+    for name, ms in per_kernel.items():
+        low = name.lower()
+        kind = next((k for k, parts in KINDS if any(p in low for p in parts)), "other")
+        kinds[kind] += ms
+    lines = [f"device kernels, ms per step (busy {total:.1f} ms):"]
+    lines += [f"  {kind:<10} {ms:8.2f} ms  {ms / total:6.1%}" for kind, ms in kinds.most_common()]
+    lines += [f"  {ms:8.3f} ms  {name[:110]}" for name, ms in per_kernel.most_common(25)]
+    return "\n".join(lines)
 
 
 # -- e. CentralStorageStrategy: state in pinned_host memory, one process per measurement
@@ -509,6 +552,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=SECTIONS, default=None)
     for name in ("dim", "heads", "mlp", "layers", "seq", "batch", "vocab"):
         parser.add_argument(f"--lm-{name}", type=int, default=None, help="the MFU LM's size")
+    parser.add_argument(
+        "--lm-attention",
+        default=None,
+        choices=("xla", "cudnn"),
+        help="the LM's attention kernel (default: JAX's choice)",
+    )
     parser.add_argument("--profile", default=None, help="a directory for a jax.profiler trace")
     parser.add_argument("--central-worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -50,6 +50,7 @@ class LMConfig:
     layers: int = 2
     seq: int = 32
     batch: int = 16
+    attention: str | None = None  # jax.nn.dot_product_attention's implementation ("cudnn", "xla")
 
 
 class TransformerLM(nnx.Module):
@@ -60,7 +61,7 @@ class TransformerLM(nnx.Module):
             init = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / shape[-2] ** 0.5  # noqa: E731
             return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, jnp.float32))
 
-        self.heads = cfg.heads
+        self.heads, self.attention = cfg.heads, cfg.attention
         self.embed = dense(("vocab", "embed"), cfg.vocab, cfg.dim)
         self.attn = nnx.Dict(
             {
@@ -83,7 +84,9 @@ class TransformerLM(nnx.Module):
             "norm2": self.norm2[...],
         }
         x, _ = jax.lax.scan(
-            lambda x, layer: block(x, layer, self.heads), self.embed[...][tokens], layers
+            lambda x, layer: block(x, layer, self.heads, self.attention),
+            self.embed[...][tokens],
+            layers,
         )
         return x @ self.unembed[...]
 
@@ -92,15 +95,15 @@ def rms_norm(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6) * scale
 
 
-def attention(p, x, heads):
+def attention(p, x, heads, implementation=None):
     b, t, dim = x.shape
     q, k, v = (jnp.reshape(x @ p[w], (b, t, heads, dim // heads)) for w in ("wq", "wk", "wv"))
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # softmax(q k / sqrt(d)) v
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
     return out.reshape(b, t, dim) @ p["wo"]
 
 
-def block(x, layer, heads):
-    x = x + attention(layer["attn"], rms_norm(x, layer["norm1"]), heads)
+def block(x, layer, heads, implementation=None):
+    x = x + attention(layer["attn"], rms_norm(x, layer["norm1"]), heads, implementation)
     h = jax.nn.gelu(rms_norm(x, layer["norm2"]) @ layer["mlp"]["w_in"])
     return x + h @ layer["mlp"]["w_out"], None
 
