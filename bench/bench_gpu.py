@@ -144,7 +144,11 @@ def lm_config(args, base: dict):
         value = getattr(args, f"lm_{name}", None)
         if value is not None:
             sizes[name] = value
-    return example().LMConfig(**sizes, attention=getattr(args, "lm_attention", None))
+    return example().LMConfig(
+        **sizes,
+        attention=getattr(args, "lm_attention", None),
+        remat=getattr(args, "lm_remat", False),
+    )
 
 
 def lm_pure(cfg, lr: float = 1e-4):
@@ -557,6 +561,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         choices=("xla", "cudnn"),
         help="the LM's attention kernel (default: JAX's choice)",
+    )
+    parser.add_argument(
+        "--lm-remat",
+        action="store_true",
+        help="the LM recomputes each layer's elementwise work in the backward",
     )
     parser.add_argument("--profile", default=None, help="a directory for a jax.profiler trace")
     parser.add_argument("--central-worker", nargs=2, default=None, help=argparse.SUPPRESS)

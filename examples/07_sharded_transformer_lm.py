@@ -51,6 +51,7 @@ class LMConfig:
     seq: int = 32
     batch: int = 16
     attention: str | None = None  # jax.nn.dot_product_attention's implementation ("cudnn", "xla")
+    remat: bool = False  # recompute each layer's elementwise work in the backward pass
 
 
 class TransformerLM(nnx.Module):
@@ -61,7 +62,7 @@ class TransformerLM(nnx.Module):
             init = lambda key, shape, dtype: jax.random.normal(key, shape, dtype) / shape[-2] ** 0.5  # noqa: E731
             return nnx.Param(nnx.with_partitioning(init, names)(rngs.params(), shape, jnp.float32))
 
-        self.heads, self.attention = cfg.heads, cfg.attention
+        self.heads, self.attention, self.remat = cfg.heads, cfg.attention, cfg.remat
         self.embed = dense(("vocab", "embed"), cfg.vocab, cfg.dim)
         self.attn = nnx.Dict(
             {
@@ -83,11 +84,15 @@ class TransformerLM(nnx.Module):
             "norm1": self.norm1[...],
             "norm2": self.norm2[...],
         }
-        x, _ = jax.lax.scan(
-            lambda x, layer: block(x, layer, self.heads, self.attention),
-            self.embed[...][tokens],
-            layers,
-        )
+
+        def body(x, layer):
+            return block(x, layer, self.heads, self.attention)
+
+        if self.remat:  # keep the matmuls' outputs, recompute the rest: less memory, bigger batches
+            body = jax.checkpoint(
+                body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            )
+        x, _ = jax.lax.scan(body, self.embed[...][tokens], layers)
         return x @ self.unembed[...]
 
 
