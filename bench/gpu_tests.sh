@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite on a GPU machine: the GPU as each test process's default backend
-# (tests/conftest.py, SPMD_TEST_PLATFORM=gpu), the eight CPU devices beside it.
+# The test suite on a GPU machine, in two runs: every test that runs on one device
+# with the GPU as the default backend (tests/conftest.py, SPMD_TEST_PLATFORM=gpu),
+# then the `cpu_mesh` tests on the eight simulated CPU devices, as CI runs them.
 # Usage: bash bench/gpu_tests.sh [OUTDIR] [pytest args...]; wheels of packages the
 # machine lacks may sit in .whl/ (installed to /tmp/site, no network needed).
 set -u
@@ -15,4 +16,9 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
   echo "editable install failed; spmd from PYTHONPATH" >&2
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import sys,jax,jaxlib,flax,optax,numpy,orbax.checkpoint as o; print(sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'numpy', numpy.__version__); print(jax.devices(), jax.devices()[0].device_kind)"
-SPMD_TEST_PLATFORM=gpu python3 -m pytest -q -p no:cacheprovider -rfE --junitxml="$out/junit.xml" "$@" 2>&1 | tee "$out/pytest.log" | grep -v "^tests/.* [.sxX]*\s*\[" 
+echo "== on the GPU"
+SPMD_TEST_PLATFORM=gpu python3 -m pytest -q -p no:cacheprovider -rfE --junitxml="$out/gpu.xml" "$@" \
+  2>&1 | tee "$out/gpu.log" | grep -v "^tests/.* [.sxX]*\s*\["
+echo "== cpu_mesh tests on the CPU devices"
+python3 -m pytest -q -p no:cacheprovider -rfE -m cpu_mesh --junitxml="$out/cpu_mesh.xml" "$@" \
+  2>&1 | tee "$out/cpu_mesh.log" | grep -v "^tests/.* [.sxX]*\s*\["

@@ -1,9 +1,11 @@
 """Eight simulated CPU devices for the whole test session, set before JAX starts.
 
-With SPMD_TEST_PLATFORM=gpu the GPU is this process's default backend too
-(`jax.devices()` is the GPU), beside the eight CPU devices; the processes the
-multi-process tests start stay on CPU devices (JAX_PLATFORMS=cpu in their
-environment). See docs/performance.md, "On a GPU".
+With SPMD_TEST_PLATFORM=gpu the GPU is the default backend (`jax.devices()` is
+the GPU; float32 matmuls in float32, not TF32) and the tests marked `cpu_mesh`,
+which need the eight simulated CPU devices, are left out: the plain run covers
+them (bench/gpu_tests.sh runs both). The processes the multi-process tests start
+stay on CPU devices (JAX_PLATFORMS=cpu in their environment). See
+docs/accelerators.md.
 
 Also the test tiers: a test marked `multiprocess`, `engines` or `bench` is
 `slow` too, so `python -m pytest -q -m "not slow"` is the fast tier; and with
@@ -25,21 +27,25 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 ACCELERATOR = os.environ.get("SPMD_TEST_PLATFORM", "cpu").replace("gpu", "cuda")
+CPU_MESH_MODULE = "pytestmark = pytest.mark.cpu_mesh"
 if ACCELERATOR != "cpu":
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # many test processes, one GPU
     jax.config.update("jax_platforms", f"{ACCELERATOR},cpu")
     # The oracles are float32; a GPU's default float32 matmul is TF32 (10-bit mantissa).
     jax.config.update("jax_default_matmul_precision", "float32")
-    jax.config.update("jax_platform_name", "cpu")  # modules build their meshes when collected
 
 
-@pytest.fixture(autouse=True)
-def _default_backend(request):
-    """On an accelerator run: the test's default backend, the CPU devices for `cpu_mesh` tests."""
-    if ACCELERATOR != "cpu":
-        cpu = request.node.get_closest_marker("cpu_mesh") is not None
-        jax.config.update("jax_platform_name", "cpu" if cpu else ACCELERATOR)
-    yield
+def pytest_sessionstart(session):
+    """An accelerator run whose default backend is not the accelerator stops at once."""
+    if ACCELERATOR != "cpu" and jax.default_backend() == "cpu":
+        raise pytest.UsageError(f"SPMD_TEST_PLATFORM={ACCELERATOR} but JAX found no such device")
+
+
+def pytest_ignore_collect(collection_path, config):
+    """On an accelerator run, modules whose every test is `cpu_mesh` are not imported."""
+    if ACCELERATOR != "cpu" and collection_path.name.startswith("test_"):
+        return CPU_MESH_MODULE in collection_path.read_text() or None
+    return None
 
 
 SLOW_TOO = ("multiprocess", "engines", "bench")
@@ -60,8 +66,20 @@ def pytest_configure(config):
     reporter = config.pluginmanager.getplugin("terminalreporter")
     if reporter is not None:
         reporter.showfspath = True
+    if ACCELERATOR != "cpu":
+        config.pluginmanager.register(_LeaveOutCpuMesh())
     if os.environ.get("SPMD_TEST_RECORD"):
         config.pluginmanager.register(_Recorder(os.environ["SPMD_TEST_RECORD"]))
+
+
+class _LeaveOutCpuMesh:
+    """On an accelerator run, the `cpu_mesh` tests are deselected: the default backend is
+    the accelerator, and they need the eight CPU devices (the plain run has them)."""
+
+    def pytest_collection_modifyitems(self, config, items):
+        cpu_mesh = [item for item in items if item.get_closest_marker("cpu_mesh")]
+        config.hook.pytest_deselected(items=cpu_mesh)
+        items[:] = [item for item in items if not item.get_closest_marker("cpu_mesh")]
 
 
 class _Recorder:

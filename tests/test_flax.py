@@ -332,8 +332,12 @@ def test_nnx_step_reuses_its_split_and_still_sees_every_change():
 def test_nnx_step_matches_nnx_jit_over_many_fast_steps():
     expected, expected_model = oracle(steps=6)
     losses, model = train(spmd.OneDeviceStrategy(), steps=6)
-    assert losses == expected
-    np.testing.assert_array_equal(model.w[...], expected_model.w[...])
+    if jax.default_backend() == "cpu":
+        assert losses == expected
+        np.testing.assert_array_equal(model.w[...], expected_model.w[...])
+    else:  # XLA:GPU may order a reduction differently in two programs: last-bit differences
+        np.testing.assert_allclose(losses, expected, rtol=2e-6)
+        np.testing.assert_allclose(model.w[...], expected_model.w[...], rtol=2e-6, atol=1e-7)
 
 
 @pytest.mark.cpu_mesh

@@ -129,7 +129,16 @@ def nnx_oracle():
     return nnx.state(state[0]), losses
 
 
-@pytest.mark.parametrize("name", ["mirrored", "central_storage", "ps_fixed", "two_d", "default"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mirrored",
+        "central_storage",
+        "ps_fixed",
+        pytest.param("two_d", marks=pytest.mark.cpu_mesh),
+        "default",
+    ],
+)
 def test_nnx_state_updates_in_place_and_matches_one_device(name, nnx_oracle):
     strategy = STRATEGIES[name]()
     with strategy.scope():
