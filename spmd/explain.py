@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from spmd.flops import matmul_flops
+
 if TYPE_CHECKING:
     from spmd.strategy.base import Step
 
@@ -99,7 +101,13 @@ class Explanation:
         analysis of the compiled program (alias = outputs reusing donated inputs).
       peak_bytes: argument + output - alias + temp, an upper bound of the
         program's device memory.
-      flops: XLA's estimate of floating point operations per device.
+      flops: XLA's cost estimate of floating point operations per device. It
+        counts a loop's body once and, on GPUs, leaves out the library calls
+        matrix products become (cuBLAS): a lower bound, not a figure for MFU.
+      matmul_flops: the FLOPs of the step's matrix products and convolutions,
+        counted from its traced program, over all devices (`spmd.flops`):
+        a scan's body times its length; recomputation counts; a backend's
+        fused kernels (a cuDNN attention) do not. The numerator of MFU.
       collectives: kind -> `Collective` (count, bytes).
       hlo: the optimized HLO text, for a closer look.
     """
@@ -115,6 +123,7 @@ class Explanation:
     flops: float
     collectives: Mapping[str, Collective] = field(default_factory=dict)
     hlo: str = field(default="", repr=False)
+    matmul_flops: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -128,7 +137,8 @@ class Explanation:
             ("one batch", _human(self.input_bytes)),
             ("temporaries", _human(self.temp_bytes)),
             ("peak (upper bound)", _human(self.peak_bytes)),
-            ("FLOPs", f"{self.flops:,.0f}"),
+            ("FLOPs (XLA's estimate)", f"{self.flops:,.0f}"),
+            ("matmul FLOPs (all devices)", f"{self.matmul_flops:,.0f}"),
         ]
         rows += [
             (f"{c.kind} x{c.count}", _human(c.bytes))
@@ -162,8 +172,8 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
     Returns:
       An `Explanation`; `print()` it for a table.
     """
-    lowered, pure = step.lower(state, *data, **kwargs)
-    compiled = lowered.compile()
+    traced, pure = step.trace(state, *data, **kwargs)
+    compiled = traced.lower().compile()
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per program
@@ -192,4 +202,5 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
         flops=float(cost.get("flops", 0.0)),
         collectives=parse_collectives(hlo),
         hlo=hlo,
+        matmul_flops=matmul_flops(traced.jaxpr),
     )

@@ -197,10 +197,20 @@ class Step:
         Returns:
           (the `jax.stages.Lowered` program, the state's pure pytree of arrays).
         """
+        traced, pure = self.trace(state, *data, **kwargs)
+        return traced.lower(), pure
+
+    def trace(self, state: Any, *data: Any, **kwargs: Any) -> tuple[jax.stages.Traced, Any]:
+        """Traces the step for these arguments without running it (`lower` goes on from here).
+
+        Returns:
+          (the `jax.stages.Traced` program, whose `.jaxpr` is the step as JAX
+          sees it, the state's pure pytree of arrays).
+        """
         with nnx_state.updating(self._tag):
             graphdef, pure, dynamic, program, _ = self._program(state, data, kwargs)
             flat = pure if graphdef is None else jax.tree.leaves(pure)
-            return program.compiled.lower(flat, data, dynamic), pure
+            return program.compiled.trace(flat, data, dynamic), pure
 
     def _program(self, state: Any, data: tuple, kwargs: dict):
         """Finds or builds the program for these arguments, after checking them.
