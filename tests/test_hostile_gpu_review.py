@@ -251,10 +251,10 @@ class _Interrupt(spmd.callbacks.Callback):
             raise _Stop
 
 
-def _interrupted_then_resumed(tmp_path, close_first):
+def _interrupted_then_resumed(tmp_path, close_first, save_freq=3):
     whole, _ = _fit(spmd.CentralStorageStrategy(), epochs=3)
     backup = str(tmp_path / "backup")
-    first = spmd.callbacks.BackupAndRestore(backup, save_freq=4)
+    first = spmd.callbacks.BackupAndRestore(backup, save_freq=save_freq)
     with pytest.raises(_Stop):
         _fit(spmd.CentralStorageStrategy(), epochs=3, callbacks=[first, _Interrupt()])
     if close_first:
@@ -262,14 +262,21 @@ def _interrupted_then_resumed(tmp_path, close_first):
     resumed, _ = _fit(
         spmd.CentralStorageStrategy(),
         epochs=3,
-        callbacks=[spmd.callbacks.BackupAndRestore(backup, save_freq=4)],
+        callbacks=[spmd.callbacks.BackupAndRestore(backup, save_freq=save_freq)],
     )
     for a, b in zip(
         jax.tree.leaves(jax.device_get(resumed.state)),
         jax.tree.leaves(jax.device_get(whole.state)),
         strict=True,
     ):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(_raw(a), _raw(b))
+
+
+def _raw(x):
+    """A leaf as numpy; PRNG keys by their key data."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(x))
+    return np.asarray(x)
 
 
 def test_backup_and_restore_on_central_storage_resumes_to_the_uninterrupted_weights(tmp_path):
@@ -282,9 +289,24 @@ def test_backup_and_restore_on_central_storage_resumes_to_the_uninterrupted_weig
     "on_train_end, so BackupAndRestore's CheckpointManager stays open holding the directory "
     "lock: the retry in the same process is a CheckpointError 'held_by pid <this pid>'. "
     "Trainer.fit should close the callbacks' managers in its finally (the retry resumes).",
+    raises=spmd.errors.CheckpointError,
 )
 def test_a_fit_interrupted_by_an_exception_resumes_in_the_same_process(tmp_path):
     _interrupted_then_resumed(tmp_path, close_first=False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BackupAndRestore(save_freq=N) with N dividing the batches per epoch backs up at an "
+    "epoch's last batch (before on_epoch_end), recording that epoch and a data position at its "
+    "end; the resumed fit re-enters that epoch with no batch left and raises BatchError 'Epoch 0 "
+    "received no batch' (any strategy: MirroredStrategy too). It should resume at the next "
+    "epoch, bitwise equal to the uninterrupted fit (as save_freq=3 does).",
+    raises=spmd.errors.BatchError,
+)
+def test_a_backup_at_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path):
+    """4 batches per epoch, save_freq=4, stopped at iteration 6: the backup is iteration 4."""
+    _interrupted_then_resumed(tmp_path, close_first=True, save_freq=4)
 
 
 # --- pytree steps: metrics only, mixed dtypes ---------------------------------------
@@ -408,6 +430,7 @@ def test_an_nnx_step_that_adds_variables_on_central_storage_matches_one_device()
     "structure and with_sharding_constraint fails with a raw pytree-prefix ValueError (on "
     "every strategy, OneDevice included); nnx.jit runs it. It should run as nnx.jit does "
     "(or raise a ConfigurationError that names the Variable).",
+    raises=ValueError,
 )
 def test_a_sown_intermediate_that_grows_each_step_runs_as_under_nnx_jit():
     model = _Lazy(nnx.Rngs(0), sow=True)
@@ -417,3 +440,75 @@ def test_a_sown_intermediate_that_grows_each_step_runs_as_under_nnx_jit():
     got_losses, got = _grow_run(spmd.OneDeviceStrategy(), sow=True)
     np.testing.assert_allclose(got_losses, want, rtol=1e-5)
     assert len(got.act[...]) == len(model.act[...]) == 3
+
+
+# --- checkpoint (async save) mid-run, memory held across steps, explain --------------
+
+
+def test_async_checkpoint_then_steps_then_restore_continues_bitwise_on_central_storage(tmp_path):
+    strategy = spmd.CentralStorageStrategy()
+    step = strategy.step(_train)
+    data = _batches(6)
+    state = strategy.init(_create, jax.random.key(0))
+    uninterrupted = []
+    for x, y in data:
+        state, loss = step(state, x, y)
+        uninterrupted.append(np.asarray(loss))
+    final = jax.device_get(state)
+
+    state = strategy.init(_create, jax.random.key(0))
+    with spmd.CheckpointManager(tmp_path / "ckpt") as manager:
+        for i, (x, y) in enumerate(data[:3]):
+            state, _ = step(state, x, y)
+        manager.save(3, state)  # async: the next steps run while it writes
+        for x, y in data[3:5]:
+            state, _ = step(state, x, y)
+        manager.wait()
+        restored = manager.restore(3, target=strategy.abstract_state(_create, jax.random.key(0)))
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(restored)} == {"pinned_host"}
+    losses = []
+    for x, y in data[3:]:
+        restored, loss = step(restored, x, y)
+        losses.append(np.asarray(loss))
+    np.testing.assert_array_equal(np.stack(losses), np.stack(uninterrupted[3:]))
+    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(final), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _live_count_after(strategy, steps):
+    def create(key):
+        return {"w": jax.random.normal(key, (1024, 1024)) * 1e-3}  # 4 MiB
+
+    def sgd(state, x):
+        return {"w": state["w"] * 0.999 + jnp.mean(x)}, jnp.sum(state["w"][0])
+
+    state = strategy.init(create, jax.random.key(0))
+    step = strategy.step(sgd)
+    x = np.ones((8, 4), np.float32)
+    counts = []
+    for i in range(steps):
+        state, loss = step(state, x)
+        if i % 50 == 49:
+            np.asarray(loss)
+            gc.collect()
+            counts.append(len(jax.live_arrays()))
+    jax.block_until_ready(state)
+    return counts
+
+
+def test_many_central_storage_steps_keep_no_old_states_alive():
+    """The host-placed state is no longer donated: old states must still be freed."""
+    counts = _live_count_after(spmd.CentralStorageStrategy(), 200)
+    assert counts[-1] <= counts[0] + 2, counts
+
+
+def test_explain_of_a_host_placed_step_aliases_nothing_and_counts_host_bytes():
+    x, y = _batches(1)[0]
+    one = spmd.OneDeviceStrategy()
+    want = one.explain(_train, one.abstract_state(_create, jax.random.key(0)), x, y)
+    for strategy in _host_strategies():
+        report = strategy.explain(_train, strategy.abstract_state(_create, jax.random.key(0)), x, y)
+        assert report.alias_bytes == 0  # nothing donated
+        assert report.state_bytes == 0
+        assert report.state_host_bytes == want.state_bytes > 0
+    assert want.alias_bytes > 0  # a device-placed pytree state is donated
