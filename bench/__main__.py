@@ -61,7 +61,11 @@ def render(rows: list[dict], seconds: float, quick: bool) -> str:
     gpu = ROOT / "docs" / "performance-gpu.md"
     if gpu.exists():  # written by `python -m bench.bench_gpu` on an accelerator
         body = gpu.read_text().split("\n", 1)[1].replace("\n## ", "\n### ")
-        lines += ["## On a GPU (`python -m bench.bench_gpu`, docs/performance-gpu.md)", body.strip(), ""]
+        lines += [
+            "## On a GPU (`python -m bench.bench_gpu`, docs/performance-gpu.md)",
+            body.strip(),
+            "",
+        ]
     notes = ROOT / "bench" / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text().strip(), ""]

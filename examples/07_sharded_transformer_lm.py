@@ -53,6 +53,13 @@ class LMConfig:
     attention: str | None = None  # jax.nn.dot_product_attention's implementation ("cudnn", "xla")
     remat: bool = False  # recompute each layer's elementwise work in the backward pass
 
+    def __post_init__(self):
+        if self.dim % self.heads or min(self.dim, self.heads, self.layers, self.seq) < 1:
+            raise ValueError(
+                f"LMConfig needs positive sizes and heads dividing dim; got dim={self.dim}, "
+                f"heads={self.heads}, layers={self.layers}, seq={self.seq}."
+            )
+
 
 class TransformerLM(nnx.Module):
     """Layers stacked on a leading axis (scanned); every weight says what its axes are."""

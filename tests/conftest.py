@@ -26,7 +26,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also what child processes inher
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-ACCELERATOR = os.environ.get("SPMD_TEST_PLATFORM", "cpu").replace("gpu", "cuda")
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
+_asked = os.environ.get("SPMD_TEST_PLATFORM", "cpu")
+if _asked not in PLATFORMS:
+    raise pytest.UsageError(
+        f"SPMD_TEST_PLATFORM is one of {sorted(PLATFORMS)}.\n"
+        f"Received: SPMD_TEST_PLATFORM={_asked!r}\n"
+        "To fix: unset it (the eight CPU devices) or set SPMD_TEST_PLATFORM=gpu on a GPU machine."
+    )
+ACCELERATOR = PLATFORMS[_asked]
 CPU_MESH_MODULE = "pytestmark = pytest.mark.cpu_mesh"
 if ACCELERATOR != "cpu":
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # many test processes, one GPU
@@ -38,13 +46,16 @@ if ACCELERATOR != "cpu":
 def pytest_sessionstart(session):
     """An accelerator run whose default backend is not the accelerator stops at once."""
     if ACCELERATOR != "cpu" and jax.default_backend() == "cpu":
-        raise pytest.UsageError(f"SPMD_TEST_PLATFORM={ACCELERATOR} but JAX found no such device")
+        raise pytest.UsageError(
+            f"SPMD_TEST_PLATFORM={_asked} but JAX found no {ACCELERATOR} device"
+        )
 
 
 def pytest_ignore_collect(collection_path, config):
     """On an accelerator run, modules whose every test is `cpu_mesh` are not imported."""
     if ACCELERATOR != "cpu" and collection_path.name.startswith("test_"):
-        return CPU_MESH_MODULE in collection_path.read_text() or None
+        lines = collection_path.read_text().splitlines()
+        return any(line.startswith(CPU_MESH_MODULE) for line in lines) or None
     return None
 
 

@@ -278,8 +278,14 @@ class Step:
         """Whether the program donates its state: `donate`, or by default pytrees only.
 
         NNX state is not donated by default, as under `nnx.jit`: a clone of the
-        model (`nnx.clone`, an EMA teacher) shares its arrays.
+        model (`nnx.clone`, an EMA teacher) shares its arrays. A host-placed
+        state is never donated: its buffers are host memory (donating them
+        frees no device memory), and on a GPU a host read of one (np.asarray,
+        a metric, a checkpoint) leaves a zero-copy view that makes donating it
+        an XLA error.
         """
+        if self.strategy.placement == "host":
+            return False
         return (not nnx_state_) if self.donate is None else bool(self.donate)
 
     def _compile(self, graphdef, pure, data, kwargs, static) -> _Program:
@@ -325,13 +331,10 @@ class Step:
         in_state = state_sharding
         if graphdef is not None:  # NNX state travels as its flat list of arrays
             step, in_state = nnx_state.flat(step, state_sharding), jax.tree.leaves(state_sharding)
-        # A host-placed state is not donated: its buffers are host memory, and
-        # on a GPU a host read of one (np.asarray, a metric, a checkpoint)
-        # leaves a zero-copy view that makes donating it an XLA error.
         compiled = jax.jit(
             step,
             in_shardings=(in_state, data_sharding, kwargs_sharding),
-            donate_argnums=(0,) if donate and not on_host else (),
+            donate_argnums=(0,) if donate else (),
         )
         return _Program(
             compiled, jax.tree.leaves(data_sharding), jax.tree.leaves(state_sharding), traced

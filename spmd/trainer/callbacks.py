@@ -60,6 +60,11 @@ class Callback:
     def on_train_end(self, logs: dict | None = None) -> None:
         """At the end of fit, with the last epoch's logs."""
 
+    def on_train_abort(self) -> None:
+        """When fit stops on an exception (on_train_end does not run): release what
+        on_train_begin took (open files, a checkpoint directory's lock), so that
+        a retry in the same process can take them again."""
+
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         """Before epoch `epoch` (0-based)."""
 
@@ -425,6 +430,9 @@ class ModelCheckpoint(Callback):
             self.manager.close()  # waits for async saves to commit
             self.manager = None
 
+    def on_train_abort(self) -> None:
+        self.on_train_end()
+
 
 class BackupAndRestore(Callback):
     """Resumes an interrupted fit where it stopped: same epoch, same batch, same weights.
@@ -506,6 +514,11 @@ class BackupAndRestore(Callback):
         if self.delete_checkpoint:
             _remove_everywhere(self.backup_dir)
 
+    def on_train_abort(self) -> None:
+        if self.manager is not None:  # the backups stay: the retry resumes from them
+            self.manager.close()
+            self.manager = None
+
 
 def _remove_everywhere(directory: str) -> None:
     """The chief deletes a shared folder once every process is done with it."""
@@ -583,3 +596,6 @@ class TensorBoard(Callback):
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
+
+    def on_train_abort(self) -> None:
+        self.on_train_end()

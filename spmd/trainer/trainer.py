@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -392,6 +393,12 @@ class Trainer:
         self.stop_training, self.epoch = False, initial_epoch
         try:
             self._fit_epochs(hooks, epochs, steps_per_epoch, val_data, data)
+        except BaseException:
+            try:  # the callbacks release their files and locks; the error is fit's
+                hooks.on_train_abort()
+            except Exception as error:  # noqa: BLE001 - never hide the error that stopped fit
+                warnings.warn(f"a callback's on_train_abort failed: {error!r}", stacklevel=2)
+            raise
         finally:
             self._close_iterator()
         return history
@@ -400,11 +407,15 @@ class Trainer:
         """Runs the epochs from `self.epoch` to `epochs` (or until stop_training)."""
         logs: dict = {}
         self._fit_first = True
+        before = self.iterations
         hooks.on_train_begin()
+        # A backup (BackupAndRestore) taken at an epoch's last batch resumes in that
+        # epoch with no batch left: its end (metrics, validation, hooks) still runs.
+        resumed = self.iterations != before
         while self.epoch < epochs and not self.stop_training:
             hooks.on_epoch_begin(self.epoch)
             self._epoch_start = self.iterations
-            if self._run_epoch(hooks, steps_per_epoch) == 0:
+            if self._run_epoch(hooks, steps_per_epoch) == 0 and not resumed:
                 raise BatchError(
                     message(
                         f"Epoch {self.epoch} received no batch: the data ran out.",
@@ -421,6 +432,7 @@ class Trainer:
                 logs.update({f"val_{k}": v for k, v in val.items()})
             hooks.on_epoch_end(self.epoch, logs)
             self.epoch += 1
+            resumed = False
         hooks.on_train_end(logs)
 
     def _run_epoch(self, hooks: CallbackList, steps_per_epoch: int | None) -> int:
