@@ -430,8 +430,7 @@ class ModelCheckpoint(Callback):
             self.manager.close()  # waits for async saves to commit
             self.manager = None
 
-    def on_train_abort(self) -> None:
-        self.on_train_end()
+    on_train_abort = on_train_end  # fit stopped on an exception: wait for saves, release
 
 
 class BackupAndRestore(Callback):
@@ -597,5 +596,4 @@ class TensorBoard(Callback):
             writer.close()
         self._writers = {}
 
-    def on_train_abort(self) -> None:
-        self.on_train_end()
+    on_train_abort = on_train_end
