@@ -6,20 +6,15 @@ against the same work written out, and a transformer step against PaLM's
 6 N T + 12 L d s T.
 """
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmd
 from spmd.flops import matmul_flops
 
-ROOT = Path(__file__).resolve().parents[1]
 NHWC = {"dimension_numbers": ("NHWC", "HWIO", "NHWC")}
 
 
@@ -106,36 +101,13 @@ def test_shard_map_counts_every_shard():
     assert counted(per_shard, x) == 8 * (2 * 8 * 8 * 16)
 
 
-def _lm_example():
-    path = ROOT / "examples" / "07_sharded_transformer_lm.py"
-    spec = importlib.util.spec_from_file_location("lm_example_flops", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_explain_counts_a_transformer_step_as_palm_does(strategy):
-    from flax import nnx
+    from bench import bench_gpu  # the example's LM and its bf16 train step, as MFU uses them
 
-    lm = _lm_example()
+    lm = bench_gpu.example()
     cfg = lm.LMConfig(vocab=64, dim=32, heads=4, mlp=64, layers=3, seq=16, batch=8, attention="xla")
-    tx = optax.adam(1e-3)
-    graph = {}
-
-    def create():
-        graph["def"], params = nnx.split(lm.TransformerLM(cfg, nnx.Rngs(0)), nnx.Param)
-        return {"params": params, "opt": tx.init(params)}
-
-    def step(state, tokens):
-        def loss_fn(params):
-            logits = nnx.merge(graph["def"], params)(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
-
+    create, step = bench_gpu.lm_pure(cfg)
     s = spmd.OneDeviceStrategy() if strategy == "one_device" else spmd.MirroredStrategy()
     report = s.explain(step, s.abstract_state(create), np.asarray(next(lm.batches(cfg, 1))))
     n = cfg.layers * (4 * cfg.dim**2 + 2 * cfg.dim * cfg.mlp) + cfg.dim * cfg.vocab
