@@ -80,7 +80,7 @@ class Step:
                 and _signature(leaves) == hot.signature
                 and not _any_deleted(hot.state_leaves)
             ):
-                pure = state if hot.binding is None else hot.binding.arrays
+                pure = hot.flat_state if hot.binding is None else hot.binding.arrays
                 call = _Call(
                     state, pure, leaves, data_def, {}, hot.static, hot.binding, hot.signature
                 )
@@ -99,8 +99,7 @@ class Step:
         else:
             _check_layout(self.strategy, pure, program.state_shardings, binding is not None)
         leaves, data_def = jax.tree.flatten(data)
-        if binding is not None:  # NNX state goes in as its flat list of arrays
-            pure = jax.tree.leaves(pure)
+        pure = jax.tree.leaves(pure)  # the state goes in as its flat list of arrays
         static = self._static_of(kwargs) if not dynamic else None
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
 
@@ -124,9 +123,11 @@ class Step:
         if data_def != hot.data_def or _signature(batch) != hot.signature:
             return _MISS
         program = hot.program
-        data = data_def.unflatten(_conform_all(batch, program.data_shardings))
-        new_leaves, out, done = program.compiled(state, data, {})
-        self._bound_in_flight(done)
+        placed = _conform_all(batch, program.data_shardings)
+        if placed is not batch:  # else the batch goes in as it came
+            data = data_def.unflatten(placed)
+        new_leaves, out, done = program.compiled(leaves, data, {})
+        self._bound_in_flight(out if done is None else done)
         new_state = hot.state_def.unflatten(new_leaves)
         hot.state, hot.state_leaves, hot.flat_state = new_state, new_leaves, new_leaves
         return new_state if program.traced.value.returns == "state" else (new_state, *out)
@@ -160,7 +161,7 @@ class Step:
         else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
             data = jax.tree.unflatten(call.data_def, _conform_all(leaves, program.data_shardings))
         new_leaves, out, done = program.compiled(call.pure, data, call.kwargs)
-        self._bound_in_flight(done)
+        self._bound_in_flight(out if done is None else done)
         traced = program.traced.value  # set by the trace, which the call above ran if new
         reshaped = binding is not None and not traced.same_graph
         if reshaped:  # the step changed the objects' structure: update them as nnx.jit does
@@ -209,8 +210,7 @@ class Step:
         """
         with nnx_state.updating(self._tag):
             graphdef, pure, dynamic, program, _ = self._program(state, data, kwargs)
-            flat = pure if graphdef is None else jax.tree.leaves(pure)
-            return program.compiled.trace(flat, data, dynamic), pure
+            return program.compiled.trace(jax.tree.leaves(pure), data, dynamic), pure
 
     def _program(self, state: Any, data: tuple, kwargs: dict):
         """Finds or builds the program for these arguments, after checking them.
@@ -256,19 +256,25 @@ class Step:
             self._compiled.pop(next(iter(self._compiled)))
         return graphdef, pure, dynamic, program, fresh
 
-    def _bound_in_flight(self, done: jax.Array) -> None:
+    def _bound_in_flight(self, done: Any) -> None:
         """On CPU, waits for the oldest step once `CPU_MAX_IN_FLIGHT` are queued.
 
         XLA:CPU runs the simulated devices' collectives on a shared thread
         pool; with many steps queued their rendezvous can starve each other
         and abort the process (seen with 8 devices on 2 cores). A short queue
         keeps the overlap of host and device work and avoids it.
+
+        Args:
+          done: a call's outputs that say it finished: its metrics (their first
+            array) or, for a step that returns none, the program's own scalar.
         """
         if not self._on_cpu:
             return
         self._in_flight.append(done)
         if len(self._in_flight) > CPU_MAX_IN_FLIGHT:
-            self._in_flight.popleft().block_until_ready()
+            oldest = jax.tree.leaves(self._in_flight.popleft())[0]
+            if not oldest.is_deleted():  # a metric fed back as state and donated: it ran
+                oldest.block_until_ready()
 
     def cache_size(self) -> int:
         """How many programs this step has compiled, over every state structure."""
@@ -318,7 +324,7 @@ class Step:
             )
             if returns == "metrics":  # the state is only read: nothing to copy back
                 traced.value = _Traced(returns, None)
-                return None, out, _done()
+                return None, out, _done(out)
             new_state = jax.lax.with_sharding_constraint(new_state, _on_device(new_sharding))
             if on_host:
                 new_state = _to_memory(new_state, new_sharding, "pinned_host")
@@ -326,14 +332,13 @@ class Step:
             # leaves for the next call's donation check, with no flatten.
             new_leaves, state_def = jax.tree.flatten(new_state)
             traced.value = _Traced(returns, state_def, new_graphdef, same_graph)
-            return new_leaves, out, _done()
+            return new_leaves, out, _done(out)
 
-        in_state = state_sharding
-        if graphdef is not None:  # NNX state travels as its flat list of arrays
-            step, in_state = nnx_state.flat(step, state_sharding), jax.tree.leaves(state_sharding)
+        # The state travels as its flat list of arrays: jit flattens a list in a
+        # fraction of a nested pytree's time, and the fast path has the leaves.
         compiled = jax.jit(
-            step,
-            in_shardings=(in_state, data_sharding, kwargs_sharding),
+            nnx_state.flat(step, state_sharding),
+            in_shardings=(jax.tree.leaves(state_sharding), data_sharding, kwargs_sharding),
             donate_argnums=(0,) if donate else (),
         )
         return _Program(
@@ -439,9 +444,13 @@ CPU_MAX_IN_FLIGHT = 4  # steps queued on the CPU backend before the oldest is wa
 STEP_CACHE_SIZE = 32  # programs one Step keeps (per state structure, data ranks, statics)
 
 
-def _done() -> jax.Array:
-    """A scalar the step returns and never donates: a handle on 'this call finished'."""
-    return jnp.zeros((), jnp.int8)
+def _done(out: Any) -> jax.Array | None:
+    """A handle on 'this call finished' for a step that returns no metrics, else None.
+
+    A step's metrics are that handle already (`Step._bound_in_flight`): one
+    output fewer per call, which a dispatch-bound step feels.
+    """
+    return None if jax.tree.leaves(out) else jnp.zeros((), jnp.int8)
 
 
 _flatten = jax.tree_util.tree_flatten
