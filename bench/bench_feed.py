@@ -182,4 +182,8 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     common.set_cpu_devices(8)
-    print(common.table(main(args.quick), ["case", "floor", "time/step", "ratio", "host CPU", "target"]))
+    print(
+        common.table(
+            main(args.quick), ["case", "floor", "time/step", "ratio", "host CPU", "target"]
+        )
+    )
