@@ -317,6 +317,11 @@ class Step:
                 out = _call(strategy, fn, live, data, kwargs, static)
                 returns = None
                 new_graphdef, new_state, same_graph = nnx_state.inner_split(tag, graphdef, live)
+                # A Variable whose value grew (sow's tuple: one entry more each
+                # call) keeps the graph but not the arrays' structure.
+                same_graph = same_graph and (
+                    jax.tree.structure(new_state) == jax.tree.structure(pure_state)
+                )
                 if not same_graph:  # Variables added inside the step get their layout
                     new_sharding = strategy.state_sharding(new_state)
             out = jax.lax.with_sharding_constraint(
