@@ -7,7 +7,6 @@ import math
 import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -61,12 +60,15 @@ jax.tree_util.register_pytree_node(
 )
 
 
-@dataclass(frozen=True)
 class HostBatch:
     """This process's rows of one global batch, still on the host.
 
+    It holds the rows flattened (`leaves`, `treedef`), as the sources compute
+    them once and the placement reads them: no stage flattens a batch again.
+
     Attributes:
-      tree: the rows (a pytree of numpy arrays, batch axis first).
+      leaves: the rows' leaves (numpy arrays, batch axis first).
+      treedef: the structure `leaves` unflatten into.
       mask: 1.0 for real rows and 0.0 for padding, when the dataset pads.
       global_size: the leading size of the global batch the rows belong to.
       content: under DATA sharding, computes a fingerprint of the whole global
@@ -74,10 +76,38 @@ class HostBatch:
         read the same one; None where each process reads its own data.
     """
 
-    tree: Any
-    mask: np.ndarray | None
-    global_size: int
-    content: Callable[[], str] | None = None
+    __slots__ = ("content", "global_size", "leaves", "mask", "treedef")
+
+    def __init__(
+        self,
+        tree: Any,
+        mask: np.ndarray | None,
+        global_size: int,
+        content: Callable[[], str] | None = None,
+    ):
+        leaves, self.treedef = jax.tree.flatten(tree)
+        self.leaves = [np.asarray(x) for x in leaves]
+        self.mask, self.global_size, self.content = mask, global_size, content
+
+    @classmethod
+    def of_leaves(
+        cls,
+        leaves: list[np.ndarray],
+        treedef: Any,
+        mask: np.ndarray | None,
+        global_size: int,
+        content: Callable[[], str] | None = None,
+    ) -> HostBatch:
+        """A batch of already flattened rows (every leaf a numpy array)."""
+        batch = cls.__new__(cls)
+        batch.leaves, batch.treedef = leaves, treedef
+        batch.mask, batch.global_size, batch.content = mask, global_size, content
+        return batch
+
+    @property
+    def tree(self) -> Any:
+        """The rows: a pytree of numpy arrays, batch axis first."""
+        return self.treedef.unflatten(self.leaves)
 
 
 class NumpyDataset:
@@ -147,31 +177,35 @@ class NumpyDataset:
     def host_batches(
         self, epoch: int, start: int, ctx: InputContext, remainder: Remainder
     ) -> Iterator[HostBatch]:
-        """This process's rows of batches `start, start + 1, ...` of `epoch`."""
+        """This process's rows of batches `start, start + 1, ...` of `epoch`.
+
+        Each batch's rows are a copy (a process never hands the devices a view
+        of the caller's arrays); without shuffling a whole batch is a slice of
+        them, copied, rather than a gather.
+        """
         order, size = self.order(epoch), self.batch_size
-        arrays = self.fingerprint
+        arrays, (leaves, treedef) = self.fingerprint, jax.tree.flatten(self.arrays)
         per = size // ctx.num_input_pipelines
-        mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
+        low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
         rounding = math.floor if remainder == "drop" else math.ceil
         count = int(rounding(self.num_examples / size))
         for b in range(start, count):
-            index = order[b * size : (b + 1) * size]
-            real = len(index)
+            rows = order[b * size : (b + 1) * size]
+            real = len(rows)
             if real < size and remainder == "error":
                 raise BatchError(partial_message(b, real, size))
-            mask = None
-            if real < size:
-                index = np.concatenate([index, np.full(size - real, index[-1])])
-            if remainder == "pad":
-                mask = (np.arange(size) < real).astype(np.float32)[mine]
-            index = index[mine]
-            tree = jax.tree.map(lambda a, i=index: a[i], self.arrays)
-            rows = order[b * size : (b + 1) * size]
-            yield HostBatch(
-                tree,
-                mask,
-                size,
-                lambda rows=rows: f"{arrays()}:{fingerprint(rows)}",
+            mask = None if remainder != "pad" else batch_mask(size, real)[low:high]
+            if real == size and not self.shuffle:  # in order: rows b*size+low .. b*size+high
+                first = b * size
+                mine = [np.array(a[first + low : first + high]) for a in leaves]
+            else:
+                index = rows
+                if real < size:
+                    index = np.concatenate([rows, np.full(size - real, rows[-1])])
+                index = index[low:high]
+                mine = [a[index] for a in leaves]
+            yield HostBatch.of_leaves(
+                mine, treedef, mask, size, lambda rows=rows: f"{arrays()}:{fingerprint(rows)}"
             )
 
     def fingerprint(self) -> str:
@@ -315,17 +349,20 @@ def global_batches(
       resumed: `elements` start where a saved position left off (not at the
         start of the data), so that having none is not an empty dataset.
     """
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
-        _check_divisible(expected, ctx.num_replicas_in_sync, index)
-        batch, mask = _pad(batch, real, expected, remainder)
-        tree = batch
-        if ctx.num_input_pipelines > 1:
-            per = expected // ctx.num_input_pipelines
-            mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
-            tree = jax.tree.map(lambda x, m=mine: x[m] if np.ndim(x) else x, batch)
-            mask = None if mask is None else mask[mine]
-        content = functools.partial(fingerprint, batch)
-        yield HostBatch(tree, mask, expected, content)
+    pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
+    per_pipeline = _sized(elements, remainder, start, batch_size, resumed)
+    for index, leaves, treedef, expected, real in per_pipeline:
+        if expected % replicas:
+            _check_divisible(expected, replicas, index)
+        whole, mask = _pad(leaves, real, expected, remainder)
+        mine = whole
+        if pipelines > 1:
+            per = expected // pipelines
+            low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
+            mine = [x[low:high] if x.ndim else x for x in whole]
+            mask = None if mask is None else mask[low:high]
+        content = functools.partial(fingerprint_leaves, whole, treedef)
+        yield HostBatch.of_leaves(mine, treedef, mask, expected, content)
 
 
 def local_batches(
@@ -342,10 +379,13 @@ def local_batches(
     Args are as for `global_batches`, with `batch_size` the rows per pipeline.
     """
     pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
-        _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
-        batch, mask = _pad(batch, real, expected, remainder)
-        yield HostBatch(batch, mask, expected * pipelines)
+    for index, leaves, treedef, expected, real in _sized(
+        elements, remainder, start, batch_size, resumed
+    ):
+        if expected * pipelines % replicas:
+            _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
+        leaves, mask = _pad(leaves, real, expected, remainder)
+        yield HostBatch.of_leaves(leaves, treedef, mask, expected * pipelines)
 
 
 def _sized(
@@ -354,8 +394,11 @@ def _sized(
     start: int,
     batch_size: int | None,
     resumed: bool = False,
-) -> Iterator[tuple[int, Any, int, int]]:
-    """(index, batch, expected size, real size) for each batch from `start` that is kept.
+) -> Iterator[tuple[int, list[np.ndarray], Any, int, int]]:
+    """(index, leaves, treedef, expected size, real size) for each batch from `start` kept.
+
+    Each element is flattened once (its leaves copied by `_with_last`) and
+    checked on those leaves.
 
     Raises:
       BatchError: no element at all from the start of the data (an empty
@@ -364,16 +407,15 @@ def _sized(
     expected = batch_size
     if not start and not resumed:
         elements = _not_empty(elements)
-    for index, (batch, is_last) in enumerate(_with_last(elements)):
-        _check_numeric(batch, index)  # _with_last made every leaf a numpy array
-        size = leading_size(batch, what="batch", index=index)
+    for index, (leaves, treedef, is_last) in enumerate(_with_last(elements)):
+        size = _checked_size(leaves, treedef, index)
         if size == 0:
             raise BatchError(_empty_message(index))
         expected = expected or size
         if index < start:
             continue
         if size == expected:
-            yield index, batch, expected, size
+            yield index, leaves, treedef, expected, size
             continue
         if size > expected or not is_last or size == 0:
             raise BatchError(
@@ -388,7 +430,35 @@ def _sized(
             raise BatchError(partial_message(index, size, expected))
         if remainder == "drop":
             return
-        yield index, batch, expected, size
+        yield index, leaves, treedef, expected, size
+
+
+def _checked_size(leaves: list[np.ndarray], treedef: Any, index: int) -> int:
+    """The batch's leading size, after checking every leaf is numeric and the sizes agree.
+
+    One pass over the leaves; on anything wrong the batch is rebuilt and
+    checked by `_check_numeric` and `leading_size`, which raise the errors
+    (numeric first, naming the leaf).
+
+    Raises:
+      BatchError: a leaf that is not numeric, a ragged batch, or no leaf
+        with a batch axis.
+    """
+    size = -1
+    for x in leaves:  # numpy arrays: _with_last copied them
+        if x.dtype.kind in "USOV":
+            break
+        if x.ndim:
+            if size < 0:
+                size = x.shape[0]
+            elif x.shape[0] != size:
+                break
+    else:
+        if size >= 0:
+            return size
+    tree = treedef.unflatten(leaves)
+    _check_numeric(tree, index)
+    return leading_size(tree, what="batch", index=index)
 
 
 def _check_numeric(batch: Any, index: int) -> None:
@@ -441,8 +511,8 @@ def _empty_message(index: int) -> str:
     )
 
 
-def _with_last(elements: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """Pairs each element with whether it is the last one (one element of lookahead).
+def _with_last(elements: Iterable[Any]) -> Iterator[tuple[list[np.ndarray], Any, bool]]:
+    """(leaves, treedef, is_last) of each element, the leaves owned (one element of lookahead).
 
     An error while looking ahead is raised after the element before it, where
     it belongs.
@@ -456,42 +526,51 @@ def _with_last(elements: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
         try:
             element = _own(next(iterator))
         except StopIteration:
-            yield previous, True
+            yield *previous, True
             return
         except Exception:
-            yield previous, True
+            yield *previous, True
             raise
-        yield previous, False
+        yield *previous, False
         previous = element
 
 
-def _own(element: Any) -> Any:
-    """A copy of an element's arrays, taken before the next element is read.
+def _own(element: Any) -> tuple[list[np.ndarray], Any]:
+    """An element flattened, its leaves copied before the next element is read.
 
     A loader may refill the buffer it yielded for its next element (and XLA:CPU
     can alias a host buffer it places, even when asked to copy): each batch
     keeps the values it had when it was read.
     """
-    return jax.tree.map(np.array, element)
+    leaves, treedef = jax.tree.flatten(element)
+    return [np.array(x) for x in leaves], treedef
 
 
-def _pad(batch: Any, real: int, size: int, remainder: Remainder) -> tuple[Any, np.ndarray | None]:
-    """Pads `batch` to `size` rows by repeating its last real row; the mask marks real rows.
+def _pad(
+    leaves: list[np.ndarray], real: int, size: int, remainder: Remainder
+) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """Pads each leaf to `size` rows by repeating its last real row; the mask marks real rows.
 
     Padding repeats a real example (not zeros) so that what the step computes
     on padding stays finite: a NaN times a zero weight is still NaN.
     """
     if remainder != "pad":
-        return batch, None
-    mask = (np.arange(size) < real).astype(np.float32)
+        return leaves, None
+    mask = batch_mask(size, real)
     if real == size:
-        return batch, mask
+        return leaves, mask
     fill = np.full(size - real, real - 1)
-    padded = jax.tree.map(
-        lambda x: np.concatenate([x, x[fill]]) if np.ndim(x) else x,
-        batch,
-    )
-    return padded, mask
+    return [np.concatenate([x, x[fill]]) if x.ndim else x for x in leaves], mask
+
+
+def batch_mask(size: int, real: int) -> np.ndarray:
+    """The mask of a padded batch: 1.0 for its `real` first rows, 0.0 for the rest.
+
+    A fresh array each batch: a placed host buffer may be aliased by the device array.
+    """
+    if real < size:
+        return (np.arange(size) < real).astype(np.float32)
+    return np.ones(size, np.float32)
 
 
 def with_mask(tree: Any, mask: np.ndarray | jax.Array | None) -> Any:
@@ -510,8 +589,14 @@ def fingerprint(tree: Any) -> str:
     A leaf over 256 KiB contributes evenly spaced rows (about 256 KiB of them),
     first and last included, so the cost stays bounded for large batches.
     """
-    crc = zlib.crc32(str(jax.tree.structure(tree)).encode())
-    for leaf in jax.tree.leaves(tree):
+    leaves, treedef = jax.tree.flatten(tree)
+    return fingerprint_leaves(leaves, treedef)
+
+
+def fingerprint_leaves(leaves: list[Any], treedef: Any) -> str:
+    """`fingerprint` of the tree that `leaves` and `treedef` make."""
+    crc = zlib.crc32(str(treedef).encode())
+    for leaf in leaves:
         x = np.asarray(leaf)
         crc = zlib.crc32(f"{x.dtype}{x.shape}".encode(), crc)
         if x.nbytes > _SAMPLE_BYTES and x.ndim and x.shape[0] > 1:
