@@ -15,7 +15,7 @@ import numpy as np
 from spmd.data.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
 from spmd.data.prefetch import INLINE_S, HostCheck, Prefetcher
 from spmd.data.sources import HostBatch, with_mask
-from spmd.data.transfer import host_put
+from spmd.data.transfer import host_put, put_planned, put_plans
 from spmd.errors import ConfigurationError, message, received
 
 if TYPE_CHECKING:
@@ -353,14 +353,17 @@ class _Placer:
     """Makes this process's rows of a batch into global arrays over the replicas (+ mask).
 
     The shardings are built once per rank. With one process the rows are the
-    whole batch: every leaf goes to its devices in one batched transfer
-    (`host_put`), without `jax.device_put`'s per-call pytree and abstract-value
-    work, which on a dispatch-bound step costs as much as the step itself.
+    whole batch: every leaf goes to its devices in one batched transfer, whose
+    abstract values, devices and shard indices are planned once per batch
+    signature (structure, shapes, dtypes), without `jax.device_put`'s per-call
+    pytree and abstract-value work, which on a dispatch-bound step costs as
+    much as the step itself.
     """
 
     def __init__(self, strategy: Strategy):
         self._strategy = strategy
         self._shardings: dict[int, Any] = {}
+        self._plans: dict[tuple, list | None] = {}  # batch signature -> put_plans
         self._single = jax.process_count() == 1
 
     def _sharding(self, ndim: int) -> Any:
@@ -370,21 +373,38 @@ class _Placer:
         return sharding
 
     def __call__(self, batch: HostBatch) -> Any:
-        tree = batch.tree if batch.mask is None else (batch.tree, batch.mask)
-        leaves, treedef = jax.tree.flatten(tree)
-        leaves = [np.asarray(x) for x in leaves]
-        shardings = [self._sharding(x.ndim) for x in leaves]
+        leaves, mask = batch.leaves, batch.mask
+        if mask is not None:
+            leaves = [*leaves, mask]
         if self._single:
-            placed = host_put(leaves, shardings)
+            placed = self._put(leaves, batch.treedef)
         else:
             placed = [
                 jax.make_array_from_process_local_data(
-                    s, x, (batch.global_size, *x.shape[1:]) if x.ndim else ()
+                    self._sharding(x.ndim), x, (batch.global_size, *x.shape[1:]) if x.ndim else ()
                 )
-                for s, x in zip(shardings, leaves, strict=True)
+                for x in leaves
             ]
-        tree = jax.tree.unflatten(treedef, placed)
-        return tree if batch.mask is None else with_mask(*tree)
+        if mask is None:
+            return batch.treedef.unflatten(placed)
+        return with_mask(batch.treedef.unflatten(placed[:-1]), placed[-1])
+
+    def _put(self, leaves: list[np.ndarray], treedef: Any) -> list[jax.Array]:
+        """The whole batch placed (one process), by the plan of its signature."""
+        signature = (treedef, *[(x.shape, x.dtype) for x in leaves])
+        plans = self._plans.get(signature, False)
+        if plans is False:
+            shardings = [self._sharding(x.ndim) for x in leaves]
+            plans = put_plans(leaves, shardings)
+            if len(self._plans) >= _MAX_SIGNATURES:
+                self._plans.clear()
+            self._plans[signature] = plans
+        if plans is None:
+            return host_put(leaves, [self._sharding(x.ndim) for x in leaves])
+        return put_planned(leaves, plans)
+
+
+_MAX_SIGNATURES = 64  # batch signatures whose placement plans a _Placer keeps
 
 
 def _record(batch: HostBatch | None, contents: bool) -> dict:
@@ -399,10 +419,9 @@ def _record(batch: HostBatch | None, contents: bool) -> dict:
 
 def _describe(batch: HostBatch) -> str:
     """The structure, shapes and dtypes of a host batch, to compare across processes."""
-    leaves, treedef = jax.tree.flatten(batch.tree)
-    shapes = ", ".join(f"{np.asarray(x).dtype}{list(np.shape(x))}" for x in leaves)
+    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in batch.leaves)
     masked = " + mask" if batch.mask is not None else ""
-    return f"{treedef}: {shapes}{masked} of global {batch.global_size}"
+    return f"{batch.treedef}: {shapes}{masked} of global {batch.global_size}"
 
 
 def _leading(element: Any) -> int | None:

@@ -1,18 +1,24 @@
-"""Host-side input: in-memory and file datasets, and each process's rows of every batch."""
+"""Host-side input: in-memory and file datasets (the batch stream is spmd/data/host_batches.py)."""
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 
+from spmd.data.host_batches import (
+    HostBatch,
+    batch_mask,
+    fingerprint,
+    global_batches,
+    leading_size,
+    local_batches,
+    partial_message,
+)
 from spmd.data.input_context import InputContext, Remainder
 from spmd.errors import BatchError, ConfigurationError, message, received
 
@@ -59,25 +65,6 @@ class PaddedBatch(tuple):
 jax.tree_util.register_pytree_node(
     PaddedBatch, lambda b: (tuple(b), None), lambda _, children: PaddedBatch(children)
 )
-
-
-@dataclass(frozen=True)
-class HostBatch:
-    """This process's rows of one global batch, still on the host.
-
-    Attributes:
-      tree: the rows (a pytree of numpy arrays, batch axis first).
-      mask: 1.0 for real rows and 0.0 for padding, when the dataset pads.
-      global_size: the leading size of the global batch the rows belong to.
-      content: under DATA sharding, computes a fingerprint of the whole global
-        batch (which every process reads), for the check that the processes
-        read the same one; None where each process reads its own data.
-    """
-
-    tree: Any
-    mask: np.ndarray | None
-    global_size: int
-    content: Callable[[], str] | None = None
 
 
 class NumpyDataset:
@@ -147,31 +134,35 @@ class NumpyDataset:
     def host_batches(
         self, epoch: int, start: int, ctx: InputContext, remainder: Remainder
     ) -> Iterator[HostBatch]:
-        """This process's rows of batches `start, start + 1, ...` of `epoch`."""
+        """This process's rows of batches `start, start + 1, ...` of `epoch`.
+
+        Each batch's rows are a copy (a process never hands the devices a view
+        of the caller's arrays); without shuffling a whole batch is a slice of
+        them, copied, rather than a gather.
+        """
         order, size = self.order(epoch), self.batch_size
-        arrays = self.fingerprint
+        arrays, (leaves, treedef) = self.fingerprint, jax.tree.flatten(self.arrays)
         per = size // ctx.num_input_pipelines
-        mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
+        low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
         rounding = math.floor if remainder == "drop" else math.ceil
         count = int(rounding(self.num_examples / size))
         for b in range(start, count):
-            index = order[b * size : (b + 1) * size]
-            real = len(index)
+            rows = order[b * size : (b + 1) * size]
+            real = len(rows)
             if real < size and remainder == "error":
                 raise BatchError(partial_message(b, real, size))
-            mask = None
-            if real < size:
-                index = np.concatenate([index, np.full(size - real, index[-1])])
-            if remainder == "pad":
-                mask = (np.arange(size) < real).astype(np.float32)[mine]
-            index = index[mine]
-            tree = jax.tree.map(lambda a, i=index: a[i], self.arrays)
-            rows = order[b * size : (b + 1) * size]
-            yield HostBatch(
-                tree,
-                mask,
-                size,
-                lambda rows=rows: f"{arrays()}:{fingerprint(rows)}",
+            mask = None if remainder != "pad" else batch_mask(size, real)[low:high]
+            if real == size and not self.shuffle:  # in order: rows b*size+low .. b*size+high
+                first = b * size
+                mine = [np.array(a[first + low : first + high]) for a in leaves]
+            else:
+                index = rows
+                if real < size:
+                    index = np.concatenate([rows, np.full(size - real, rows[-1])])
+                index = index[low:high]
+                mine = [a[index] for a in leaves]
+            yield HostBatch.of_leaves(
+                mine, treedef, mask, size, lambda rows=rows: f"{arrays()}:{fingerprint(rows)}"
             )
 
     def fingerprint(self) -> str:
@@ -294,263 +285,11 @@ def _concat(trees: list[Any]) -> Any:
     return trees[0] if len(trees) == 1 else jax.tree.map(lambda *xs: np.concatenate(xs), *trees)
 
 
-def global_batches(
-    elements: Iterable[Any],
-    ctx: InputContext,
-    remainder: Remainder,
-    start: int = 0,
-    batch_size: int | None = None,
-    *,
-    resumed: bool = False,
-) -> Iterator[HostBatch]:
-    """This process's rows of each global batch of `elements` (DATA sharding).
-
-    Args:
-      elements: global batches (pytrees of arrays, batch axis first); every
-        batch but the last must have the same size.
-      ctx: this process's pipeline.
-      remainder: what to do with a smaller last batch.
-      start: how many batches to skip (a resumed position).
-      batch_size: the global batch size, if known before the first batch.
-      resumed: `elements` start where a saved position left off (not at the
-        start of the data), so that having none is not an empty dataset.
-    """
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
-        _check_divisible(expected, ctx.num_replicas_in_sync, index)
-        batch, mask = _pad(batch, real, expected, remainder)
-        tree = batch
-        if ctx.num_input_pipelines > 1:
-            per = expected // ctx.num_input_pipelines
-            mine = slice(ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per)
-            tree = jax.tree.map(lambda x, m=mine: x[m] if np.ndim(x) else x, batch)
-            mask = None if mask is None else mask[mine]
-        content = functools.partial(fingerprint, batch)
-        yield HostBatch(tree, mask, expected, content)
-
-
-def local_batches(
-    elements: Iterable[Any],
-    ctx: InputContext,
-    remainder: Remainder,
-    start: int = 0,
-    batch_size: int | None = None,
-    *,
-    resumed: bool = False,
-) -> Iterator[HostBatch]:
-    """Each element is already this pipeline's part of a global batch (FILE, OFF, a function).
-
-    Args are as for `global_batches`, with `batch_size` the rows per pipeline.
-    """
-    pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
-    for index, batch, expected, real in _sized(elements, remainder, start, batch_size, resumed):
-        _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
-        batch, mask = _pad(batch, real, expected, remainder)
-        yield HostBatch(batch, mask, expected * pipelines)
-
-
-def _sized(
-    elements: Iterable[Any],
-    remainder: Remainder,
-    start: int,
-    batch_size: int | None,
-    resumed: bool = False,
-) -> Iterator[tuple[int, Any, int, int]]:
-    """(index, batch, expected size, real size) for each batch from `start` that is kept.
-
-    Raises:
-      BatchError: no element at all from the start of the data (an empty
-        dataset), a leaf that is not numeric, or batches of uneven sizes.
-    """
-    expected = batch_size
-    if not start and not resumed:
-        elements = _not_empty(elements)
-    for index, (batch, is_last) in enumerate(_with_last(elements)):
-        _check_numeric(batch, index)  # _with_last made every leaf a numpy array
-        size = leading_size(batch, what="batch", index=index)
-        if size == 0:
-            raise BatchError(_empty_message(index))
-        expected = expected or size
-        if index < start:
-            continue
-        if size == expected:
-            yield index, batch, expected, size
-            continue
-        if size > expected or not is_last or size == 0:
-            raise BatchError(
-                message(
-                    "Every batch but the last must have the same size, and the last no more.",
-                    received(batch_index=index, batch_size=size, first_batch_size=expected),
-                    "batch the data with one batch size (drop_remainder=True, or let spmd "
-                    "pad the last batch with remainder='pad').",
-                )
-            )
-        if remainder == "error":
-            raise BatchError(partial_message(index, size, expected))
-        if remainder == "drop":
-            return
-        yield index, batch, expected, size
-
-
-def _check_numeric(batch: Any, index: int) -> None:
-    """Raises for a leaf of text or Python objects, which no device array can hold.
-
-    Raises:
-      BatchError: naming the leaf, its dtype and how to leave it out.
-    """
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if leaf.dtype.kind in "USOV":
-            kind = {"U": "str", "S": "bytes", "O": "object", "V": "void"}[leaf.dtype.kind]
-            raise BatchError(
-                message(
-                    "Every leaf of a batch is numeric or bool: it becomes a jax.Array on the "
-                    "devices.",
-                    received(
-                        batch_index=index,
-                        leaf=jax.tree_util.keystr(path) or "(the batch)",
-                        dtype=f"{leaf.dtype} ({kind})",
-                    ),
-                    "drop that leaf before distributing (e.g. .map(lambda e: {k: v for k, v "
-                    "in e.items() if k != 'name'})), or tokenize/encode it to integer ids in "
-                    "the pipeline.",
-                )
-            )
-
-
-def _not_empty(elements: Iterable[Any]) -> Iterator[Any]:
-    """`elements`, or a BatchError if there is none: an empty dataset is an epoch of no batch."""
-    empty = True
-    for element in elements:
-        empty = False
-        yield element
-    if empty:
-        raise BatchError(
-            message(
-                "A dataset yields at least one batch a pass.",
-                received(batches=0),
-                "check that the data is not empty: its source, a filter, or a shard that "
-                "leaves this input pipeline nothing (e.g. fewer records than pipelines).",
-            )
-        )
-
-
-def _empty_message(index: int) -> str:
-    return message(
-        "Every batch of a dataset has rows: a leading (batch) size of 1 or more.",
-        received(batch_index=index, batch_size=0),
-        "leave empty batches out of the data (check the slicing or filtering that made them).",
-    )
-
-
-def _with_last(elements: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
-    """Pairs each element with whether it is the last one (one element of lookahead).
-
-    An error while looking ahead is raised after the element before it, where
-    it belongs.
-    """
-    iterator = iter(elements)
-    try:
-        previous = _own(next(iterator))
-    except StopIteration:
-        return
-    while True:
-        try:
-            element = _own(next(iterator))
-        except StopIteration:
-            yield previous, True
-            return
-        except Exception:
-            yield previous, True
-            raise
-        yield previous, False
-        previous = element
-
-
-def _own(element: Any) -> Any:
-    """A copy of an element's arrays, taken before the next element is read.
-
-    A loader may refill the buffer it yielded for its next element (and XLA:CPU
-    can alias a host buffer it places, even when asked to copy): each batch
-    keeps the values it had when it was read.
-    """
-    return jax.tree.map(np.array, element)
-
-
-def _pad(batch: Any, real: int, size: int, remainder: Remainder) -> tuple[Any, np.ndarray | None]:
-    """Pads `batch` to `size` rows by repeating its last real row; the mask marks real rows.
-
-    Padding repeats a real example (not zeros) so that what the step computes
-    on padding stays finite: a NaN times a zero weight is still NaN.
-    """
-    if remainder != "pad":
-        return batch, None
-    mask = (np.arange(size) < real).astype(np.float32)
-    if real == size:
-        return batch, mask
-    fill = np.full(size - real, real - 1)
-    padded = jax.tree.map(
-        lambda x: np.concatenate([x, x[fill]]) if np.ndim(x) else x,
-        batch,
-    )
-    return padded, mask
-
-
 def with_mask(tree: Any, mask: np.ndarray | jax.Array | None) -> Any:
     """The element a padding dataset yields: a `PaddedBatch`, `(*tree, mask)` or `(tree, mask)`."""
     if mask is None:
         return tree
     return PaddedBatch((*tree, mask) if type(tree) is tuple else (tree, mask))
-
-
-_SAMPLE_BYTES = 1 << 18  # a leaf bigger than this is fingerprinted by evenly spaced rows
-
-
-def fingerprint(tree: Any) -> str:
-    """A cheap fingerprint of a pytree of arrays: CRC-32 of its shapes, dtypes and bytes.
-
-    A leaf over 256 KiB contributes evenly spaced rows (about 256 KiB of them),
-    first and last included, so the cost stays bounded for large batches.
-    """
-    crc = zlib.crc32(str(jax.tree.structure(tree)).encode())
-    for leaf in jax.tree.leaves(tree):
-        x = np.asarray(leaf)
-        crc = zlib.crc32(f"{x.dtype}{x.shape}".encode(), crc)
-        if x.nbytes > _SAMPLE_BYTES and x.ndim and x.shape[0] > 1:
-            rows = max(2, _SAMPLE_BYTES * x.shape[0] // x.nbytes)
-            x = x[np.linspace(0, x.shape[0] - 1, rows).astype(np.int64)]
-        crc = zlib.crc32(np.ascontiguousarray(x).view(np.uint8).reshape(-1), crc)
-    return f"{crc:08x}"
-
-
-def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
-    """The common leading size of the leaves of `tree` (those with a batch axis).
-
-    Raises:
-      BatchError: the leaves' leading sizes differ (a ragged batch), or none has one.
-    """
-    leaves = jax.tree.leaves(tree)
-    sizes = {np.shape(x)[0] for x in leaves if np.ndim(x) > 0}
-    if len(sizes) == 1:
-        return sizes.pop()
-    where = {} if index is None else {"batch_index": index}
-    if not sizes:
-        shapes = [list(np.shape(x)) for x in leaves[:4]]
-        raise BatchError(
-            message(
-                f"Every array of a {what} has a leading (batch) axis: an element of the data "
-                "is a whole global batch, not one example.",
-                received(**where, leaf_shapes=shapes, num_leaves=len(leaves)),
-                "batch the examples: end a grain or tf.data pipeline with "
-                ".batch(global_batch_size), or pass arrays with the examples on the leading "
-                "axis.",
-            )
-        )
-    raise BatchError(
-        message(
-            f"Every array of a {what} must have the same leading (batch) size.",
-            received(**where, leading_sizes=sorted(sizes)),
-            "give x, y and every other leaf the same number of examples.",
-        )
-    )
 
 
 def _check_batch_size(batch_size: int) -> None:
@@ -562,31 +301,3 @@ def _check_batch_size(batch_size: int) -> None:
                 "pass e.g. batch_size=64 (a multiple of strategy.num_replicas_in_sync).",
             )
         )
-
-
-def _check_divisible(size: int, replicas: int, index: int, per_pipeline: int | None = None):
-    if size % replicas == 0:
-        return
-    extra = {} if per_pipeline is None else {"per_pipeline_batch_size": per_pipeline}
-    raise BatchError(
-        message(
-            f"The global batch must split evenly over the {replicas} replicas.",
-            received(
-                batch_index=index, global_batch_size=size, **extra, num_replicas_in_sync=replicas
-            ),
-            f"batch with a global batch size that is a multiple of {replicas} "
-            f"(e.g. {math.ceil(size / replicas) * replicas}); in a dataset function, batch by "
-            "ctx.get_per_pipeline_batch_size(global_batch_size).",
-        )
-    )
-
-
-def partial_message(index: int, size: int, expected: int) -> str:
-    return message(
-        "The last batch is smaller than the others, and the dataset does not say what to do "
-        "with it.",
-        received(batch_index=index, batch_size=size, global_batch_size=expected),
-        "drop it (drop_remainder=True, or InputOptions(remainder='drop')) for training, or "
-        "pad it (drop_remainder=False, or InputOptions(remainder='pad')) for evaluation; "
-        "padded batches carry a mask.",
-    )

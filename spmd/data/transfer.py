@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["host_put"]
+__all__ = ["host_put", "put_plans", "put_planned"]
 
 try:  # private: guarded, JAX may move them; jax.device_put is the fallback
     from jax._src import core as _core
@@ -55,6 +55,43 @@ def host_put(leaves: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax
         if plan is None:
             plan = _plan(sharding, x.shape, dtype)
         aval, devices, indices = plan
+        shards = [x] * len(devices) if indices is None else [x[i] for i in indices]
+        placed.append(_batched_device_put(aval, sharding, shards, devices, True))
+    return placed
+
+
+def put_plans(leaves: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[tuple] | None:
+    """What `put_planned` needs to place leaves of these shapes and dtypes, or None.
+
+    Computed once per signature (shardings, shapes, dtypes) by the caller
+    that keeps it; None where the batched transfer is not available or a leaf
+    is not a plain numpy array (then `host_put` places them).
+
+    Returns:
+      For each leaf: (abstract value, sharding, devices, shard indices or
+      None, the canonical dtype when it differs from the leaf's, else None).
+    """
+    if _batched_device_put is None or not all(type(x) is np.ndarray for x in leaves):
+        return None
+    plans = []
+    for x, sharding in zip(leaves, shardings, strict=True):
+        dtype = _canonical(x.dtype)
+        aval, devices, indices = _PLANS.get((sharding, x.shape, dtype)) or _plan(
+            sharding, x.shape, dtype
+        )
+        plans.append((aval, sharding, devices, indices, None if dtype == x.dtype else dtype))
+    return plans
+
+
+def put_planned(leaves: Sequence[np.ndarray], plans: Sequence[tuple]) -> list[jax.Array]:
+    """`host_put(leaves, shardings)` with the plans `put_plans` made for their signature.
+
+    Every leaf must be a plain numpy array of the shape and dtype it was planned for.
+    """
+    placed = []
+    for x, (aval, sharding, devices, indices, dtype) in zip(leaves, plans, strict=True):
+        if dtype is not None:
+            x = np.asarray(x, dtype)
         shards = [x] * len(devices) if indices is None else [x[i] for i in indices]
         placed.append(_batched_device_put(aval, sharding, shards, devices, True))
     return placed

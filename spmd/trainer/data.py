@@ -233,6 +233,8 @@ def split_batch(batch: Any) -> tuple[tuple, Any]:
     A `PaddedBatch` ends with its mask; any other tuple is all data, so an
     `(x, y)` batch is never mistaken for `(x, mask)`.
     """
+    if type(batch) is tuple:  # the common case, first: the batch itself, not a copy
+        return batch, None
     if isinstance(batch, PaddedBatch):
         return batch.inputs, batch.mask
     if isinstance(batch, tuple | list):

@@ -1,0 +1,407 @@
+"""The stream of host batches: each global batch flattened once, checked, padded, cut per process."""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd.data.input_context import InputContext, Remainder
+from spmd.errors import BatchError, message, received
+
+__all__ = [
+    "HostBatch",
+    "batch_mask",
+    "fingerprint",
+    "fingerprint_leaves",
+    "global_batches",
+    "leading_size",
+    "local_batches",
+    "partial_message",
+]
+
+
+class HostBatch:
+    """This process's rows of one global batch, still on the host.
+
+    It holds the rows flattened (`leaves`, `treedef`), as the sources compute
+    them once and the placement reads them: no stage flattens a batch again.
+
+    Attributes:
+      leaves: the rows' leaves (numpy arrays, batch axis first).
+      treedef: the structure `leaves` unflatten into.
+      mask: 1.0 for real rows and 0.0 for padding, when the dataset pads.
+      global_size: the leading size of the global batch the rows belong to.
+      content: under DATA sharding, computes a fingerprint of the whole global
+        batch (which every process reads), for the check that the processes
+        read the same one; None where each process reads its own data.
+    """
+
+    __slots__ = ("content", "global_size", "leaves", "mask", "treedef")
+
+    def __init__(
+        self,
+        tree: Any,
+        mask: np.ndarray | None,
+        global_size: int,
+        content: Callable[[], str] | None = None,
+    ):
+        leaves, self.treedef = jax.tree.flatten(tree)
+        self.leaves = [np.asarray(x) for x in leaves]
+        self.mask, self.global_size, self.content = mask, global_size, content
+
+    @classmethod
+    def of_leaves(
+        cls,
+        leaves: list[np.ndarray],
+        treedef: Any,
+        mask: np.ndarray | None,
+        global_size: int,
+        content: Callable[[], str] | None = None,
+    ) -> HostBatch:
+        """A batch of already flattened rows (every leaf a numpy array)."""
+        batch = cls.__new__(cls)
+        batch.leaves, batch.treedef = leaves, treedef
+        batch.mask, batch.global_size, batch.content = mask, global_size, content
+        return batch
+
+    @property
+    def tree(self) -> Any:
+        """The rows: a pytree of numpy arrays, batch axis first."""
+        return self.treedef.unflatten(self.leaves)
+
+
+def global_batches(
+    elements: Iterable[Any],
+    ctx: InputContext,
+    remainder: Remainder,
+    start: int = 0,
+    batch_size: int | None = None,
+    *,
+    resumed: bool = False,
+) -> Iterator[HostBatch]:
+    """This process's rows of each global batch of `elements` (DATA sharding).
+
+    Args:
+      elements: global batches (pytrees of arrays, batch axis first); every
+        batch but the last must have the same size.
+      ctx: this process's pipeline.
+      remainder: what to do with a smaller last batch.
+      start: how many batches to skip (a resumed position).
+      batch_size: the global batch size, if known before the first batch.
+      resumed: `elements` start where a saved position left off (not at the
+        start of the data), so that having none is not an empty dataset.
+    """
+    pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
+    per_pipeline = _sized(elements, remainder, start, batch_size, resumed)
+    for index, leaves, treedef, expected, real in per_pipeline:
+        if expected % replicas:
+            _check_divisible(expected, replicas, index)
+        whole, mask = _pad(leaves, real, expected, remainder)
+        mine = whole
+        if pipelines > 1:
+            per = expected // pipelines
+            low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
+            mine = [x[low:high] if x.ndim else x for x in whole]
+            mask = None if mask is None else mask[low:high]
+        content = functools.partial(fingerprint_leaves, whole, treedef)
+        yield HostBatch.of_leaves(mine, treedef, mask, expected, content)
+
+
+def local_batches(
+    elements: Iterable[Any],
+    ctx: InputContext,
+    remainder: Remainder,
+    start: int = 0,
+    batch_size: int | None = None,
+    *,
+    resumed: bool = False,
+) -> Iterator[HostBatch]:
+    """Each element is already this pipeline's part of a global batch (FILE, OFF, a function).
+
+    Args are as for `global_batches`, with `batch_size` the rows per pipeline.
+    """
+    pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
+    for index, leaves, treedef, expected, real in _sized(
+        elements, remainder, start, batch_size, resumed
+    ):
+        if expected * pipelines % replicas:
+            _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
+        leaves, mask = _pad(leaves, real, expected, remainder)
+        yield HostBatch.of_leaves(leaves, treedef, mask, expected * pipelines)
+
+
+def _sized(
+    elements: Iterable[Any],
+    remainder: Remainder,
+    start: int,
+    batch_size: int | None,
+    resumed: bool = False,
+) -> Iterator[tuple[int, list[np.ndarray], Any, int, int]]:
+    """(index, leaves, treedef, expected size, real size) for each batch from `start` kept.
+
+    Each element is flattened once (its leaves copied by `_with_last`) and
+    checked on those leaves.
+
+    Raises:
+      BatchError: no element at all from the start of the data (an empty
+        dataset), a leaf that is not numeric, or batches of uneven sizes.
+    """
+    expected = batch_size
+    if not start and not resumed:
+        elements = _not_empty(elements)
+    for index, (leaves, treedef, is_last) in enumerate(_with_last(elements)):
+        size = _checked_size(leaves, treedef, index)
+        if size == 0:
+            raise BatchError(_empty_message(index))
+        expected = expected or size
+        if index < start:
+            continue
+        if size == expected:
+            yield index, leaves, treedef, expected, size
+            continue
+        if size > expected or not is_last or size == 0:
+            raise BatchError(
+                message(
+                    "Every batch but the last must have the same size, and the last no more.",
+                    received(batch_index=index, batch_size=size, first_batch_size=expected),
+                    "batch the data with one batch size (drop_remainder=True, or let spmd "
+                    "pad the last batch with remainder='pad').",
+                )
+            )
+        if remainder == "error":
+            raise BatchError(partial_message(index, size, expected))
+        if remainder == "drop":
+            return
+        yield index, leaves, treedef, expected, size
+
+
+def _checked_size(leaves: list[np.ndarray], treedef: Any, index: int) -> int:
+    """The batch's leading size, after checking every leaf is numeric and the sizes agree.
+
+    One pass over the leaves; on anything wrong the batch is rebuilt and
+    checked by `_check_numeric` and `leading_size`, which raise the errors
+    (numeric first, naming the leaf).
+
+    Raises:
+      BatchError: a leaf that is not numeric, a ragged batch, or no leaf
+        with a batch axis.
+    """
+    size = -1
+    for x in leaves:  # numpy arrays: _with_last copied them
+        if x.dtype.kind in "USOV":
+            break
+        if x.ndim:
+            if size < 0:
+                size = x.shape[0]
+            elif x.shape[0] != size:
+                break
+    else:
+        if size >= 0:
+            return size
+    tree = treedef.unflatten(leaves)
+    _check_numeric(tree, index)
+    return leading_size(tree, what="batch", index=index)
+
+
+def _check_numeric(batch: Any, index: int) -> None:
+    """Raises for a leaf of text or Python objects, which no device array can hold.
+
+    Raises:
+      BatchError: naming the leaf, its dtype and how to leave it out.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if leaf.dtype.kind in "USOV":
+            kind = {"U": "str", "S": "bytes", "O": "object", "V": "void"}[leaf.dtype.kind]
+            raise BatchError(
+                message(
+                    "Every leaf of a batch is numeric or bool: it becomes a jax.Array on the "
+                    "devices.",
+                    received(
+                        batch_index=index,
+                        leaf=jax.tree_util.keystr(path) or "(the batch)",
+                        dtype=f"{leaf.dtype} ({kind})",
+                    ),
+                    "drop that leaf before distributing (e.g. .map(lambda e: {k: v for k, v "
+                    "in e.items() if k != 'name'})), or tokenize/encode it to integer ids in "
+                    "the pipeline.",
+                )
+            )
+
+
+def _not_empty(elements: Iterable[Any]) -> Iterator[Any]:
+    """`elements`, or a BatchError if there is none: an empty dataset is an epoch of no batch."""
+    empty = True
+    for element in elements:
+        empty = False
+        yield element
+    if empty:
+        raise BatchError(
+            message(
+                "A dataset yields at least one batch a pass.",
+                received(batches=0),
+                "check that the data is not empty: its source, a filter, or a shard that "
+                "leaves this input pipeline nothing (e.g. fewer records than pipelines).",
+            )
+        )
+
+
+def _empty_message(index: int) -> str:
+    return message(
+        "Every batch of a dataset has rows: a leading (batch) size of 1 or more.",
+        received(batch_index=index, batch_size=0),
+        "leave empty batches out of the data (check the slicing or filtering that made them).",
+    )
+
+
+def _with_last(elements: Iterable[Any]) -> Iterator[tuple[list[np.ndarray], Any, bool]]:
+    """(leaves, treedef, is_last) of each element, the leaves owned (one element of lookahead).
+
+    An error while looking ahead is raised after the element before it, where
+    it belongs.
+    """
+    iterator = iter(elements)
+    try:
+        previous = _own(next(iterator))
+    except StopIteration:
+        return
+    while True:
+        try:
+            element = _own(next(iterator))
+        except StopIteration:
+            yield *previous, True
+            return
+        except Exception:
+            yield *previous, True
+            raise
+        yield *previous, False
+        previous = element
+
+
+def _own(element: Any) -> tuple[list[np.ndarray], Any]:
+    """An element flattened, its leaves copied before the next element is read.
+
+    A loader may refill the buffer it yielded for its next element (and XLA:CPU
+    can alias a host buffer it places, even when asked to copy): each batch
+    keeps the values it had when it was read.
+    """
+    leaves, treedef = jax.tree.flatten(element)
+    return [np.array(x) for x in leaves], treedef
+
+
+def _pad(
+    leaves: list[np.ndarray], real: int, size: int, remainder: Remainder
+) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """Pads each leaf to `size` rows by repeating its last real row; the mask marks real rows.
+
+    Padding repeats a real example (not zeros) so that what the step computes
+    on padding stays finite: a NaN times a zero weight is still NaN.
+    """
+    if remainder != "pad":
+        return leaves, None
+    mask = batch_mask(size, real)
+    if real == size:
+        return leaves, mask
+    fill = np.full(size - real, real - 1)
+    return [np.concatenate([x, x[fill]]) if x.ndim else x for x in leaves], mask
+
+
+def batch_mask(size: int, real: int) -> np.ndarray:
+    """The mask of a padded batch: 1.0 for its `real` first rows, 0.0 for the rest.
+
+    A fresh array each batch: a placed host buffer may be aliased by the device array.
+    """
+    if real < size:
+        return (np.arange(size) < real).astype(np.float32)
+    return np.ones(size, np.float32)
+
+
+_SAMPLE_BYTES = 1 << 18  # a leaf bigger than this is fingerprinted by evenly spaced rows
+
+
+def fingerprint(tree: Any) -> str:
+    """A cheap fingerprint of a pytree of arrays: CRC-32 of its shapes, dtypes and bytes.
+
+    A leaf over 256 KiB contributes evenly spaced rows (about 256 KiB of them),
+    first and last included, so the cost stays bounded for large batches.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    return fingerprint_leaves(leaves, treedef)
+
+
+def fingerprint_leaves(leaves: list[Any], treedef: Any) -> str:
+    """`fingerprint` of the tree that `leaves` and `treedef` make."""
+    crc = zlib.crc32(str(treedef).encode())
+    for leaf in leaves:
+        x = np.asarray(leaf)
+        crc = zlib.crc32(f"{x.dtype}{x.shape}".encode(), crc)
+        if x.nbytes > _SAMPLE_BYTES and x.ndim and x.shape[0] > 1:
+            rows = max(2, _SAMPLE_BYTES * x.shape[0] // x.nbytes)
+            x = x[np.linspace(0, x.shape[0] - 1, rows).astype(np.int64)]
+        crc = zlib.crc32(np.ascontiguousarray(x).view(np.uint8).reshape(-1), crc)
+    return f"{crc:08x}"
+
+
+def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
+    """The common leading size of the leaves of `tree` (those with a batch axis).
+
+    Raises:
+      BatchError: the leaves' leading sizes differ (a ragged batch), or none has one.
+    """
+    leaves = jax.tree.leaves(tree)
+    sizes = {np.shape(x)[0] for x in leaves if np.ndim(x) > 0}
+    if len(sizes) == 1:
+        return sizes.pop()
+    where = {} if index is None else {"batch_index": index}
+    if not sizes:
+        shapes = [list(np.shape(x)) for x in leaves[:4]]
+        raise BatchError(
+            message(
+                f"Every array of a {what} has a leading (batch) axis: an element of the data "
+                "is a whole global batch, not one example.",
+                received(**where, leaf_shapes=shapes, num_leaves=len(leaves)),
+                "batch the examples: end a grain or tf.data pipeline with "
+                ".batch(global_batch_size), or pass arrays with the examples on the leading "
+                "axis.",
+            )
+        )
+    raise BatchError(
+        message(
+            f"Every array of a {what} must have the same leading (batch) size.",
+            received(**where, leading_sizes=sorted(sizes)),
+            "give x, y and every other leaf the same number of examples.",
+        )
+    )
+
+
+def _check_divisible(size: int, replicas: int, index: int, per_pipeline: int | None = None):
+    if size % replicas == 0:
+        return
+    extra = {} if per_pipeline is None else {"per_pipeline_batch_size": per_pipeline}
+    raise BatchError(
+        message(
+            f"The global batch must split evenly over the {replicas} replicas.",
+            received(
+                batch_index=index, global_batch_size=size, **extra, num_replicas_in_sync=replicas
+            ),
+            f"batch with a global batch size that is a multiple of {replicas} "
+            f"(e.g. {math.ceil(size / replicas) * replicas}); in a dataset function, batch by "
+            "ctx.get_per_pipeline_batch_size(global_batch_size).",
+        )
+    )
+
+
+def partial_message(index: int, size: int, expected: int) -> str:
+    return message(
+        "The last batch is smaller than the others, and the dataset does not say what to do "
+        "with it.",
+        received(batch_index=index, batch_size=size, global_batch_size=expected),
+        "drop it (drop_remainder=True, or InputOptions(remainder='drop')) for training, or "
+        "pad it (drop_remainder=False, or InputOptions(remainder='pad')) for evaluation; "
+        "padded batches carry a mask.",
+    )
