@@ -42,7 +42,11 @@ class BatchChecks:
             or (first batch) labels that do not fit the loss and the outputs.
         """
         leaves, treedef = jax.tree.flatten(batch)
-        signature = (what, treedef, *[np.shape(v) for v in leaves])
+        try:  # arrays (the common case): their shape attribute, not np.shape's dispatch
+            shapes = [v.shape for v in leaves]
+        except AttributeError:
+            shapes = [np.shape(v) for v in leaves]
+        signature = (what, treedef, *shapes)
         if not first and signature in self._checked:
             return
         _check_form(trainer, batch, what)
