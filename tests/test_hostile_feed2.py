@@ -513,12 +513,6 @@ def test_the_queue_bound_waits_on_kept_metrics():
     assert _unfinished_past_the_bound("keep") == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_bound_in_flight skips the wait when the oldest call's first metric was deleted "
-    "(the user deleted it, or fed it back as donated state): the bound is gone and every "
-    "call stays queued, though deleting or donating an output says nothing about it having run",
-)
 @pytest.mark.parametrize("after", ["delete", "feed_back"])
 def test_the_queue_bound_waits_when_the_metrics_were_deleted(after):
     assert _unfinished_past_the_bound(after) == 0

@@ -270,11 +270,15 @@ class Step:
         """
         if not self._on_cpu:
             return
-        self._in_flight.append(done)
-        if len(self._in_flight) > CPU_MAX_IN_FLIGHT:
-            oldest = jax.tree.leaves(self._in_flight.popleft())[0]
-            if not oldest.is_deleted():  # a metric fed back as state and donated: it ran
-                oldest.block_until_ready()
+        queue = self._in_flight
+        queue.append(done)
+        if len(queue) > CPU_MAX_IN_FLIGHT:
+            oldest = jax.tree.leaves(queue.popleft())[0]
+            if oldest.is_deleted():  # deleted, or fed back as state and donated: not
+                # a sign it ran. This call's own handle is alive: wait for all of them.
+                oldest = jax.tree.leaves(queue[-1])[0]
+                queue.clear()
+            oldest.block_until_ready()
 
     def cache_size(self) -> int:
         """How many programs this step has compiled, over every state structure."""
