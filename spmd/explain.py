@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from spmd.flops import matmul_flops
@@ -181,11 +182,11 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
     strategy = step.strategy
     state_sharding = strategy.state_sharding(pure)
     sized = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), pure, state_sharding
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s), pure, state_sharding
     )
     batches = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
-            np.shape(x), x.dtype, sharding=strategy.batch_sharding(np.ndim(x), step.batch_axis)
+            np.shape(x), _dtype(x), sharding=strategy.batch_sharding(np.ndim(x), step.batch_axis)
         ),
         data,
     )
@@ -204,3 +205,9 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
         hlo=hlo,
         matmul_flops=matmul_flops(traced.jaxpr),
     )
+
+
+def _dtype(x: Any) -> Any:
+    """An array's dtype; for a Python scalar in the state, the one jit gives it."""
+    dtype = getattr(x, "dtype", None)
+    return jnp.result_type(x) if dtype is None else dtype

@@ -162,7 +162,7 @@ def _partitioned_spec(partitioner: Partitioner, leaf: Any, shard_axes: Sequence[
     make are products of a run of them from the inside, so shards stay close
     together (inside one host) before they span hosts.
     """
-    shape = tuple(leaf.shape)
+    shape = tuple(np.shape(leaf))  # a Python scalar (a step counter) has shape ()
     if not shape or is_key(leaf):  # keys are small and have no byte size: replicated
         return PartitionSpec()
     want = partitioner(shape, leaf.dtype)[0]

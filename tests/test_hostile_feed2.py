@@ -204,21 +204,11 @@ def test_a_typed_key_state_compiles_once_on_mirrored():
     assert step.cache_size() == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a python scalar leaf (TrainState.step is the int 0) under a partitioner is a raw "
-    "AttributeError in spmd/rules.py (_partitioned_spec reads leaf.shape), not a placement",
-)
 def test_a_flax_train_state_trains_on_parameter_server():
     step = _strategy("ps").step(ts_step)
     _against_oracle(step, ts_step, ts_init, steps=3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="spmd.explain reads x.dtype of the state's pure leaves: a python scalar in a state "
-    "the step runs (a learning rate, a counter) is a raw AttributeError",
-)
 def test_explain_takes_a_state_with_python_scalars():
     strategy = _strategy("mirrored")
     step = strategy.step(nt_step)
