@@ -193,11 +193,6 @@ def test_a_sharded_state_trains_as_jit_does(kind):
     assert step.cache_size() == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a typed PRNG key (jax.random.key) in a multi-device state compiles a second "
-    "program on the third call of a steady loop (cache_size() 2, documented as 1)",
-)
 def test_a_typed_key_state_compiles_once_on_mirrored():
     step = _strategy("mirrored").step(key_step)
     _against_oracle(step, key_step, typed_key_init, steps=6)

@@ -281,8 +281,13 @@ class Step:
             oldest.block_until_ready()
 
     def cache_size(self) -> int:
-        """How many programs this step has compiled, over every state structure."""
-        return sum(program.compiled._cache_size() for program in self._compiled.values())
+        """How many programs this step has compiled, over every state structure.
+
+        Counted from the step's traces (jit compiles once per trace), not from
+        jit's dispatch cache, which can hold two entries for one program (a
+        typed PRNG key in a multi-device state) without compiling it again.
+        """
+        return sum(program.traced.traces for program in self._compiled.values())
 
     def donates(self, nnx_state_: bool) -> bool:
         """Whether the program donates its state: `donate`, or by default pytrees only.
@@ -310,6 +315,7 @@ class Step:
 
         @strategy.context(traced=True)
         def step(pure_state, data, kwargs):
+            traced.traces += 1
             if on_host:
                 pure_state = _to_memory(pure_state, state_sharding, "device")
             new_sharding, new_graphdef, same_graph = state_sharding, None, True

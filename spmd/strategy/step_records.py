@@ -42,10 +42,11 @@ class Outcome:
     after each call, when it is always set.
     """
 
-    __slots__ = ("value",)
+    __slots__ = ("traces", "value")
 
     def __init__(self) -> None:
         self.value: Traced | None = None
+        self.traces = 0  # how many times jit traced (and so compiled) the program
 
 
 class Program(NamedTuple):
