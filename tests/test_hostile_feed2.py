@@ -181,8 +181,7 @@ def test_a_state_of_any_shape_trains_as_jit_does(kind, strategy, donate):
     init, fn = STATES[kind]
     step = _strategy(strategy).step(fn, donate=donate)
     _against_oracle(step, fn, init)
-    if kind != "typed_key" or strategy == "one":  # see the strict xfail below
-        assert step.cache_size() == 1
+    assert step.cache_size() == 1
 
 
 @pytest.mark.parametrize("kind", ["dict", "raw_key", "empty"])
@@ -315,22 +314,10 @@ def _honoured_or_spmd_error(strategy, mutate):
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a leaf of a CentralStorage (host) state replaced by a fresh jnp array reaches jit "
-    "raw: 'Memory kinds passed to jax.jit does not match' ValueError, neither honoured "
-    "(Mirrored moves it) nor a ConfigurationError",
-)
 def test_a_host_state_leaf_replaced_by_a_new_array_is_honoured_or_refused():
     _honoured_or_spmd_error("central", _mutator("replace"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sharded state's leaf replaced by an array committed to one device reaches jit "
-    "raw ('Sharding passed to jit does not match' ValueError), not a ConfigurationError "
-    "naming the leaf and strategy.put",
-)
 @pytest.mark.parametrize("strategy", ["ps", "2d"])
 def test_a_sharded_state_leaf_put_on_one_device_is_honoured_or_refused(strategy):
     def one_device(s):
@@ -445,22 +432,10 @@ def test_a_step_that_only_reads_a_placed_state_keeps_it(strategy):
     assert _read_only_loop(strategy, place=True).cache_size() == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a read-only step (metrics only) given an unplaced state compiles twice: the first "
-    "call runs on the placed copy, every later call on the caller's unplaced arrays "
-    "(cache_size() 2 in a steady loop, documented as 1)",
-)
 def test_a_step_that_only_reads_an_unplaced_state_compiles_once():
     assert _read_only_loop("mirrored", place=False).cache_size() == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a read-only step on CentralStorage given an unplaced jnp state: the second call "
-    "passes the device-memory arrays to jit raw ('Memory kinds passed to jax.jit does not "
-    "match' ValueError), neither placed as on the first call nor a ConfigurationError",
-)
 def test_a_step_that_only_reads_an_unplaced_host_state_runs_every_call():
     _read_only_loop("central", place=False)
 

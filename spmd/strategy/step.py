@@ -98,8 +98,10 @@ class Step:
             pure = jax.tree.map(put_leaf, pure, self.strategy.state_sharding(pure))
         else:
             _check_layout(self.strategy, pure, program.state_shardings, binding is not None)
-        leaves, data_def = jax.tree.flatten(data)
         pure = jax.tree.leaves(pure)  # the state goes in as its flat list of arrays
+        if not fresh:  # arrays on one device or in another memory: where the program takes them
+            pure = _placed(pure, program.state_shardings)
+        leaves, data_def = jax.tree.flatten(data)
         static = self._static_of(kwargs) if not dynamic else None
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
 
@@ -393,6 +395,31 @@ def _check_layout(strategy: Strategy, pure: Any, shardings: list, is_nnx: bool) 
             f"place it with this strategy first: {fix}.",
         )
     )
+
+
+def _placed(leaves: list, shardings: list) -> list:
+    """The state's leaves, those that are arrays laid out otherwise moved to `shardings`.
+
+    `_check_layout` has refused another layout on the same mesh; what is left
+    to move is an array on one device (put there by `jnp`, or committed to a
+    device) or in another memory kind (a fresh array in a host-placed state),
+    which jit would move itself or refuse with its own error.
+    """
+    out = leaves
+    for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.is_deleted():
+            continue
+        current = x.sharding
+        if current is sharding or (
+            current.device_set == sharding.device_set
+            and current.memory_kind == sharding.memory_kind
+            and current.is_equivalent_to(sharding, x.ndim)
+        ):
+            continue
+        if out is leaves:
+            out = list(leaves)
+        out[i] = jax.device_put(x, sharding)
+    return out
 
 
 def _misplaced(x: Any, sharding: NamedSharding) -> bool:

@@ -143,14 +143,18 @@ def hot(
     next_state: Any,
     new_leaves: Any,
     state_def: Any,
-) -> Hot:
-    """The fast path's record after a call that returned `next_state`."""
+) -> Hot | None:
+    """The fast path's record after a call that returned `next_state`; None when the
+    state the caller holds is not what the program ran on (a read-only step given
+    arrays the call had to place: each call places them again)."""
     if call.binding is not None:
         flat_state, state_def = (), None
     elif next_state is not call.state:  # rebuilt from these leaves: no flatten needed
         flat_state = new_leaves
     else:
         flat_state, state_def = _flatten(next_state)
+        if not all(map(operator.is_, flat_state, call.pure)):
+            return None
     return Hot(
         next_state,
         arrays(next_state) if new_leaves is None else new_leaves,
