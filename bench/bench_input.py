@@ -133,7 +133,7 @@ def _timeit(runners: dict, steps: int, repeats: int) -> dict[str, dict]:
         for name, run in runners.items():
             samples[name].append(run(steps) / steps)
     return {
-        name: {"median": statistics.median(t), "min": min(t), "max": max(t)}
+        name: {"median": statistics.median(t), "min": min(t), "max": max(t), "samples": t}
         for name, t in samples.items()
     }
 

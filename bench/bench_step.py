@@ -145,7 +145,7 @@ def steps_per_execution(
             continue
         k = int(name[2:])
         n = 64 if quick else 256
-        per_step = {key: value * n / (max(1, n // k) * k) for key, value in t.items()}
+        per_step = common.scaled(t, n / (max(1, n // k) * k))
         rows.append(
             {
                 "benchmark": "steps_per_execution",

@@ -24,7 +24,8 @@ def timeit(runners: dict[str, Callable[[int], Any]], steps: int, repeats: int) -
     The runners take turns, so that drift in the machine's speed hits them alike.
 
     Returns:
-      name -> {"median", "min", "max"} seconds per step.
+      name -> {"median", "min", "max"} seconds per step, and "samples" (one per
+      repeat, in turn order: `ratio` pairs each with the floor's of the same turn).
     """
     for run in runners.values():
         run(max(2, steps // 4))  # warm up: compile, fill caches
@@ -35,13 +36,26 @@ def timeit(runners: dict[str, Callable[[int], Any]], steps: int, repeats: int) -
             run(steps)
             samples[name].append((time.perf_counter() - start) / steps)
     return {
-        name: {"median": statistics.median(s), "min": min(s), "max": max(s)}
+        name: {"median": statistics.median(s), "min": min(s), "max": max(s), "samples": s}
         for name, s in samples.items()
     }
 
 
-def ratio(t: dict[str, float], floor: dict[str, float]) -> str:
-    """The median ratio to the floor, as '1.01x'."""
+def scaled(t: dict, factor: float) -> dict:
+    """A `timeit` figure with every time (samples included) times `factor`."""
+    return {
+        key: [v * factor for v in value] if key == "samples" else value * factor
+        for key, value in t.items()
+    }
+
+
+def ratio(t: dict, floor: dict) -> str:
+    """The ratio to the floor, as '1.01x': the median of the ratios of each turn's
+    figure to the floor's of the same turn when `timeit` measured both (a drift in
+    the machine's speed between turns cancels), else the ratio of the medians."""
+    ours, theirs = t.get("samples"), floor.get("samples")
+    if ours and theirs and len(ours) == len(theirs):
+        return f"{statistics.median(a / b for a, b in zip(ours, theirs, strict=True)):.3f}x"
     return f"{t['median'] / floor['median']:.3f}x"
 
 
