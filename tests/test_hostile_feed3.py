@@ -277,8 +277,10 @@ def test_a_loader_refilling_one_buffer_keeps_each_batchs_values(strategy):
 
 def test_more_than_64_signatures_in_one_epoch_then_the_early_ones_again(strategy):
     widths = list(range(1, 71)) + [1, 2, 3, 70, 69]
-    batches = [(_rows(i, dtype=np.float32)[:, :1].repeat(w, 1) + w, np.arange(N) + i)
-               for i, w in enumerate(widths)]
+    batches = [
+        (_rows(i, dtype=np.float32)[:, :1].repeat(w, 1) + w, np.arange(N) + i)
+        for i, w in enumerate(widths)
+    ]
     placed, oracles = _feed(strategy, batches)
     assert [p[0].shape[1] for p in placed] == widths
     for p, o in zip(placed, oracles, strict=True):
