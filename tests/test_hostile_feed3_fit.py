@@ -8,6 +8,7 @@ epoch]).permutation(n)` when shuffling, a drop of the last partial batch).
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -214,3 +215,27 @@ def test_backup_and_restore_mid_epoch_resumes_bitwise(strategy, tmp_path, shuffl
     assert resumed.iterations == whole.iterations == 18
     _close(resumed, jax.tree.leaves(jax.device_get(whole.state["params"])), exact=True)
     _close(whole, _oracle(Plain, x, y, w, 16, 3, shuffle))
+
+
+def test_fit_on_bfloat16_arrays_equals_the_oracle_on_the_same_rows(strategy):
+    """Arrays go through NumpyDataset, which places bfloat16 (the pipeline path refuses it:
+    test_hostile_feed3.py's xfail)."""
+    x, y, _ = _data(64)
+    xb = x.astype(ml_dtypes.bfloat16)
+    trainer = _trainer(strategy)
+    trainer.fit((xb, y), batch_size=16, shuffle=False, verbose=0)
+    _close(trainer, _oracle(Plain, xb, y, None, 16, 1, False))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the same bfloat16 batches given to fit as an iterable are refused as 'not numeric "
+    "... (void)', though fit on the arrays trains on them",
+)
+def test_fit_on_an_iterable_of_bfloat16_batches(strategy):
+    x, y, _ = _data(64)
+    xb = x.astype(ml_dtypes.bfloat16)
+    batches = [(xb[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    trainer = _trainer(strategy)
+    trainer.fit(batches, verbose=0)
+    _close(trainer, _oracle(Plain, xb, y, None, 16, 1, False))
