@@ -354,3 +354,16 @@ def test_ragged_text_and_object_leaves_are_batch_errors_at_their_batch(strategy)
         assert isinstance(error, spmd.BatchError), repr(error)
         assert seen == 2 and "batch_index=2" in str(error)
         assert words.lower() in str(error).lower()
+
+
+@pytest.mark.parametrize("dtype", ["<U1", ">f4", "datetime64[s]"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="a NumpyDataset (make_numpy_dataset, fit on arrays) skips the pipeline's numeric "
+    "check: a text, big-endian or datetime array is jax's raw TypeError at the first batch",
+)
+def test_a_numpy_dataset_of_an_array_jax_cannot_hold_is_an_spmd_error(strategy, dtype):
+    x = _rows(0, n=64, dtype=np.float32)
+    bad = np.arange(64).astype(dtype)
+    with pytest.raises((spmd.BatchError, spmd.ConfigurationError), match="dtype"):
+        list(strategy.distribute_dataset(strategy.make_numpy_dataset((x, bad), N)))
