@@ -79,11 +79,6 @@ def test_dtype_changes_between_batches_with_the_same_shapes(strategy):
     assert placed[0][0].dtype == jnp.float32 and placed[4][0].dtype == jnp.int32  # x64 off
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a bfloat16 leaf (ml_dtypes, numpy kind 'V') is refused as 'not numeric ... (void)' "
-    "by distribute_dataset, though jax.jit and strategy.distribute_batch take it",
-)
 def test_a_bfloat16_batch_is_placed_as_jax_jit_takes_it(strategy):
     batches = [(_rows(0, dtype=np.float32),), (_rows(1, dtype=ml_dtypes.bfloat16),)]
     placed, oracles = _feed(strategy, batches)
@@ -91,11 +86,6 @@ def test_a_bfloat16_batch_is_placed_as_jax_jit_takes_it(strategy):
         _check(strategy, p, o)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a float8_e4m3fn leaf (a jax dtype, numpy kind 'V') is refused as 'not numeric "
-    "... (void)' by distribute_dataset, though jax.jit takes it",
-)
 def test_a_float8_batch_is_placed_as_jax_jit_takes_it(strategy):
     placed, oracles = _feed(strategy, [(_rows(0, dtype=ml_dtypes.float8_e4m3fn),)])
     _check(strategy, placed[0], oracles[0])
@@ -313,17 +303,10 @@ def _raised_at(strategy, bad, index=2):
 @pytest.mark.parametrize(
     "dtype",
     [
-        pytest.param(np.dtype(">f4"), id="big-endian-float32"),
         pytest.param(np.dtype(np.longdouble), id="longdouble"),
         pytest.param(np.dtype("datetime64[s]"), id="datetime64"),
         pytest.param(np.dtype("timedelta64[s]"), id="timedelta64"),
     ],
-)
-@pytest.mark.xfail(
-    strict=True,
-    reason="a leaf of a dtype jax has no array for (big-endian, longdouble, datetime64, "
-    "timedelta64) is jax's raw TypeError from the placement plan, not a BatchError naming "
-    "the leaf and the fix",
 )
 def test_a_leaf_jax_cannot_hold_is_a_batch_error_naming_it(strategy, dtype):
     error, seen = _raised_at(strategy, (np.arange(N * 3).reshape(N, 3).astype(dtype),))
@@ -332,11 +315,20 @@ def test_a_leaf_jax_cannot_hold_is_a_batch_error_naming_it(strategy, dtype):
     assert "batch_index=2" in str(error) and str(dtype) in str(error)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a batch of typed PRNG keys (jax.random.split(key, n), which jax.jit takes) is a raw "
-    "TypeError from np.array in the reader's copy, not placed nor a BatchError",
-)
+def test_a_big_endian_leaf_is_placed_with_its_values_in_native_order(strategy):
+    rows = np.arange(N * 3).reshape(N, 3).astype(">f4")
+    (placed,) = next(iter(strategy.distribute_dataset([(rows,)])))
+    assert placed.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(placed), rows.astype("<f4"))
+
+
+def test_a_numpy_dataset_of_big_endian_arrays_gives_their_values(strategy):
+    x = np.arange(64 * 3).reshape(64, 3).astype(">f4")
+    batches = list(strategy.distribute_dataset(strategy.make_numpy_dataset((x,), N)))
+    got = np.concatenate([np.asarray(b[0]) for b in batches])
+    np.testing.assert_array_equal(got, x.astype("<f4"))
+
+
 def test_a_batch_of_prng_keys(strategy):
     keys = jax.random.split(jax.random.key(0), N)
     error, seen = _raised_at(strategy, (keys,))
@@ -356,12 +348,7 @@ def test_ragged_text_and_object_leaves_are_batch_errors_at_their_batch(strategy)
         assert words.lower() in str(error).lower()
 
 
-@pytest.mark.parametrize("dtype", ["<U1", ">f4", "datetime64[s]"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="a NumpyDataset (make_numpy_dataset, fit on arrays) skips the pipeline's numeric "
-    "check: a text, big-endian or datetime array is jax's raw TypeError at the first batch",
-)
+@pytest.mark.parametrize("dtype", ["<U1", "datetime64[s]", np.longdouble])
 def test_a_numpy_dataset_of_an_array_jax_cannot_hold_is_an_spmd_error(strategy, dtype):
     x = _rows(0, n=64, dtype=np.float32)
     bad = np.arange(64).astype(dtype)

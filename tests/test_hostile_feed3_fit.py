@@ -227,11 +227,6 @@ def test_fit_on_bfloat16_arrays_equals_the_oracle_on_the_same_rows(strategy):
     _close(trainer, _oracle(Plain, xb, y, None, 16, 1, False))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the same bfloat16 batches given to fit as an iterable are refused as 'not numeric "
-    "... (void)', though fit on the arrays trains on them",
-)
 def test_fit_on_an_iterable_of_bfloat16_batches(strategy):
     x, y, _ = _data(64)
     xb = x.astype(ml_dtypes.bfloat16)

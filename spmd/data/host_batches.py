@@ -194,7 +194,7 @@ def _checked_size(leaves: list[np.ndarray], treedef: Any, index: int) -> int:
     """
     size = -1
     for x in leaves:  # numpy arrays: _with_last copied them
-        if x.dtype.kind in "USOV":
+        if not holdable(x.dtype):
             break
         if x.ndim:
             if size < 0:
@@ -210,28 +210,45 @@ def _checked_size(leaves: list[np.ndarray], treedef: Any, index: int) -> int:
 
 
 def _check_numeric(batch: Any, index: int) -> None:
-    """Raises for a leaf of text or Python objects, which no device array can hold.
+    """Raises for a leaf no device array can hold: text, Python objects, dates, long doubles.
 
     Raises:
       BatchError: naming the leaf, its dtype and how to leave it out.
     """
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        if leaf.dtype.kind in "USOV":
-            kind = {"U": "str", "S": "bytes", "O": "object", "V": "void"}[leaf.dtype.kind]
-            raise BatchError(
-                message(
-                    "Every leaf of a batch is numeric or bool: it becomes a jax.Array on the "
-                    "devices.",
-                    received(
-                        batch_index=index,
-                        leaf=jax.tree_util.keystr(path) or "(the batch)",
-                        dtype=f"{leaf.dtype} ({kind})",
-                    ),
-                    "drop that leaf before distributing (e.g. .map(lambda e: {k: v for k, v "
-                    "in e.items() if k != 'name'})), or tokenize/encode it to integer ids in "
-                    "the pipeline.",
-                )
-            )
+        if not holdable(leaf.dtype):
+            raise BatchError(unholdable_message(leaf.dtype, index, jax.tree_util.keystr(path)))
+
+
+_KINDS = {"U": "str", "S": "bytes", "O": "object", "V": "void", "M": "datetime", "m": "timedelta"}
+
+
+@functools.lru_cache(maxsize=64)
+def holdable(dtype: np.dtype) -> bool:
+    """Whether a jax.Array can hold this dtype: numbers and bool, ml_dtypes' bfloat16,
+    float8 and int4 included; not text, objects, dates or long doubles."""
+    if dtype.kind in "biufc":
+        return dtype.itemsize <= 16 and not (dtype.kind == "f" and dtype.itemsize > 8)
+    if dtype.kind != "V":
+        return False
+    try:  # ml_dtypes' types are numpy 'V'oid dtypes that jax takes
+        return bool(jax.dtypes.issubdtype(dtype, np.number))
+    except TypeError:
+        return False
+
+
+def unholdable_message(dtype: np.dtype, index: int | None, leaf: str) -> str:
+    """The BatchError's text for a leaf of a dtype no jax.Array holds."""
+    kind = _KINDS.get(dtype.kind, "extended precision" if dtype.kind in "fc" else dtype.kind)
+    where = {} if index is None else {"batch_index": index}
+    return message(
+        "Every leaf of a batch is numeric or bool (bfloat16 and float8 included): it becomes a "
+        "jax.Array on the devices.",
+        received(**where, leaf=leaf or "(the batch)", dtype=f"{dtype} ({kind})"),
+        "drop that leaf before distributing (e.g. .map(lambda e: {k: v for k, v in e.items() "
+        "if k != 'name'})), tokenize/encode text to integer ids, or convert it in the "
+        "pipeline (dates to int64 seconds with .astype('int64'); long doubles to float64).",
+    )
 
 
 def _not_empty(elements: Iterable[Any]) -> Iterator[Any]:
@@ -291,7 +308,31 @@ def _own(element: Any) -> tuple[list[np.ndarray], Any]:
     keeps the values it had when it was read.
     """
     leaves, treedef = jax.tree.flatten(element)
-    return [np.array(x) for x in leaves], treedef
+    owned = [np.array(x) for x in _no_keys(leaves)]
+    for i, x in enumerate(owned):
+        if not x.dtype.isnative:  # big-endian data from a file: the same values, native order
+            owned[i] = x.astype(x.dtype.newbyteorder("="))
+    return owned, treedef
+
+
+def _no_keys(leaves: list) -> list:
+    """The leaves, after checking that none is a typed PRNG key array (no host form).
+
+    Raises:
+      BatchError: naming the key array and how to pass it.
+    """
+    for x in leaves:
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            raise BatchError(
+                message(
+                    "Every leaf of a batch has a host form the input pipeline can copy and "
+                    "place: a typed PRNG key array has none.",
+                    received(leaf_dtype=str(x.dtype), shape=x.shape),
+                    "pass jax.random.key_data(keys) in the batch and jax.random.wrap_key_data "
+                    "them in the step, or split a key held in the state inside the step.",
+                )
+            )
+    return leaves
 
 
 def _pad(

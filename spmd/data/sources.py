@@ -15,9 +15,11 @@ from spmd.data.host_batches import (
     batch_mask,
     fingerprint,
     global_batches,
+    holdable,
     leading_size,
     local_batches,
     partial_message,
+    unholdable_message,
 )
 from spmd.data.input_context import InputContext, Remainder
 from spmd.errors import BatchError, ConfigurationError, message, received
@@ -67,6 +69,21 @@ jax.tree_util.register_pytree_node(
 )
 
 
+def _device_ready(array: Any) -> np.ndarray:
+    """An in-memory array as the dataset keeps it: big-endian data in native order
+    (the same values), a dtype no jax.Array holds refused before any batch.
+
+    Raises:
+      BatchError: text, objects, dates or long doubles, naming the dtype.
+    """
+    array = np.asarray(array)
+    if not holdable(array.dtype):
+        raise BatchError(unholdable_message(array.dtype, None, f"an array of shape {array.shape}"))
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array
+
+
 class NumpyDataset:
     """In-memory arrays cut into global batches; each process reads only its rows.
 
@@ -96,7 +113,7 @@ class NumpyDataset:
         seed: int = 0,
         drop_remainder: bool = True,
     ):
-        self.arrays = jax.tree.map(np.asarray, arrays)
+        self.arrays = jax.tree.map(_device_ready, arrays)
         self.num_examples = leading_size(self.arrays, what="arrays")
         if self.num_examples == 0:
             raise BatchError(
