@@ -37,7 +37,8 @@ from spmd.strategy.replica import (
     in_cross_replica_context,
     running_strategy,
 )
-from spmd.strategy.step import CPU_MAX_IN_FLIGHT, Step, put_leaf
+from spmd.strategy.step import CPU_MAX_IN_FLIGHT, Step
+from spmd.strategy.step_layout import put_leaf
 
 if TYPE_CHECKING:
     from spmd.data.dataset import DistributedDataset, InputContext, InputOptions, NumpyDataset

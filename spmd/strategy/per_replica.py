@@ -20,7 +20,7 @@ from spmd.strategy.replica import (
     replica_context,
     running_strategy,
 )
-from spmd.strategy.step import conform
+from spmd.strategy.step_layout import conform
 from spmd.validate import is_integer
 
 if TYPE_CHECKING:

@@ -12,13 +12,19 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from spmd.errors import ConfigurationError, ContextError, message, received
-from spmd.rules import path_str
 from spmd.strategy import nnx_state
 from spmd.strategy import step_checks as checks
 from spmd.strategy.replica import in_replica_context
+from spmd.strategy.step_layout import (
+    check_layout,
+    conform_all,
+    on_device,
+    placed,
+    put_leaf,
+    to_memory,
+)
 from spmd.strategy.step_records import Call as _Call
 from spmd.strategy.step_records import Hot as _Hot
 from spmd.strategy.step_records import Outcome as _Outcome
@@ -97,10 +103,10 @@ class Step:
             # that the states the step returns hit the same compiled program.
             pure = jax.tree.map(put_leaf, pure, self.strategy.state_sharding(pure))
         else:
-            _check_layout(self.strategy, pure, program.state_shardings, binding is not None)
+            check_layout(self.strategy, pure, program.state_shardings, binding is not None)
         pure = jax.tree.leaves(pure)  # the state goes in as its flat list of arrays
         if not fresh:  # arrays on one device or in another memory: where the program takes them
-            pure = _placed(pure, program.state_shardings)
+            pure = placed(pure, program.state_shardings)
         leaves, data_def = jax.tree.flatten(data)
         static = self._static_of(kwargs) if not dynamic else None
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
@@ -125,7 +131,7 @@ class Step:
         if data_def != hot.data_def or _signature(batch) != hot.signature:
             return _MISS
         program = hot.program
-        placed = _conform_all(batch, program.data_shardings)
+        placed = conform_all(batch, program.data_shardings)
         if placed is not batch:  # else the batch goes in as it came
             data = data_def.unflatten(placed)
         new_leaves, out, done = program.compiled(leaves, data, {})
@@ -161,7 +167,7 @@ class Step:
                 jax.tree.unflatten(call.data_def, leaves), self.batch_axis
             )
         else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
-            data = jax.tree.unflatten(call.data_def, _conform_all(leaves, program.data_shardings))
+            data = jax.tree.unflatten(call.data_def, conform_all(leaves, program.data_shardings))
         new_leaves, out, done = program.compiled(call.pure, data, call.kwargs)
         self._bound_in_flight(out if done is None else done)
         traced = program.traced.value  # set by the trace, which the call above ran if new
@@ -319,7 +325,7 @@ class Step:
         def step(pure_state, data, kwargs):
             traced.traces += 1
             if on_host:
-                pure_state = _to_memory(pure_state, state_sharding, "device")
+                pure_state = to_memory(pure_state, state_sharding, "device")
             new_sharding, new_graphdef, same_graph = state_sharding, None, True
             if graphdef is None:
                 out = _call(strategy, fn, pure_state, data, kwargs, static)
@@ -342,9 +348,9 @@ class Step:
             if returns == "metrics":  # the state is only read: nothing to copy back
                 traced.value = _Traced(returns, None)
                 return None, out, _done(out)
-            new_state = jax.lax.with_sharding_constraint(new_state, _on_device(new_sharding))
+            new_state = jax.lax.with_sharding_constraint(new_state, on_device(new_sharding))
             if on_host:
-                new_state = _to_memory(new_state, new_sharding, "pinned_host")
+                new_state = to_memory(new_state, new_sharding, "pinned_host")
             # Flat leaves out: the caller rebuilds the tree once and keeps the
             # leaves for the next call's donation check, with no flatten.
             new_leaves, state_def = jax.tree.flatten(new_state)
@@ -361,98 +367,6 @@ class Step:
         return _Program(
             compiled, jax.tree.leaves(data_sharding), jax.tree.leaves(state_sharding), traced
         )
-
-
-def _check_layout(strategy: Strategy, pure: Any, shardings: list, is_nnx: bool) -> None:
-    """Checks that the state's arrays are laid out as the program expects.
-
-    The first call of a program places its state; later calls take the state
-    the step returned. An array put in between with another layout (weights
-    copied from a model another strategy placed, on the same devices) would
-    reach jit raw: it is a ConfigurationError naming the leaf and the fix.
-
-    Raises:
-      ConfigurationError: a state array is laid out otherwise than the strategy says.
-    """
-    for leaf, sharding in zip(jax.tree.leaves(pure), shardings, strict=True):
-        if _misplaced(leaf, sharding):
-            break
-    else:
-        return
-    flat = jax.tree_util.tree_flatten_with_path(pure)[0]
-    path, leaf = next((p, x) for (p, x), s in zip(flat, shardings, strict=True) if _misplaced(x, s))
-    fix = (
-        "nnx.update(model, strategy.put(nnx.state(model))) for each NNX object of the state"
-        if is_nnx
-        else "state = strategy.put(state)"
-    )
-    raise ConfigurationError(
-        message(
-            f"The state must be placed by this step's strategy, {strategy!r}; an array was "
-            "put into it with another layout (e.g. weights copied from a model another "
-            "strategy placed).",
-            received(leaf=path_str(path), sharding=leaf.sharding, expected=sharding),
-            f"place it with this strategy first: {fix}.",
-        )
-    )
-
-
-def _placed(leaves: list, shardings: list) -> list:
-    """The state's leaves, those that are arrays laid out otherwise moved to `shardings`.
-
-    `_check_layout` has refused another layout on the same mesh; what is left
-    to move is an array on one device (put there by `jnp`, or committed to a
-    device) or in another memory kind (a fresh array in a host-placed state),
-    which jit would move itself or refuse with its own error.
-    """
-    out = leaves
-    for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.is_deleted():
-            continue
-        current = x.sharding
-        if current is sharding or (
-            current.device_set == sharding.device_set
-            and current.memory_kind == sharding.memory_kind
-            and current.is_equivalent_to(sharding, x.ndim)
-        ):
-            continue
-        if out is leaves:
-            out = list(leaves)
-        out[i] = jax.device_put(x, sharding)
-    return out
-
-
-def _misplaced(x: Any, sharding: NamedSharding) -> bool:
-    """Whether `x` is a concrete array on the step's devices but in another layout."""
-    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.is_deleted():
-        return False
-    current = x.sharding
-    if current is sharding or not isinstance(current, NamedSharding):
-        return False
-    if current.mesh != sharding.mesh:
-        return False  # another mesh: step_checks names the strategy that placed it
-    return not current.is_equivalent_to(sharding, x.ndim)
-
-
-def _to_memory(tree: Any, shardings: Any, kind: str) -> Any:
-    """Moves to memory `kind` the leaves a host placement keeps in `pinned_host`.
-
-    The leaves the placement keeps on the devices (PRNG keys) are left as
-    they are: a transfer of a key array inside the program fails to lower on
-    GPU (its sharding has the key's rank, its buffer one more).
-    """
-
-    def move(leaf, sharding):
-        if sharding.memory_kind != "pinned_host":
-            return leaf
-        return jax.device_put(leaf, sharding.with_memory_kind(kind))
-
-    return jax.tree.map(move, tree, shardings)
-
-
-def _on_device(shardings: Any) -> Any:
-    """The shardings in device memory: where the step computes on host-placed state."""
-    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
 
 
 _MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+) is not found in mesh")
@@ -496,7 +410,6 @@ def _done(out: Any) -> jax.Array | None:
 
 
 _flatten = jax.tree_util.tree_flatten
-_SHARDING = operator.attrgetter("sharding")
 _IS_DELETED = operator.methodcaller("is_deleted")
 _MISS = object()  # the fast path does not apply: take the checked one
 _HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects (bounded)
@@ -506,32 +419,6 @@ _HAS_GRAPH_SIZE = 256
 @functools.cache
 def _multiprocess() -> bool:
     return jax.process_count() > 1
-
-
-def _conform_all(leaves: list, shardings: list) -> list:
-    """`_conform` over flat leaves, without the pytree machinery (the hot path)."""
-    try:  # batches the input pipeline placed carry these very shardings
-        if len(leaves) == len(shardings) and all(
-            map(operator.is_, map(_SHARDING, leaves), shardings)
-        ):
-            return leaves
-    except AttributeError:  # a leaf that is not an array
-        pass
-    out = leaves
-    for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
-        current = getattr(x, "sharding", None)
-        if current is not None and current is not sharding and current != sharding:
-            if out is leaves:
-                out = list(leaves)
-            out[i] = conform(x, sharding)
-    return out
-
-
-def conform(x: Any, sharding: NamedSharding) -> Any:
-    """`x` in `sharding`: concrete arrays laid out otherwise are moved; the rest pass."""
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.sharding != sharding:
-        return jax.device_put(x, sharding)
-    return x
 
 
 def _graph_key(graphdef: Any) -> Any:
@@ -616,11 +503,3 @@ def _like(out: Any, state: Any) -> bool:
 
 def _avals(tree: Any) -> Any:
     return jax.tree.map(lambda x: f"{jnp.result_type(x)}{list(np.shape(x))}", tree)
-
-
-def put_leaf(x: Any, sharding: NamedSharding) -> jax.Array:
-    """Places one leaf; with several processes, host data is taken as the global value."""
-    if isinstance(x, jax.Array) or jax.process_count() == 1:
-        return jax.device_put(x, sharding)
-    x = np.asarray(x)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
