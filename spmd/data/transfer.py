@@ -44,20 +44,10 @@ def host_put(leaves: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[jax
     Returns:
       The placed arrays, in order.
     """
-    if _batched_device_put is None or not all(type(x) is np.ndarray for x in leaves):
+    plans = put_plans(leaves, shardings)
+    if plans is None:
         return jax.device_put(list(leaves), list(shardings))
-    placed = []
-    for x, sharding in zip(leaves, shardings, strict=True):
-        dtype = _canonical(x.dtype)
-        if dtype != x.dtype:
-            x = np.asarray(x, dtype)
-        plan = _PLANS.get((sharding, x.shape, dtype))
-        if plan is None:
-            plan = _plan(sharding, x.shape, dtype)
-        aval, devices, indices = plan
-        shards = [x] * len(devices) if indices is None else [x[i] for i in indices]
-        placed.append(_batched_device_put(aval, sharding, shards, devices, True))
-    return placed
+    return put_planned(leaves, plans)
 
 
 def put_plans(leaves: Sequence[np.ndarray], shardings: Sequence[Any]) -> list[tuple] | None:

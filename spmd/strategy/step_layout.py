@@ -58,7 +58,7 @@ def check_layout(strategy: Strategy, pure: Any, shardings: list, is_nnx: bool) -
 def placed(leaves: list, shardings: list) -> list:
     """The state's leaves, those that are arrays laid out otherwise moved to `shardings`.
 
-    `_check_layout` has refused another layout on the same mesh; what is left
+    `check_layout` has refused another layout on the same mesh; what is left
     to move is an array on one device (put there by `jnp`, or committed to a
     device) or in another memory kind (a fresh array in a host-placed state),
     which jit would move itself or refuse with its own error.
