@@ -91,7 +91,7 @@ def test_a_float8_batch_is_placed_as_jax_jit_takes_it(strategy):
     _check(strategy, placed[0], oracles[0])
 
 
-def test_distribute_batch_takes_bfloat16_the_oracle_of_the_xfail_above(strategy):
+def test_distribute_batch_takes_bfloat16_as_distribute_dataset_does(strategy):
     x = _rows(0, dtype=ml_dtypes.bfloat16)
     placed = strategy.distribute_batch(x)
     _check(strategy, placed, _expected(x))

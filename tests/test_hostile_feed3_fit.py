@@ -218,8 +218,7 @@ def test_backup_and_restore_mid_epoch_resumes_bitwise(strategy, tmp_path, shuffl
 
 
 def test_fit_on_bfloat16_arrays_equals_the_oracle_on_the_same_rows(strategy):
-    """Arrays go through NumpyDataset, which places bfloat16 (the pipeline path refuses it:
-    test_hostile_feed3.py's xfail)."""
+    """Arrays go through NumpyDataset, which places bfloat16 as the pipeline path does."""
     x, y, _ = _data(64)
     xb = x.astype(ml_dtypes.bfloat16)
     trainer = _trainer(strategy)
