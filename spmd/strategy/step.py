@@ -131,9 +131,9 @@ class Step:
         if data_def != hot.data_def or _signature(batch) != hot.signature:
             return _MISS
         program = hot.program
-        placed = conform_all(batch, program.data_shardings)
-        if placed is not batch:  # else the batch goes in as it came
-            data = data_def.unflatten(placed)
+        moved = conform_all(batch, program.data_shardings)
+        if moved is not batch:  # else the batch goes in as it came
+            data = data_def.unflatten(moved)
         new_leaves, out, done = program.compiled(leaves, data, {})
         self._bound_in_flight(out if done is None else done)
         new_state = hot.state_def.unflatten(new_leaves)
