@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from spmd.strategy.base import get_strategy as get_strategy
     from spmd.strategy.base import has_strategy as has_strategy
     from spmd.strategy.base import in_cross_replica_context as in_cross_replica_context
+    from spmd.strategy.diloco import DiLoCo as DiLoCo
     from spmd.strategy.replica import PerReplica as PerReplica
     from spmd.strategy.replica import ReduceOp as ReduceOp
     from spmd.strategy.replica import ReplicaContext as ReplicaContext
@@ -77,6 +78,7 @@ __all__ = [
     "CommunicationOptions",
     "ConfigurationError",
     "ContextError",
+    "DiLoCo",
     "DistributedDataset",
     "DistributedIterator",
     "Explanation",
@@ -134,6 +136,7 @@ _WHERE = {
     "compute_average_loss": "spmd.strategy.replica",
     "ConfigurationError": "spmd.errors",
     "ContextError": "spmd.errors",
+    "DiLoCo": "spmd.strategy.diloco",
     "DistributedDataset": "spmd.data.dataset",
     "DistributedIterator": "spmd.data.dataset",
     "Explanation": "spmd.explain",

@@ -17,7 +17,7 @@ from spmd.flops import matmul_flops
 if TYPE_CHECKING:
     from spmd.strategy.base import Step
 
-__all__ = ["Collective", "Explanation", "explain", "parse_collectives"]
+__all__ = ["Collective", "Explanation", "explain", "explain_traced", "parse_collectives"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(
@@ -174,11 +174,6 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
       An `Explanation`; `print()` it for a table.
     """
     traced, pure = step.trace(state, *data, **kwargs)
-    compiled = traced.lower().compile()
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    if isinstance(cost, list):  # older JAX: one dict per program
-        cost = cost[0] if cost else {}
     strategy = step.strategy
     state_sharding = strategy.state_sharding(pure)
     sized = jax.tree.map(
@@ -190,11 +185,27 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
         ),
         data,
     )
+    return explain_traced(repr(strategy), traced, sized, batches)
+
+
+def explain_traced(name: str, traced: jax.stages.Traced, state: Any, batches: Any) -> Explanation:
+    """Compiles a traced program and reports its cost per device.
+
+    Args:
+      name: what the report calls the program (a strategy's repr).
+      traced: the `jax.stages.Traced` program.
+      state, batches: its state and batch, as `ShapeDtypeStruct`s with shardings.
+    """
+    compiled = traced.lower().compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, list):  # older JAX: one dict per program
+        cost = cost[0] if cost else {}
     hlo = compiled.as_text()
     return Explanation(
-        strategy=repr(strategy),
-        state_bytes=_per_device_bytes(sized, "device"),
-        state_host_bytes=_per_device_bytes(sized, "pinned_host"),
+        strategy=name,
+        state_bytes=_per_device_bytes(state, "device"),
+        state_host_bytes=_per_device_bytes(state, "pinned_host"),
         input_bytes=_per_device_bytes(batches),
         argument_bytes=int(getattr(memory, "argument_size_in_bytes", 0)),
         output_bytes=int(getattr(memory, "output_size_in_bytes", 0)),

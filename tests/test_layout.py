@@ -26,6 +26,7 @@ PUBLIC = [
     "CommunicationOptions",
     "ConfigurationError",
     "ContextError",
+    "DiLoCo",
     "DistributedDataset",
     "DistributedIterator",
     "Explanation",

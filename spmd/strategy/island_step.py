@@ -1,0 +1,224 @@
+"""DiLoCo's compiled programs: every island's inner step at once, and the synchronisation."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd.errors import ConfigurationError, ContextError, message, received
+from spmd.explain import explain_traced
+from spmd.strategy.islands import ISLAND, DiLoCoState, IslandsExplanation, crossing
+from spmd.strategy.replica import in_replica_context
+from spmd.strategy.step import STEP_IN_RUN, _split_output
+from spmd.strategy.step_layout import conform
+
+if TYPE_CHECKING:
+    from spmd.strategy.diloco import DiLoCo
+
+__all__ = ["IslandStep", "explain_islands"]
+
+P = PartitionSpec
+
+
+class IslandStep:
+    """Your step run by every island at once, with the sync every H calls; see `DiLoCo.step`.
+
+    Attributes:
+      strategy: the `DiLoCo` strategy.
+      fn: your step function.
+      gather_metrics: whether metrics come back replicated (an all-gather
+        across islands each step) rather than sharded over islands.
+    """
+
+    def __init__(self, strategy: DiLoCo, fn: Callable[..., Any], *, gather_metrics: bool):
+        self.strategy = strategy
+        self.fn = fn
+        self.gather_metrics = gather_metrics
+        self._programs: dict[Any, _Programs] = {}
+        self._last: tuple[Any, int] | None = None  # (the state returned last, its step)
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, state: DiLoCoState, *data: Any, **kwargs: Any) -> Any:
+        if in_replica_context():
+            raise ContextError(message(*STEP_IN_RUN))
+        if kwargs:
+            raise ConfigurationError(
+                message(
+                    "A DiLoCo step takes the state and the batch arrays, positionally.",
+                    received(keyword_arguments=sorted(kwargs)),
+                    "close over constants (functools.partial) or pass them as batch arrays.",
+                )
+            )
+        position = self.position(state)
+        data = self._place(data)
+        programs = self.programs(state, data)
+        state, metrics = programs.inner(state, data)
+        position += 1
+        for fragment in self.strategy.due(position):
+            state = programs.sync[fragment](state)
+        self._last = (state, position)
+        return state if programs.returns == "state" else (state, *metrics)
+
+    def position(self, state: DiLoCoState) -> int:
+        """The inner steps `state` has taken: known for the state the last call
+        returned, else read from the device (once, after init or a restore)."""
+        if not isinstance(state, DiLoCoState):
+            raise ConfigurationError(
+                message(
+                    "A DiLoCo step takes the DiLoCoState that strategy.init (or a restore) made.",
+                    received(state=type(state).__name__),
+                    "make the state with strategy.init(create_fn, key).",
+                )
+            )
+        if self._last is not None and state is self._last[0]:
+            return self._last[1]
+        step = state.step
+        if isinstance(step, jax.Array):
+            step = step.addressable_shards[0].data
+        return int(np.asarray(step))
+
+    def _place(self, data: tuple) -> tuple:
+        """The batch as global arrays split over islands first, then an island's replicas."""
+        synchronous = self.strategy.synchronous
+        synchronous.check_batch(data)
+        if jax.process_count() > 1:
+            placed = all(
+                isinstance(x, jax.Array) and x.sharding == synchronous.batch_sharding(x.ndim)
+                for x in jax.tree.leaves(data)
+            )
+            return data if placed else synchronous.distribute_batch(data)
+        return jax.tree.map(lambda x: conform(x, synchronous.batch_sharding(np.ndim(x))), data)
+
+    def programs(self, state: DiLoCoState, data: tuple) -> _Programs:
+        """The compiled programs for this state structure and batch form."""
+        key = (jax.tree.structure(state), jax.tree.structure(data))
+        key += (tuple(np.ndim(x) for x in jax.tree.leaves(data)),)
+        found = self._programs.get(key)
+        if found is None:
+            found = self._programs[key] = _Programs(self, state, data)
+        return found
+
+
+class _Programs:
+    """The jitted inner program and one sync program per fragment, for one state structure."""
+
+    def __init__(self, step: IslandStep, state: DiLoCoState, data: tuple):
+        strategy = step.strategy
+        self.strategy, self.fn, self.gather = strategy, step.fn, step.gather_metrics
+        self.returns: str | None = None
+        self.sharding = strategy.state_sharding(state)
+        batch = jax.tree.map(lambda x: strategy.synchronous.batch_sharding(np.ndim(x)), data)
+        self.inner = jax.jit(self._inner, in_shardings=(self.sharding, batch), donate_argnums=(0,))
+        positions, _ = strategy._params_of(jax.tree.structure(state.islands))
+        fragments = strategy.fragment_leaves(len(positions))
+        self.sync = [
+            jax.jit(
+                functools.partial(self._sync, positions, frag, f),
+                in_shardings=(self.sharding,),
+                out_shardings=self.sharding,
+                donate_argnums=(0,),
+            )
+            for f, frag in enumerate(fragments)
+        ]
+
+    def _inner(self, state: DiLoCoState, data: tuple) -> tuple[DiLoCoState, tuple]:
+        strategy, k = self.strategy, self.strategy.islands
+        split = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), data)
+
+        def per_island(islands: Any, batch: tuple) -> tuple[Any, tuple]:
+            one = jax.tree.map(lambda x: x[0], islands)
+            out = self.fn(one, *jax.tree.map(lambda x: x[0], batch))
+            returns, new, metrics = _split_output(out, one, True)
+            self.returns = returns
+            return jax.tree.map(lambda x: x[None], (new, metrics))
+
+        with strategy.layout.context(traced=True):
+            islands, metrics = jax.shard_map(
+                per_island,
+                mesh=strategy.mesh,
+                in_specs=(P(ISLAND), P(ISLAND)),
+                out_specs=(P(ISLAND), P(ISLAND)),
+                axis_names=frozenset({ISLAND}),
+                check_vma=False,
+            )(state.islands, split)
+        new = state._replace(islands=islands, step=state.step + 1)
+        new = jax.lax.with_sharding_constraint(new, self.sharding)
+        where = P() if self.gather else P(ISLAND)
+        metrics = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(strategy.mesh, where)),
+            metrics,
+        )
+        return new, metrics
+
+    def _sync(self, positions: tuple, fragment: tuple, index: int, state: DiLoCoState):
+        """Averages one fragment's deltas over islands, steps the outer optimizer,
+        and restarts every island's copy of the fragment from the new global values."""
+        k = self.strategy.islands
+        leaves, treedef = jax.tree.flatten(state.islands)
+        params, params_def = jax.tree.flatten(state.params)
+        current = tuple(params[j] for j in fragment)
+        local = tuple(leaves[positions[j]] for j in fragment)
+        # the outer gradient: global - island, averaged over islands (one all-reduce)
+        grads = tuple(jnp.mean(g[None] - x, axis=0) for g, x in zip(current, local, strict=True))
+        updates, outer = self.strategy.outer_optimizer.update(grads, state.outer[index], current)
+        new = optax.apply_updates(current, updates)
+        for j, value in zip(fragment, new, strict=True):
+            params[j] = value
+            leaves[positions[j]] = jnp.broadcast_to(value, (k, *value.shape))
+        outers = tuple(outer if i == index else o for i, o in enumerate(state.outer))
+        return DiLoCoState(
+            params_def.unflatten(params), outers, treedef.unflatten(leaves), state.step
+        )
+
+
+def explain_islands(step: IslandStep, state: Any, *data: Any) -> IslandsExplanation:
+    """What `step`'s programs cost, and the bytes that cross between islands (see `DiLoCo.explain`)."""
+    strategy = step.strategy
+    sizes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), data)
+    batches = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=strategy.synchronous.batch_sharding(len(x.shape))
+        ),
+        sizes,
+    )
+    sized = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+        state,
+        strategy.state_sharding(state),
+    )
+    programs = _Programs(step, sized, batches)
+    name = repr(strategy)
+    inner = explain_traced(name, programs.inner.trace(sized, batches), sized, batches)
+    sync = tuple(explain_traced(name, p.trace(sized), sized, ()) for p in programs.sync)
+    user = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), sized.islands)
+    user = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        user,
+        strategy.synchronous.state_sharding(user),
+    )
+    synchronous = strategy.synchronous.explain(step.fn, user, *sizes)
+    per_island = strategy.mesh.devices.size // strategy.islands
+    count = strategy.mesh.devices.size
+    sync_crossing: dict[str, Any] = {}
+    for report in sync:
+        for kind, c in crossing(report.hlo, per_island, count).items():
+            old = sync_crossing.get(kind)
+            sync_crossing[kind] = (
+                c if old is None else type(c)(kind, old.count + c.count, old.bytes + c.bytes)
+            )
+    return IslandsExplanation(
+        inner=inner,
+        sync=sync,
+        synchronous=synchronous,
+        sync_every=strategy.sync_every,
+        inner_crossing=crossing(inner.hlo, per_island, count),
+        sync_crossing=sync_crossing,
+        synchronous_crossing=crossing(synchronous.hlo, per_island, count),
+    )

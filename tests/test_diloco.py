@@ -1,0 +1,198 @@
+"""spmd.DiLoCo: islands that train apart and average every H steps, against the paper in plain JAX."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from diloco_reference import batches, create, make_step, reference
+from jax.sharding import PartitionSpec as P
+
+import spmd
+from spmd.testing import assert_trees_allclose
+
+pytestmark = pytest.mark.cpu_mesh
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def _train(strategy, inner, steps, **step_options):
+    state = strategy.init(create, jax.random.key(0), inner=inner)
+    step = strategy.step(make_step(inner), **step_options)
+    losses = []
+    for x, y in batches(steps):
+        state, metrics = step(state, x, y)
+        losses.append(np.asarray(metrics["loss"]))
+    return state, losses
+
+
+def _check(state, want_global, want_islands, losses=None, want_losses=None):
+    assert_trees_allclose(spmd_params(state), want_global, **TOL)
+    for i, island in enumerate(want_islands):
+        got = jax.tree.map(lambda x, i=i: np.asarray(x)[i], state.islands)
+        assert_trees_allclose(got, island, **TOL)
+    if losses is not None:
+        np.testing.assert_allclose(np.asarray(losses), np.asarray(want_losses), **TOL)
+
+
+def spmd_params(state):
+    return jax.tree.map(np.asarray, state.params)
+
+
+@pytest.mark.parametrize("islands", [1, 2, 4])
+@pytest.mark.parametrize("inner", ["sgd", "adamw"])
+def test_equals_the_paper_on_one_device(islands, inner):
+    strategy = spmd.DiLoCo(islands=islands, sync_every=3)
+    state, losses = _train(strategy, inner, 7)
+    want = reference(create(jax.random.key(0), inner), make_step(inner), batches(7), islands, 3)
+    _check(state, want[0], want[1], losses, want[2])
+    assert int(state.step) == 7
+
+
+def test_streaming_fragments_sync_on_a_staggered_schedule():
+    strategy = spmd.DiLoCo(islands=2, sync_every=4, fragments=2)
+    state, losses = _train(strategy, "adamw", 9)
+    want = reference(create(jax.random.key(0)), make_step(), batches(9), 2, 4, fragments=2)
+    _check(state, want[0], want[1], losses, want[2])
+
+
+def test_inner_tensor_parallel_and_inner_strategy_layouts():
+    rules = [(r".*dense/kernel", P(None, "model")), (r".*out/kernel", P("model", None))]
+    tp = spmd.DiLoCo(
+        {"data": -1, "model": 2}, islands=2, sync_every=3, rules=rules, batch_axes=("data",)
+    )
+    state, losses = _train(tp, "adamw", 4)
+    assert state.islands["params"]["dense"]["kernel"].sharding.spec == P("island", None, "model")
+    assert state.params["dense"]["kernel"].sharding.spec == P(None, "model")
+    want = reference(create(jax.random.key(0)), make_step(), batches(4), 2, 3)
+    _check(state, want[0], want[1], losses, want[2])
+    fsdp = spmd.DiLoCo(
+        spmd.ParameterServerStrategy(spmd.partitioners.FixedShardsPartitioner(2)),
+        islands=2,
+        sync_every=3,
+    )
+    assert fsdp.mesh.shape == {"island": 2, "ps0": 1, "ps1": 2, "ps2": 2}
+    state, losses = _train(fsdp, "adamw", 4)
+    assert state.islands["params"]["dense"]["kernel"].sharding.spec[0] == "island"
+    _check(state, want[0], want[1], losses, want[2])
+
+
+def test_inner_steps_move_nothing_across_islands_and_the_sync_one_all_reduce():
+    strategy = spmd.DiLoCo(islands=2, sync_every=10)
+    state = strategy.init(create, jax.random.key(0))
+    x, y = batches(1)[0]
+    report = strategy.explain(make_step(), state, x, y)
+    assert report.inner_crossing == {}  # no collective whose devices span islands
+    assert report.inner.collectives  # (the all-reduce inside each island is there)
+    params_bytes = sum(v.nbytes for v in jax.tree.leaves(state.params))
+    assert set(report.sync_crossing) == {"all-reduce"}
+    assert report.sync_crossing["all-reduce"].bytes == params_bytes
+    assert report.synchronous_bytes_across_islands_per_step >= params_bytes
+    assert report.ratio == pytest.approx(1 / 10, rel=0.01)
+    assert "per step" in str(report)
+    gathered = strategy.explain(strategy.step(make_step(), gather_metrics=True), state, x, y)
+    assert sum(c.bytes for c in gathered.inner_crossing.values()) <= 2 * 4 * 2
+
+
+def test_state_checkpoints_and_resumes_exactly(tmp_path):
+    strategy = spmd.DiLoCo(islands=2, sync_every=3)
+    data = batches(7)
+    step = strategy.step(make_step())
+    state = strategy.init(create, jax.random.key(0))
+    ckpt = spmd.CheckpointManager(tmp_path, max_to_keep=None, async_save=False)
+    for t, (x, y) in enumerate(data, 1):
+        state, _ = step(state, x, y)
+        ckpt.save(t, state)
+    again = spmd.DiLoCo(islands=2, sync_every=3)
+    restored = ckpt.restore(4, target=again.abstract_state(create, jax.random.key(0)))
+    assert int(restored.step) == 4
+    step2 = again.step(make_step())
+    for x, y in data[4:]:
+        restored, _ = step2(restored, x, y)
+    assert_trees_allclose(restored, state, rtol=0, atol=0)
+    ckpt.close()
+
+
+def test_restores_into_another_island_count(tmp_path):
+    two = spmd.DiLoCo(islands=2, sync_every=3)
+    state = two.init(create, jax.random.key(0))
+    step = two.step(make_step())
+    for x, y in batches(6):
+        state, _ = step(state, x, y)
+    ckpt = spmd.CheckpointManager(tmp_path, async_save=False)
+    ckpt.save(6, state)
+    four = spmd.DiLoCo(islands=4, sync_every=3)
+    grown = four.restore(ckpt, create, jax.random.key(0), islands=2)
+    assert int(grown.step) == 6
+    assert grown.islands["opt"][0].mu["out"]["bias"].shape[0] == 4
+    assert_trees_allclose(grown.params, state.params, rtol=0, atol=0)
+    assert_trees_allclose(grown.outer, state.outer, rtol=0, atol=0)
+    for i in range(4):  # every island restarts from the global params, its inner state from i % 2
+        island = jax.tree.map(lambda x, i=i: np.asarray(x)[i], grown.islands)
+        assert_trees_allclose(island["params"], state.params, rtol=0, atol=0)
+        saved = jax.tree.map(lambda x, i=i: np.asarray(x)[i % 2], state.islands["opt"])
+        assert_trees_allclose(island["opt"], saved, rtol=0, atol=0)
+    grown, metrics = four.step(make_step())(grown, *batches(1)[0])
+    assert np.asarray(metrics["loss"]).shape == (4,)
+    ckpt.close()
+
+
+def test_global_state_evaluates_with_the_synchronous_strategy():
+    strategy = spmd.DiLoCo(islands=2, sync_every=2)
+    state, _ = _train(strategy, "sgd", 2)
+    user = strategy.global_state(state)
+    assert_trees_allclose(user["params"], strategy.global_params(state), rtol=0, atol=0)
+    x, y = batches(1, seed=3)[0]
+    evaluate = strategy.synchronous.step(lambda s, x, y: make_step("sgd")(s, x, y)[1], donate=False)
+    got = float(evaluate(user, x, y)["loss"])
+    assert np.isfinite(got)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"islands": 3}, "split evenly into 3 islands"),
+        ({"islands": 0}, "islands"),
+        ({"sync_every": 2, "fragments": 3}, "fragments must not exceed sync_every"),
+        ({"outer_optimizer": "sgd"}, "optax GradientTransformation"),
+        ({"inner": {"island": 2}}, "without 'island'"),
+        ({"inner": spmd.MirroredStrategy, "islands": 2}, "inner is None, a spmd.Strategy"),
+        ({"params": 3}, "params is a '/'-separated path"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(kwargs, fragment):
+    with pytest.raises(spmd.ConfigurationError, match=fragment.replace("(", r"\(")):
+        spmd.DiLoCo(**kwargs)
+
+
+def test_bad_states_and_calls_say_what_to_do():
+    strategy = spmd.DiLoCo(islands=2, sync_every=2, params="weights")
+    with pytest.raises(spmd.ConfigurationError, match="params names the part"):
+        strategy.init(create, jax.random.key(0))
+    strategy = spmd.DiLoCo(islands=2, sync_every=2)
+    step = strategy.step(make_step())
+    with pytest.raises(spmd.ConfigurationError, match="DiLoCoState"):
+        step(create(jax.random.key(0)), *batches(1)[0])
+    state = strategy.init(create, jax.random.key(0))
+    x, y = batches(1, batch=6)[0]
+    with pytest.raises(spmd.BatchError, match="split evenly"):
+        step(state, x, y)
+    with pytest.raises(spmd.ConfigurationError, match="positionally"):
+        step(state, x, y=y)
+    with pytest.raises(spmd.ConfigurationError, match="over 3 islands|carve|outermost batch"):
+        spmd.DiLoCo(spmd.MirroredStrategy(), islands=3)
+
+
+def test_outer_optimizer_lr_one_plain_sgd_is_averaging():
+    """With outer SGD at lr 1 the global parameters are the islands' average (local SGD)."""
+    strategy = spmd.DiLoCo(islands=2, sync_every=2, outer_optimizer=optax.sgd(1.0))
+    state = strategy.init(create, jax.random.key(0), inner="sgd")
+    step = strategy.step(make_step("sgd"))
+    data = batches(2)
+    for x, y in data[:1]:
+        state, _ = step(state, x, y)
+    before = jax.tree.map(np.asarray, state.islands["params"])
+    x, y = data[1]
+    state, _ = step(state, x, y)
+    want = reference(create(jax.random.key(0), "sgd"), make_step("sgd"), data, 2, 10)[1]
+    average = jax.tree.map(lambda a, b: (a + b) / 2, want[0]["params"], want[1]["params"])
+    assert_trees_allclose(spmd_params(state), average, **TOL)
+    assert not np.allclose(before["out"]["kernel"][0], before["out"]["kernel"][1])
