@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from spmd.strategy.base import get_strategy as get_strategy
     from spmd.strategy.base import has_strategy as has_strategy
     from spmd.strategy.base import in_cross_replica_context as in_cross_replica_context
+    from spmd.strategy.coordinator import ClusterCoordinator as ClusterCoordinator
+    from spmd.strategy.coordinator import RemoteValue as RemoteValue
     from spmd.strategy.diloco import DiLoCo as DiLoCo
     from spmd.strategy.replica import PerReplica as PerReplica
     from spmd.strategy.replica import ReduceOp as ReduceOp
@@ -71,6 +73,7 @@ __all__ = [
     "CentralStorageStrategy",
     "CheckpointError",
     "CheckpointManager",
+    "ClusterCoordinator",
     "ClusterError",
     "ClusterInfo",
     "Collective",
@@ -97,6 +100,7 @@ __all__ = [
     "PerReplica",
     "Preempted",
     "ReduceOp",
+    "RemoteValue",
     "ReplicaContext",
     "ScopeError",
     "SpmdError",
@@ -128,6 +132,7 @@ _WHERE = {
     "CheckpointError": "spmd.errors",
     "CheckpointManager": "spmd.checkpoint.manager",
     "cluster": "spmd.clusters.initialize",
+    "ClusterCoordinator": "spmd.strategy.coordinator",
     "ClusterError": "spmd.errors",
     "ClusterInfo": "spmd.clusters.initialize",
     "Collective": "spmd.explain",
@@ -164,6 +169,7 @@ _WHERE = {
     "PerReplica": "spmd.strategy.replica",
     "Preempted": "spmd.checkpoint.preemption",
     "ReduceOp": "spmd.strategy.replica",
+    "RemoteValue": "spmd.strategy.coordinator",
     "ReplicaContext": "spmd.strategy.replica",
     "scale_regularization_loss": "spmd.strategy.replica",
     "ScopeError": "spmd.errors",

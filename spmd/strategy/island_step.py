@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,7 @@ from spmd.errors import ConfigurationError, ContextError, message, received
 from spmd.explain import explain_traced
 from spmd.strategy.islands import ISLAND, DiLoCoState, IslandsExplanation, crossing
 from spmd.strategy.replica import in_replica_context
-from spmd.strategy.step import STEP_IN_RUN, _split_output
+from spmd.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
 from spmd.strategy.step_layout import conform
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class IslandStep:
         self.gather_metrics = gather_metrics
         self._programs: dict[Any, _Programs] = {}
         self._last: tuple[Any, int] | None = None  # (the state returned last, its step)
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
         functools.update_wrapper(self, fn)
 
     def __call__(self, state: DiLoCoState, *data: Any, **kwargs: Any) -> Any:
@@ -59,12 +62,23 @@ class IslandStep:
         position = self.position(state)
         data = self._place(data)
         programs = self.programs(state, data)
-        state, metrics = programs.inner(state, data)
+        state, metrics, done = programs.inner(state, data)
+        self._bound_in_flight(done)
         position += 1
         for fragment in self.strategy.due(position):
             state = programs.sync[fragment](state)
         self._last = (state, position)
         return state if programs.returns == "state" else (state, *metrics)
+
+    def _bound_in_flight(self, done: jax.Array) -> None:
+        """On CPU, waits for the oldest call once `CPU_MAX_IN_FLIGHT` are queued: XLA:CPU's
+        simulated devices share one thread pool, and many queued programs' collectives
+        can starve each other's rendezvous and abort the process (as `Step` does)."""
+        if not self._on_cpu:
+            return
+        self._in_flight.append(done)
+        if len(self._in_flight) > CPU_MAX_IN_FLIGHT:
+            self._in_flight.popleft().block_until_ready()
 
     def position(self, state: DiLoCoState) -> int:
         """The inner steps `state` has taken: known for the state the last call
@@ -128,7 +142,7 @@ class _Programs:
             for f, frag in enumerate(fragments)
         ]
 
-    def _inner(self, state: DiLoCoState, data: tuple) -> tuple[DiLoCoState, tuple]:
+    def _inner(self, state: DiLoCoState, data: tuple) -> tuple[DiLoCoState, tuple, jax.Array]:
         strategy, k = self.strategy, self.strategy.islands
         split = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), data)
 
@@ -155,7 +169,7 @@ class _Programs:
             lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(strategy.mesh, where)),
             metrics,
         )
-        return new, metrics
+        return new, metrics, jnp.zeros((), jnp.int8)  # a handle on 'this call finished'
 
     def _sync(self, positions: tuple, fragment: tuple, index: int, state: DiLoCoState):
         """Averages one fragment's deltas over islands, steps the outer optimizer,
