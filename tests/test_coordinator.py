@@ -90,7 +90,7 @@ def _plain(strategy):
     step = strategy.step(train_step)
     state = strategy.init(create, jax.random.key(0))
     iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
-    epochs, loss = [], None
+    epochs = []
     for _ in range(EPOCHS):
         correct = 0
         for _ in range(STEPS_PER_EPOCH):
