@@ -142,6 +142,13 @@ def test_tf_config_ps_task_explains_sharded_variables():
         parse_tf_config(tf_config({"worker": ["h:1"], "ps": ["p:1"]}, "ps"))
 
 
+def test_tf_config_ps_task_points_at_the_coordinator_and_diloco():
+    with pytest.raises(ClusterError) as caught:
+        parse_tf_config(tf_config({"worker": ["h:1"], "ps": ["p:1"]}, "ps"))
+    assert "spmd.ClusterCoordinator(strategy)" in str(caught.value)
+    assert "spmd.DiLoCo(islands=..., sync_every=...)" in str(caught.value)
+
+
 # ------------------------------------------------------------------ resolution order
 
 

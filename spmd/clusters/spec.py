@@ -176,6 +176,12 @@ drop the 'ps' job from TF_CONFIG:
 
     "cluster": {{"worker": ["host0:2222", "host1:2222"], "ps": ["host2:2222"]}}  # wrong
     "cluster": {{"worker": ["host0:2222", "host1:2222"]}}                        # right
+
+A ClusterCoordinator loop ports as it is: spmd.ClusterCoordinator(strategy) runs
+schedule / join / fetch in every process. For training that tolerates slow links
+between groups of workers, as asynchronous parameter servers did, use
+spmd.DiLoCo(islands=..., sync_every=...): islands that average every H steps
+(docs/diloco.md).
 """
 
 
