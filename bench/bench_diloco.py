@@ -145,7 +145,7 @@ def main():
             cross, ratio = "all-reduce of the gradients", "1"
         else:
             sync_bytes = report.synchronous_bytes_across_islands_per_step
-            cross = f"{report.bytes_across_islands_per_step:,.0f} B (sync {sync_bytes:,} B)"
+            cross = f"{report.bytes_across_islands_per_step:,.0f} B (synchronous: {sync_bytes:,} B)"
             ratio = f"{report.ratio:.3f}"
         lines.append(
             f"| {name} | {islands} | {h} | {spread} | {mean - base_mean:+.3f} | {cross} | {ratio} |"

@@ -20,6 +20,7 @@ FAST_ARGS = {
     "04_central_storage.py": ["--steps", "10"],
     "07_sharded_transformer_lm.py": ["--steps", "10"],
     "08_flax_mnist_tutorial.py": ["--steps", "20"],
+    "10_diloco.py": ["--steps", "150"],
 }
 # Examples that start several processes themselves.
 MULTIPROCESS = {"03_multi_worker_tf_config.py"}
