@@ -196,3 +196,41 @@ def test_outer_optimizer_lr_one_plain_sgd_is_averaging():
     average = jax.tree.map(lambda a, b: (a + b) / 2, want[0]["params"], want[1]["params"])
     assert_trees_allclose(spmd_params(state), average, **TOL)
     assert not np.allclose(before["out"]["kernel"][0], before["out"]["kernel"][1])
+
+
+def test_hostile_states_say_what_to_do():
+    strategy = spmd.DiLoCo(islands=2, sync_every=2)
+    step = strategy.step(make_step())
+    state = strategy.init(create, jax.random.key(0))
+    x, y = batches(1)[0]
+    new, _ = step(state, x, y)
+    with pytest.raises(spmd.ConfigurationError, match="used up this one"):
+        step(state, x, y)  # donated by the call before
+    other = spmd.DiLoCo(islands=4, sync_every=2).init(create, jax.random.key(0))
+    with pytest.raises(spmd.ConfigurationError, match="holds 2 islands"):
+        step(other, x, y)
+    derived = spmd.DiLoCo(islands=2, params=lambda s: {"w": s["params"]["out"]["kernel"] * 2})
+    with pytest.raises(spmd.ConfigurationError, match="params"):
+        derived.init(create, jax.random.key(0))
+    counted = spmd.DiLoCo(islands=2, params="opt")  # adamw's state holds an int32 count
+    with pytest.raises(spmd.ConfigurationError, match="floating point"):
+        counted.init(create, jax.random.key(0))
+    state, _ = step(new, x, y)  # the live state still works
+    assert int(state.step) == 2
+
+
+def test_restore_or_init_and_scope_take_a_diloco_strategy(tmp_path):
+    strategy = spmd.DiLoCo(islands=2, sync_every=2)
+    ckpt = spmd.CheckpointManager(tmp_path, async_save=False)
+    with strategy.scope():
+        assert spmd.get_strategy() is strategy
+        state, start = ckpt.restore_or_init(create, jax.random.key(0), strategy=strategy)
+    assert start == 0
+    step = strategy.step(make_step())
+    for t, (x, y) in enumerate(batches(3), 1):
+        state, _ = step(state, x, y)
+        ckpt.save(t, state)
+    again, start = ckpt.restore_or_init(create, jax.random.key(0), strategy=strategy)
+    assert start == 3 and int(again.step) == 3
+    assert_trees_allclose(again, state, rtol=0, atol=0)
+    ckpt.close()

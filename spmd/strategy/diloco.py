@@ -200,6 +200,16 @@ class DiLoCo:
         leaves, treedef = jax.tree.flatten(user)
         positions, params_def = self._params_of(treedef)
         params = [leaves[p] for p in positions]
+        integers = [str(jnp.result_type(x)) for x in params if not _inexact(x)]
+        if integers:
+            raise ConfigurationError(
+                message(
+                    "The parameters DiLoCo averages are floating point arrays.",
+                    received(params=self.params, non_float_dtypes=integers),
+                    "point params at the model's weights only (counters and keys stay in "
+                    "the rest of the state, per island).",
+                )
+            )
         outer = tuple(
             self.outer_optimizer.init(tuple(params[j] for j in frag))
             for frag in self.fragment_leaves(len(positions))
@@ -211,10 +221,10 @@ class DiLoCo:
         """Which leaves of a state of this structure are parameters, and their tree."""
         found = self._positions.get(treedef)
         if found is None:
-            labels = treedef.unflatten(range(treedef.num_leaves))
+            labels = treedef.unflatten([_Label(i) for i in range(treedef.num_leaves)])
             try:
                 part = self._get_params(labels)
-            except (KeyError, AttributeError, TypeError, IndexError) as error:
+            except (KeyError, AttributeError, TypeError, IndexError, ValueError) as error:
                 raise ConfigurationError(
                     message(
                         "params names the part of the state DiLoCo averages across islands.",
@@ -224,8 +234,9 @@ class DiLoCo:
                         "state that is parameters only.",
                     )
                 ) from error
-            positions, params_def = jax.tree.flatten(part)
-            if not positions or not all(isinstance(p, int) for p in positions):
+            picked, params_def = jax.tree.flatten(part)
+            positions = [p.index for p in picked if isinstance(p, _Label)]
+            if not picked or len(positions) != len(picked) or len(set(positions)) != len(picked):
                 raise ConfigurationError(
                     message(
                         "params must pick leaves of the state itself (keys, attributes).",
@@ -429,6 +440,19 @@ class DiLoCo:
             )
 
         return jax.jit(reseed, out_shardings=self.state_sharding(target))(restored)
+
+
+class _Label:
+    """A state leaf's index, standing in for the leaf to find which leaves `params` picks."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 def _path_getter(path: str) -> Callable[[Any], Any]:

@@ -93,6 +93,27 @@ class IslandStep:
             )
         if self._last is not None and state is self._last[0]:
             return self._last[1]
+        leaves = jax.tree.leaves(state)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+            raise ConfigurationError(
+                message(
+                    "A DiLoCo step donates its state: an earlier call used up this one.",
+                    received(state="a DiLoCoState whose arrays were donated to an earlier call"),
+                    "pass the state the last call returned: state, metrics = step(state, x, y).",
+                )
+            )
+        islands = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(state.islands)}
+        if islands != {self.strategy.islands}:
+            raise ConfigurationError(
+                message(
+                    f"This strategy's state holds {self.strategy.islands} islands (the leading "
+                    "axis of every leaf of state.islands).",
+                    received(leading_sizes=sorted(islands, key=str)),
+                    "make the state with this strategy's init, or restore a checkpoint of "
+                    "another island count with strategy.restore(manager, create_fn, key, "
+                    "islands=saved_count).",
+                )
+            )
         step = state.step
         if isinstance(step, jax.Array):
             step = step.addressable_shards[0].data
