@@ -44,6 +44,30 @@ def run(strategy, islands, steps=7, sync_every=3):
     }
 
 
+def coordinated(strategy, steps=7):
+    """The parameter server tutorial's loop: every process schedules, joins and fetches."""
+    coordinator = spmd.ClusterCoordinator(strategy)
+    step = strategy.step(make_step())
+    state = strategy.init(create, jax.random.key(0))
+    iterator = iter(coordinator.create_per_worker_dataset(lambda: batches(steps - 1)))
+
+    def step_fn(iterator):
+        nonlocal state
+        state, metrics = step(state, *next(iterator))
+        return metrics["loss"]
+
+    for _ in range(steps - 2):
+        coordinator.schedule(step_fn, args=(iterator,))
+    coordinator.join()
+    loss = coordinator.fetch(coordinator.schedule(step_fn, args=(iterator,)))
+    want = reference(create(jax.random.key(0)), make_step(), batches(steps - 1), 2, 3)
+    return {
+        "global": close(state.params, want[0]),
+        "loss": bool(np.allclose(loss, want[2][-1], rtol=2e-5, atol=2e-6)),
+        "done": coordinator.done(),
+    }
+
+
 one_per_process = spmd.DiLoCo(spmd.MultiWorkerMirroredStrategy(), islands=2, sync_every=3)
 two_per_process = spmd.DiLoCo(islands=4, sync_every=3)
 island_of = {d.process_index for d in one_per_process.mesh.devices[jax.process_index()].flat}
@@ -55,6 +79,7 @@ print(
             "island_processes": sorted(island_of),
             "one": run(one_per_process, 2),
             "two": run(two_per_process, 4),
+            "coordinated": coordinated(one_per_process),
         }
     ),
     flush=True,

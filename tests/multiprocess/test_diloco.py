@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def test_islands_across_two_processes_equal_the_paper_on_one_device():
+    """Also the ClusterCoordinator loop, run by both processes, over those islands."""
     results = run_processes(
         [sys.executable, str(WORKER)], 2, devices_per_process=2, timeout=360, env=child_env()
     )
@@ -32,3 +33,4 @@ def test_islands_across_two_processes_equal_the_paper_on_one_device():
         for run in (out["one"], out["two"]):
             assert run["global"] and run["islands"] and run["losses"], run
             assert run["step"] == 7
+        assert out["coordinated"] == {"global": True, "loss": True, "done": True}
