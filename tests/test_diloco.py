@@ -234,3 +234,21 @@ def test_restore_or_init_and_scope_take_a_diloco_strategy(tmp_path):
     assert start == 3 and int(again.step) == 3
     assert_trees_allclose(again, state, rtol=0, atol=0)
     ckpt.close()
+
+
+def test_crossing_reads_every_replica_group_format():
+    from spmd.strategy.islands import crossing
+
+    lines = {
+        "inside": "%a = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1},{2,3}}",
+        "iota_inside": "%b = f32[4]{0} all-gather(f32[2]{0} %x), replica_groups=[2,2]<=[4]",
+        "iota_across": "%c = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups=[2,2]<=[2,2]T(1,0)",
+        "explicit_across": "%d = f32[2]{0} all-reduce(f32[2]{0} %x), replica_groups={{0,2},{1,3}}",
+        "permute": "%e = f32[1]{0} collective-permute(f32[1]{0} %x), source_target_pairs={{0,2}}",
+        "all": "%f = f32[3]{0} all-reduce(f32[3]{0} %x), replica_groups={}",
+    }
+    assert crossing(lines["inside"] + "\n" + lines["iota_inside"], 2, 4) == {}
+    found = crossing("\n".join(lines.values()), 2, 4)
+    assert found["all-reduce"].count == 3
+    assert found["all-reduce"].bytes == (4 + 2 + 3) * 4
+    assert found["collective-permute"].bytes == 4
