@@ -47,6 +47,7 @@ def test_equals_the_paper_on_one_device(islands, inner):
     assert int(state.step) == 7
 
 
+@pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_streaming_fragments_sync_on_a_staggered_schedule():
     strategy = spmd.DiLoCo(islands=2, sync_every=4, fragments=2)
     state, losses = _train(strategy, "adamw", 9)
@@ -54,6 +55,7 @@ def test_streaming_fragments_sync_on_a_staggered_schedule():
     _check(state, want[0], want[1], losses, want[2])
 
 
+@pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_inner_tensor_parallel_and_inner_strategy_layouts():
     rules = [(r".*dense/kernel", P(None, "model")), (r".*out/kernel", P("model", None))]
     tp = spmd.DiLoCo(
@@ -75,6 +77,7 @@ def test_inner_tensor_parallel_and_inner_strategy_layouts():
     _check(state, want[0], want[1], losses, want[2])
 
 
+@pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_inner_steps_move_nothing_across_islands_and_the_sync_one_all_reduce():
     strategy = spmd.DiLoCo(islands=2, sync_every=10)
     state = strategy.init(create, jax.random.key(0))
@@ -92,6 +95,7 @@ def test_inner_steps_move_nothing_across_islands_and_the_sync_one_all_reduce():
     assert sum(c.bytes for c in gathered.inner_crossing.values()) <= 2 * 4 * 2
 
 
+@pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_state_checkpoints_and_resumes_exactly(tmp_path):
     strategy = spmd.DiLoCo(islands=2, sync_every=3)
     data = batches(7)
@@ -111,6 +115,7 @@ def test_state_checkpoints_and_resumes_exactly(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_restores_into_another_island_count(tmp_path):
     two = spmd.DiLoCo(islands=2, sync_every=3)
     state = two.init(create, jax.random.key(0))
@@ -135,6 +140,7 @@ def test_restores_into_another_island_count(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_global_state_evaluates_with_the_synchronous_strategy():
     strategy = spmd.DiLoCo(islands=2, sync_every=2)
     state, _ = _train(strategy, "sgd", 2)
@@ -219,6 +225,7 @@ def test_hostile_states_say_what_to_do():
     assert int(state.step) == 2
 
 
+@pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_restore_or_init_and_scope_take_a_diloco_strategy(tmp_path):
     strategy = spmd.DiLoCo(islands=2, sync_every=2)
     ckpt = spmd.CheckpointManager(tmp_path, async_save=False)
