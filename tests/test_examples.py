@@ -79,3 +79,27 @@ def test_quickstart_under_launch():
         ]
     )
     assert "[0] MultiWorkerMirroredStrategy(mesh=(host=2, replica=2)" in out
+
+
+@pytest.mark.multiprocess
+def test_diloco_example_under_launch():
+    """Islands cut across the two processes; the checkpoint in one folder both see."""
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            sys.executable,
+            str(EXAMPLES / "10_diloco.py"),
+            "--steps",
+            "150",
+        ],
+        timeout=400,
+    )
+    assert "[0] OK: DiLoCo within 5 points" in out
