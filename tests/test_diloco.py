@@ -259,3 +259,8 @@ def test_crossing_reads_every_replica_group_format():
     assert found["all-reduce"].count == 3
     assert found["all-reduce"].bytes == (4 + 2 + 3) * 4
     assert found["collective-permute"].bytes == 4
+
+
+def test_a_trainer_on_diloco_says_to_write_the_loop():
+    with pytest.raises(spmd.ConfigurationError, match="for spmd.DiLoCo write the loop"):
+        spmd.Trainer(lambda x: x, optax.sgd(0.1), "mse", strategy=spmd.DiLoCo(islands=2))

@@ -119,6 +119,16 @@ class Trainer:
                 )
             )
         self.strategy = strategy or get_strategy()
+        if not isinstance(self.strategy, Strategy):
+            raise ConfigurationError(
+                message(
+                    "A Trainer runs on a spmd.Strategy (any named strategy).",
+                    received(strategy=self.strategy),
+                    "for spmd.DiLoCo write the loop: state = strategy.init(create, key); "
+                    "step = strategy.step(train_step); state, metrics = step(state, x, y) "
+                    "(docs/diloco.md).",
+                )
+            )
         self.optimizer = optimizer
         self.loss_name, self.loss_fn = resolve_loss(loss)
         self.metrics = resolve_metrics(metrics, self.loss_name)
