@@ -16,6 +16,7 @@ from flax import nnx
 
 from spmd.errors import BatchError, ConfigurationError, SpmdError, message, received
 from spmd.strategy.base import Strategy, get_strategy
+from spmd.strategy.islands import check_strategy
 from spmd.trainer.batch_checks import BatchChecks
 from spmd.trainer.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
 from spmd.trainer.data import (
@@ -118,17 +119,7 @@ class Trainer:
                     'pass mixed_precision="bfloat16" or None.',
                 )
             )
-        self.strategy = strategy or get_strategy()
-        if not isinstance(self.strategy, Strategy):
-            raise ConfigurationError(
-                message(
-                    "A Trainer runs on a spmd.Strategy (any named strategy).",
-                    received(strategy=self.strategy),
-                    "for spmd.DiLoCo write the loop: state = strategy.init(create, key); "
-                    "step = strategy.step(train_step); state, metrics = step(state, x, y) "
-                    "(docs/diloco.md).",
-                )
-            )
+        self.strategy = check_strategy(strategy or get_strategy(), "A Trainer")
         self.optimizer = optimizer
         self.loss_name, self.loss_fn = resolve_loss(loss)
         self.metrics = resolve_metrics(metrics, self.loss_name)
