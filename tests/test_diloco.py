@@ -264,3 +264,31 @@ def test_crossing_reads_every_replica_group_format():
 def test_a_trainer_on_diloco_says_to_write_the_loop():
     with pytest.raises(spmd.ConfigurationError, match="for spmd.DiLoCo write the loop"):
         spmd.Trainer(lambda x: x, optax.sgd(0.1), "mse", strategy=spmd.DiLoCo(islands=2))
+
+
+def test_each_island_draws_its_own_random_numbers():
+    """A typed PRNG key in the state is folded with the island's index at init."""
+    tx = optax.sgd(0.1)
+
+    def create_with_key(key):
+        params = {"w": jax.numpy.ones((4, 2))}
+        return {"params": params, "opt": tx.init(params), "rng": jax.random.key(1)}
+
+    def noisy_step(state, x):
+        rng, sub = jax.random.split(state["rng"])
+        mask = jax.random.bernoulli(sub, 0.5, x.shape)
+        grads = jax.grad(lambda p: ((x * mask) @ p["w"]).sum())(state["params"])
+        updates, opt = tx.update(grads, state["opt"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt, "rng": rng}
+        return new, {"kept": mask.mean()}
+
+    strategy = spmd.DiLoCo(islands=2, sync_every=2)
+    state = strategy.init(create_with_key, jax.random.key(0))
+    keys = jax.random.key_data(state.islands["rng"])
+    assert not np.array_equal(keys[0], keys[1])
+    np.testing.assert_array_equal(
+        keys[1], jax.random.key_data(jax.random.fold_in(jax.random.key(1), 1))
+    )
+    step = strategy.step(noisy_step)
+    kept = [np.asarray(step(state, np.ones((16, 4), np.float32))[1]["kept"])]
+    assert kept[0][0] != kept[0][1]

@@ -214,8 +214,17 @@ class DiLoCo:
             self.outer_optimizer.init(tuple(params[j] for j in frag))
             for frag in self.fragment_leaves(len(positions))
         )
-        islands = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.islands, *jnp.shape(x))), user)
+        islands = jax.tree.map(self._per_island, user)
         return DiLoCoState(params_def.unflatten(params), outer, islands, jnp.zeros((), jnp.int32))
+
+    def _per_island(self, x: Any) -> Any:
+        """A leaf copied to every island; a typed PRNG key folded with the island's index,
+        so that islands draw their own random numbers (dropout masks, noise)."""
+        if isinstance(x, jax.Array | jax.ShapeDtypeStruct) and jax.dtypes.issubdtype(
+            x.dtype, jax.dtypes.prng_key
+        ):
+            return jax.vmap(lambda i: jax.random.fold_in(x, i))(jnp.arange(self.islands))
+        return jnp.broadcast_to(x, (self.islands, *jnp.shape(x)))
 
     def _params_of(self, treedef: Any) -> tuple[tuple[int, ...], Any]:
         """Which leaves of a state of this structure are parameters, and their tree."""
@@ -321,7 +330,7 @@ class DiLoCo:
         island = _island_index(island, self.islands)
         leaves, treedef = jax.tree.flatten(state.islands)
         positions, _ = self._params_of(treedef)
-        user = treedef.unflatten([x[island] for x in leaves])
+        user = treedef.unflatten([jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in leaves])
         sharding = self.synchronous.state_sharding(user)
 
         def pick(state):
