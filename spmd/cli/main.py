@@ -60,6 +60,14 @@ def _add_launch(subparsers: Subparsers) -> None:
         help="seconds for the whole launch, restarts included; then every process is stopped",
     )
     p.add_argument(
+        "--hang-timeout",
+        type=positive_float,
+        metavar="S",
+        help="seconds a process may go without a step before every process ends naming it "
+        "and its stack, exit code 75 (default: the larger of 300 s and 10 times the slowest "
+        "recent step)",
+    )
+    p.add_argument(
         "--exit-grace",
         type=positive_float,
         default=EXIT_GRACE,
@@ -97,6 +105,7 @@ def _run_launch(args: argparse.Namespace) -> int:
             exit_grace=args.exit_grace,
             verbose=args.verbose,
             min_processes=args.min_processes,
+            hang_timeout=args.hang_timeout,
         )
     except KeyboardInterrupt:
         print("spmd launch: interrupted; stopped every process.", file=sys.stderr)

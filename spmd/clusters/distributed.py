@@ -15,8 +15,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from spmd.clusters import hang_watch
 from spmd.clusters.jax_state import global_state
-from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE, PREEMPTED_EXIT_CODE
+from spmd.clusters.launch_results import (
+    CONFIGURATION_EXIT_CODE,
+    HANG_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+)
 from spmd.errors import BatchError, ConfigurationError, InitializationError, message, received
 
 __all__ = [
@@ -38,6 +43,7 @@ SIGTERM_GRACE = 120.0  # seconds after SIGTERM for a process with a save to make
 _FAILED = "spmd/failed/"  # key prefix: a process that fails says so here, once, before exiting
 _NOTICE = "RECEIVED_PREEMPTION_NOTICE"  # JAX's key, set when any process gets SIGTERM
 _EXIT_CODE_PEER = 1  # how a process ends because a peer failed
+_REASON_CHARS = 4000  # of a hang's reason, which carries the stuck process's stack
 # How a process that ends because a peer failed starts its last line ("spmd: ending:
 # process K failed ..."): `spmd launch` reads it, never to name it as the first failure.
 FOLLOWER = "ending: process"
@@ -198,13 +204,16 @@ def join(
     init_timeout: int,
     heartbeat_timeout: int,
     exit_timeout: int = EXIT_TIMEOUT,
+    hang_timeout: float | None = None,
 ) -> None:
     """Calls jax.distributed.initialize, raising InitializationError instead of aborting.
 
     With a coordinator address it binds the coordinator there only (see
     `bind_address`), checks on process 0 that the port is free, then starts
-    the peer watch (`report_failure`), the bounded exit, and spmd's SIGTERM
-    handling. Without one, JAX's cluster detection picks everything.
+    the peer watch (`report_failure`), the hang watch (`hang_watch`: a process
+    that stops stepping for `hang_timeout` s, None: the default rule, is named),
+    the bounded exit, and spmd's SIGTERM handling. Without one, JAX's cluster
+    detection picks everything.
     """
     import jax
 
@@ -238,6 +247,30 @@ def join(
     _record_sys_exit()
     atexit.register(_agree_to_exit, exit_timeout)
     threading.Thread(target=_watch_peers, name="spmd-peer-watch", daemon=True).start()
+    hang_watch.start(
+        _client(), (index, count), (hang_timeout, heartbeat_timeout), _end_for, _exiting
+    )
+
+
+def _exiting() -> bool:
+    return bool(_state["exiting"])
+
+
+def _end_for(culprit: int, reason: str, text: str) -> None:
+    """Records `reason` as process `culprit`'s failure, for every peer to read, and ends.
+
+    The hang watch calls it: on the process that is behind (it names itself),
+    or on the first to see a peer fall silent (it speaks for that peer). Its
+    peers' watches then end them naming `culprit`, with HANG_EXIT_CODE.
+    """
+    client = _client()
+    with contextlib.suppress(Exception):
+        client.key_value_set(f"{_FAILED}{culprit}", reason[:_REASON_CHARS], allow_overwrite=True)
+    if culprit != _state["process"]:
+        _linger_if_host()
+        _end(HANG_EXIT_CODE, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
+    time.sleep(2.5 * PEER_POLL)  # the peers read it and end first: no collective fails on them
+    _end(HANG_EXIT_CODE, text)
 
 
 def _shutdown_quietly() -> None:
@@ -425,7 +458,9 @@ def _watch_peers() -> None:
                 key, reason = failed[0]
                 who = key.rsplit("/", 1)[1]
                 _linger_if_host()
-                _end(_EXIT_CODE_PEER, f"{FOLLOWER} {who} failed ({reason}); ending this one too.")
+                stalled = reason.startswith((hang_watch.HUNG, hang_watch.GONE))
+                code = HANG_EXIT_CODE if stalled else _EXIT_CODE_PEER
+                _end(code, f"{FOLLOWER} {who} failed ({reason}); ending this one too.")
         if sigterm_at is None and _notice(client):
             sigterm_at = time.monotonic()
             _state["sigterm"] = True

@@ -1,0 +1,52 @@
+"""A training loop in which one process stops making progress: `python hang_worker.py SCENARIO`.
+
+Scenarios (process ids from SPMD_PROCESS_ID; every process takes 30 steps of a
+psum-ing step, then prints DONE):
+  sleep   process 1 sleeps 120 s in its loop before step 4 (alive, no progress).
+  slow    process 1 sleeps 0.4 s before every step: slow, but it advances.
+  lock    process 1 waits on a lock nobody releases before step 4 (a deadlocked loader).
+The hang timeout comes from SPMD_HANG_TIMEOUT (spmd launch --hang-timeout).
+"""
+
+import os
+import sys
+import threading
+import time
+
+import spmd
+
+SCENARIO = sys.argv[1]
+INDEX = int(os.environ["SPMD_PROCESS_ID"])
+spmd.initialize(local_device_count=1)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+strategy = spmd.MultiWorkerMirroredStrategy()
+
+
+@strategy.step
+def step(state, batch):
+    return state + jnp.sum(batch), jnp.mean(batch)
+
+
+def stall_here() -> None:
+    if SCENARIO == "sleep":
+        time.sleep(120)
+    elif SCENARIO == "lock":
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire(timeout=120)  # the second acquire never succeeds: a loader's deadlock
+
+
+state = jnp.zeros(())
+batch = jnp.ones((strategy.num_replicas_in_sync, 2))
+for i in range(30):
+    if INDEX == 1 and i == 4:
+        stall_here()
+    if INDEX == 1 and SCENARIO == "slow":
+        time.sleep(0.4)
+    state, loss = step(state, batch)
+    print("STEP", i, float(loss), flush=True)
+jax.block_until_ready(state)
+print("DONE", flush=True)
