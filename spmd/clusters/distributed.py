@@ -15,12 +15,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from spmd.clusters import hang_watch
+from spmd.clusters import hang_watch, roll_call
 from spmd.clusters.jax_state import global_state
 from spmd.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
     HANG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
+    not_arrived,
 )
 from spmd.errors import BatchError, ConfigurationError, InitializationError, message, received
 
@@ -225,6 +226,7 @@ def join(
         bind = bind_address(coordinator)
         if index == 0:
             _check_port_free(coordinator, bind)
+        _roll_call(coordinator, bind, (index, count), init_timeout)
         kwargs.update(
             coordinator_address=coordinator,
             num_processes=count,
@@ -271,6 +273,55 @@ def _end_for(culprit: int, reason: str, text: str) -> None:
         _end(HANG_EXIT_CODE, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
     time.sleep(2.5 * PEER_POLL)  # the peers read it and end first: no collective fails on them
     _end(HANG_EXIT_CODE, text)
+
+
+def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeout: float) -> None:
+    """Before the join: raises naming the processes missing, or the id given twice.
+
+    See `spmd.clusters.roll_call`. Where process 0 cannot listen on the
+    coordinator's address, nothing is checked here and JAX's join reports it.
+    """
+    index, count = where
+    if index == 0:
+        listen = bind or f"[::]:{coordinator.rpartition(':')[2]}"
+        try:
+            verdict = roll_call.answer(listen, count, timeout)
+        except OSError:
+            return
+    else:
+        verdict = roll_call.call(coordinator, index, timeout)
+    if not verdict.ok:
+        raise InitializationError(_absent(verdict, coordinator, where, timeout))
+
+
+def _absent(verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int], timeout: float):
+    """The teaching message for a roll call that found someone missing or doubled."""
+    index, count = where
+    got = received(coordinator_address=coordinator, process_id=index, num_processes=count)
+    if verdict.twice is not None:
+        return message(
+            f"Each process must join with its own process_id, 0 .. {count - 1}; process_id "
+            f"{verdict.twice} was given to more than one process (the same process_id twice): "
+            f"{' and '.join(verdict.where)}.",
+            got,
+            "give every process a different index (SPMD_PROCESS_ID, TF_CONFIG's task index, or "
+            "process_id=), or let spmd launch number them; check that the coordinator address "
+            "is this job's.",
+        )
+    missing = [0] if verdict.unreachable else list(verdict.missing)
+    what = (
+        "spmd.initialize() (process 0 hosts the coordinator)"
+        if verdict.unreachable
+        else ("spmd.initialize()")
+    )
+    return message(
+        f"{not_arrived(missing, what, timeout)}: all {count} processes (process ids 0 .. "
+        f"{count - 1}, each once) must join within initialization_timeout={timeout:g} s.",
+        got,
+        f"start process(es) {missing} too (a process that crashed before spmd.initialize() says "
+        "why in its own output); check that process 0's host:port is reachable from this "
+        "machine, or raise initialization_timeout.",
+    )
 
 
 def _shutdown_quietly() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import sys
 import threading
@@ -187,6 +188,9 @@ class _Watch:
             self.peers[index] = (record.seq, changed)
             silent = now - changed if index != self.index else 0.0
             records[index] = dataclasses.replace(record, stalled=record.stalled + silent)
+        for index in set(range(self.count)) - set(records):  # killed before its first record
+            self.peers.setdefault(index, (None, now))
+            records[index] = Record(0, 0, now - self.peers[index][1], math.inf, False, False)
         return records
 
     def silent(self, now: float, records: Mapping[int, Record]) -> int | None:
@@ -218,9 +222,11 @@ class _Watch:
             self.end(self.index, reason, f"process {self.index} {reason}")
 
     def run(self, stopping: Callable[[], bool]) -> None:
+        first = True
         while not stopping():
-            time.sleep(self.interval)
-            now = time.monotonic()
+            if not first:
+                time.sleep(self.interval)
+            first, now = False, time.monotonic()
             done = stopping()
             try:
                 self.publish(self.sample(now, done))
