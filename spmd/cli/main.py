@@ -169,9 +169,11 @@ def _run_env(args: argparse.Namespace) -> int:
 
     import jax
 
+    from spmd.clusters.backend_check import check_backends_start
     from spmd.clusters.initialize import initialize
     from spmd.strategy import strategies
 
+    check_backends_start()
     info = initialize(local_device_count=args.devices)
     print("cluster:")
     for field in dataclasses.fields(info):
