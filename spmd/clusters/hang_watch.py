@@ -3,15 +3,15 @@
 A step pays one list-item increment (`STEPS[0] += 1` in `Step.__call__`). A
 daemon thread of each process samples that count and, every few seconds,
 publishes it in the coordination service's key-value store with how long it
-has not moved, whether the main thread waits in JAX (for a peer, in a
-collective) and, once it has not moved for a while, the main thread's stack.
-Every process reads every record. When one process has not advanced for its
-hang timeout, the process behind (the lowest step; among equals the one not
-waiting in JAX, then the one stalled longest) ends itself with its stack and
-tells the others, who end naming it. A peer whose record stops changing (killed
-without a word, its machine lost, or its Python threads frozen) is named by
-the first process to notice, before the coordination service's heartbeat
-timeout would abort everyone.
+has not moved and whether the main thread waits in JAX (for a peer, in a
+collective) or in the program's own code. Every process reads every record.
+When one process has not advanced for its hang timeout, the process behind
+(the lowest step; among equals the one not waiting in JAX, then the one
+stalled longest) ends itself, printing its main thread's stack and its other
+threads' innermost frames, and tells the others, who end naming it. A peer
+whose record stops changing (killed without a word, its machine lost, or its
+Python threads frozen) is named by the first process to notice, before the
+coordination service's heartbeat timeout would abort everyone.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ GONE = "gone:"  # how the reason given for a process that stopped publishing sta
 _KEY = "spmd/progress/"  # key prefix: each process's Record, as JSON
 _ARMED_AT = 2  # the watch arms at the second Step call: the first one's compilation is not a hang
 _STACK_FRAMES = 12  # innermost frames of the main thread's stack that are shown
+_OTHER_FRAMES = 3  # innermost frames shown of each other thread
 
 
 def _waiting_in() -> tuple[str, ...]:
@@ -71,7 +72,6 @@ class Record:
       armed: whether its watch is armed (the second Step call came).
       waiting: whether its main thread waits in JAX (or spmd's step) rather than in its own code.
       done: whether it reached the end of its program (it no longer steps).
-      stack: its main thread's stack, once it has not moved for half its limit.
     """
 
     seq: int
@@ -81,7 +81,6 @@ class Record:
     armed: bool
     waiting: bool
     done: bool = False
-    stack: str = ""
 
 
 def behind(records: Mapping[int, Record]) -> int | None:
@@ -134,6 +133,19 @@ def _main_stack() -> tuple[str, bool]:
     return "".join(lines).rstrip(), waiting
 
 
+def _other_stacks() -> str:
+    """The innermost frames of this process's other threads (a loader's, say), spmd's own left out."""
+    frames = sys._current_frames()
+    parts = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or -1)
+        if thread is threading.main_thread() or frame is None or thread.name.startswith("spmd-"):
+            continue
+        lines = "".join(traceback.format_stack(frame)[-_OTHER_FRAMES:]).rstrip()
+        parts.append(f"\nthread {thread.name!r}:\n{lines}")
+    return "".join(parts)
+
+
 @dataclasses.dataclass
 class _Watch:
     """One process's view: its own progress, and when each peer's record last changed."""
@@ -167,10 +179,9 @@ class _Watch:
             self.seen, self.moved_at = count, now
         self.seq += 1
         stalled, limit = now - self.moved_at, self.limit()
-        stack, waiting = _main_stack()
-        stack = stack if stalled >= limit / 2 else ""
+        waiting = _main_stack()[1]
         armed = count >= _ARMED_AT
-        return Record(self.seq, count, round(stalled, 2), limit, armed, waiting, done, stack)
+        return Record(self.seq, count, round(stalled, 2), limit, armed, waiting, done)
 
     def publish(self, record: Record) -> None:
         value = json.dumps(dataclasses.asdict(record))
@@ -214,7 +225,7 @@ class _Watch:
             self.end(gone, reason, f"process {gone} is gone: {reason[len(GONE) + 1 :]}.")
         if behind(records) == self.index:
             r = records[self.index]
-            stack = _main_stack()[0] or "(no Python stack)"
+            stack = (_main_stack()[0] or "(no Python stack)") + _other_stacks()
             reason = (
                 f"{HUNG} no progress for {r.stalled:.0f} s after {r.step} steps (hang_timeout="
                 f"{r.limit:g} s) while its peers waited for it; its main thread:\n{stack}"
