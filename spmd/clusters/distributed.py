@@ -306,7 +306,8 @@ def _absent(verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int]
             got,
             "give every process a different index (SPMD_PROCESS_ID, TF_CONFIG's task index, or "
             "process_id=), or let spmd launch number them; check that the coordinator address "
-            "is this job's.",
+            "is this job's. A process restarted alone cannot rejoin a running job: restart "
+            "every process.",
         )
     missing = [0] if verdict.unreachable else list(verdict.missing)
     what = (

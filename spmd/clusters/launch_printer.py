@@ -98,8 +98,9 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
         one = len(hung) == 1
         names = f"process {hung[0]}" if one else f"processes {hung}"
         return (
-            f"first failure: {names}, alive but hung or slow: {'it' if one else 'they'} never "
-            f"reached the collective that process {index} waited in; process {index} then "
+            f"first failure: {names}, alive but hung or slow (or never started): "
+            f"{'it' if one else 'they'} never reached {absent[2]}, where process {index} "
+            f"waited; process {index} then "
             f"{what}. Look at what {names} {'was' if one else 'were'} doing (the output above, "
             "py-spy dump)."
         )

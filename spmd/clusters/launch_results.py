@@ -37,7 +37,7 @@ GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL when stopping processe
 EXIT_GRACE = 30.0
 # How an error about processes that never reached a collective starts (spmd.checkpoint's
 # guard): `spmd launch` reads it to name those processes, not the one that waited, as at fault.
-NOT_ARRIVED_LINE = re.compile(r"process\(es\) \[([\d, ]+)\] did not reach ")
+NOT_ARRIVED_LINE = re.compile(r"process\(es\) \[([\d, ]+)\] did not reach (.+?) within ")
 
 
 def not_arrived(missing: list[int], what: str, timeout: float) -> str:
