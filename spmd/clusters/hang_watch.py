@@ -6,8 +6,8 @@ publishes it in the coordination service's key-value store with how long it
 has not moved and whether the main thread waits in JAX (for a peer, in a
 collective) or in the program's own code. Every process reads every record.
 When one process has not advanced for its hang timeout, the process behind
-(the lowest step; among equals the one not waiting in JAX, then the one
-stalled longest) ends itself, printing its main thread's stack and its other
+(the lowest step; among equals the one not waiting in JAX, then the lowest
+index) ends itself, printing its main thread's stack and its other
 threads' innermost frames, and tells the others, who end naming it. A peer
 whose record stops changing (killed without a word, its machine lost, or its
 Python threads frozen) is named by the first process to notice, before the
@@ -49,13 +49,15 @@ _KEY = "spmd/progress/"  # key prefix: each process's Record, as JSON
 _ARMED_AT = 2  # the watch arms at the second Step call: the first one's compilation is not a hang
 _STACK_FRAMES = 12  # innermost frames of the main thread's stack that are shown
 _OTHER_FRAMES = 3  # innermost frames shown of each other thread
+_WATCHES = ("spmd-hang-watch", "spmd-peer-watch")  # threads that are not the program's
+_STDLIB = os.path.join(os.path.dirname(os.path.abspath(threading.__file__)), "")
 
 
 def _waiting_in() -> tuple[str, ...]:
-    """Where the main thread's innermost frame is when it waits for a computation (and
-    so, in a collective, for its peers) rather than doing the program's own work."""
-    spmd_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dirs = [os.path.join(spmd_dir, "strategy")]
+    """Where a thread's innermost frame is when it waits for a computation or for its
+    peers (JAX, and spmd: its step, its input pipeline's agreement across processes)
+    rather than running the program's own code."""
+    dirs = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # spmd's own waits
     dirs += [os.path.dirname(m.__file__) for m in map(sys.modules.get, ("jax", "jaxlib")) if m]
     return tuple(os.path.join(d, "") for d in dirs)
 
@@ -87,14 +89,15 @@ def behind(records: Mapping[int, Record]) -> int | None:
     """The process the job waits for, once some process has not advanced for its limit.
 
     Of the processes not done: the lowest step; among equals the one not waiting
-    in JAX (the others wait for it in a collective), then the one stalled
-    longest, then the lowest index. None while no armed process is past its
-    limit, or while the one behind has not been stalled for half of its own.
+    in JAX (the others wait for it in a collective), then the lowest index:
+    what every process reads alike from the records, so that all of them name
+    the same one. None while no armed process is past its limit, or while the
+    one behind has not been stalled for half of its own.
     """
     live = {i: r for i, r in records.items() if not r.done}
     if not any(r.armed and r.stalled >= r.limit for r in live.values()):
         return None
-    index = min(live, key=lambda i: (live[i].step, live[i].waiting, -live[i].stalled, i))
+    index = min(live, key=lambda i: (live[i].step, live[i].waiting, i))
     return index if live[index].stalled >= live[index].limit / 2 else None
 
 
@@ -123,14 +126,40 @@ def check_hang_timeout(value: float | None, name: str = "hang_timeout") -> float
     return seconds
 
 
+def _kind(frame: Any) -> str:
+    """Where a thread's innermost frame is: "jax" (waiting for a computation, so in a
+    collective for its peers), "idle" (the standard library: waiting on a lock, a
+    queue, another thread) or "own" (the program's code, a C call from it included)."""
+    path = os.path.abspath(frame.f_code.co_filename)
+    if path.startswith(_waiting_in()):
+        return "jax"
+    if path.startswith(_STDLIB) and "-packages" not in path:
+        return "idle"
+    return "own"
+
+
 def _main_stack() -> tuple[str, bool]:
-    """The main thread's innermost frames, formatted, and whether it waits in JAX."""
-    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    """The main thread's innermost frames, formatted, and whether the process waits in JAX.
+
+    It waits when its main thread does, or when its main thread waits on
+    another thread (a prefetching loader's queue) and no thread runs the
+    program's own code (a loader stuck in its source does).
+    """
+    frames = sys._current_frames()
+    main = threading.main_thread()
+    frame = frames.get(main.ident or -1)
     if frame is None:
         return "", False
-    waiting = os.path.abspath(frame.f_code.co_filename).startswith(_waiting_in())
+    kind = _kind(frame)
+    if kind == "idle":
+        others = [
+            frames[t.ident]
+            for t in threading.enumerate()
+            if t is not main and t.ident in frames and t.name not in _WATCHES
+        ]
+        kind = "own" if any(_kind(f) == "own" for f in others) else "jax"
     lines = traceback.format_stack(frame)[-_STACK_FRAMES:]
-    return "".join(lines).rstrip(), waiting
+    return "".join(lines).rstrip(), kind == "jax"
 
 
 def _other_stacks() -> str:
@@ -139,7 +168,7 @@ def _other_stacks() -> str:
     parts = []
     for thread in threading.enumerate():
         frame = frames.get(thread.ident or -1)
-        if thread is threading.main_thread() or frame is None or thread.name.startswith("spmd-"):
+        if thread is threading.main_thread() or frame is None or thread.name in _WATCHES:
             continue
         lines = "".join(traceback.format_stack(frame)[-_OTHER_FRAMES:]).rstrip()
         parts.append(f"\nthread {thread.name!r}:\n{lines}")

@@ -5,6 +5,8 @@ psum-ing step, then prints DONE):
   sleep   process 1 sleeps 120 s in its loop before step 4 (alive, no progress).
   slow    process 1 sleeps 0.4 s before every step: slow, but it advances.
   lock    process 1 waits on a lock nobody releases before step 4 (a deadlocked loader).
+  loader  Trainer.fit on a generator that, in process 1, stops delivering before batch 6
+          (spmd's prefetching thread waits in it; both main threads wait on that thread).
 The hang timeout comes from SPMD_HANG_TIMEOUT (spmd launch --hang-timeout).
 """
 
@@ -39,6 +41,34 @@ def stall_here() -> None:
         lock.acquire(timeout=120)  # the second acquire never succeeds: a loader's deadlock
 
 
+def fit_on_a_stalling_loader() -> None:
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    class Linear(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(x)[:, 0]
+
+    def batches():
+        rng = np.random.default_rng(0)
+        for i in range(30):
+            if INDEX == 1 and i == 6:
+                time.sleep(120)  # the source stopped delivering
+            yield rng.random((8, 4), np.float32), rng.random((8,), np.float32)
+
+    with strategy.scope():
+        trainer = spmd.Trainer(Linear(nnx.Rngs(0)), optax.sgd(0.1), loss="mse")
+    trainer.fit(batches(), epochs=1, verbose=0)
+    print("DONE", flush=True)
+    sys.exit(0)
+
+
+if SCENARIO == "loader":
+    fit_on_a_stalling_loader()
 state = jnp.zeros(())
 batch = jnp.ones((strategy.num_replicas_in_sync, 2))
 for i in range(30):

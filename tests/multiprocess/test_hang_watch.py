@@ -34,15 +34,20 @@ def launch(scenario: str, hang_timeout: float, seconds: float) -> tuple[int, str
 
 
 @pytest.mark.parametrize(
-    ("scenario", "where"), [("sleep", "time.sleep(120)"), ("lock", "lock.acquire(timeout=120)")]
+    ("scenario", "where", "steps"),
+    [
+        ("sleep", "time.sleep(120)", 4),
+        ("lock", "lock.acquire(timeout=120)", 4),
+        ("loader", "time.sleep(120)  # the source stopped delivering", 5),  # one prefetched
+    ],
 )
-def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(scenario, where):
+def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(scenario, where, steps):
     code, out, elapsed = launch(scenario, hang_timeout=3, seconds=100)
     assert code == HANG_EXIT_CODE, out[-3000:]
     assert elapsed < 60, elapsed  # joining takes seconds; the hang itself would last 120
     lines = out.splitlines()
     [own] = [line for line in lines if line.startswith("[1] spmd: process 1 hung: ")]
-    assert "after 4 steps (hang_timeout=3 s)" in own, own
+    assert f"after {steps} steps (hang_timeout=3 s)" in own, own
     assert any(line.startswith(f"[1]     {where}") for line in lines), out[-3000:]  # its stack
     follower = [line for line in lines if line.startswith("[0] spmd: ending: process 1 failed")]
     assert follower and "hung: no progress" in follower[0], out[-3000:]
