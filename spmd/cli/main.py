@@ -33,6 +33,8 @@ def _add_launch(subparsers: Subparsers) -> None:
             "are stopped; the group is restarted up to --max-restarts times. A process exiting "
             "with code 42 (preempted) restarts the group without using up --max-restarts; one "
             "exiting with code 78 (spmd's ConfigurationError or BatchError) ends the launch. "
+            "A process that makes no step for --hang-timeout seconds while the others wait "
+            "is named, with its stack; every process then exits with code 75 (retryable). "
             "Ctrl-C, SIGTERM and SIGHUP stop every process; so does SIGKILL of spmd launch."
         ),
         epilog="example: spmd launch -n 2 --devices-per-process 4 -- python train.py --epochs 3",
