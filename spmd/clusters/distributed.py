@@ -278,16 +278,28 @@ def _end_for(culprit: int, reason: str, text: str) -> None:
 def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeout: float) -> None:
     """Before the join: raises naming the processes missing, or the id given twice.
 
-    See `spmd.clusters.roll_call`. Where process 0 cannot listen on the
-    coordinator's address, nothing is checked here and JAX's join reports it.
+    See `spmd.clusters.roll_call`. Process 0 that cannot listen at the
+    coordinator's address fails here (the service could not listen there either).
     """
     index, count = where
     if index == 0:
-        listen = bind or f"[::]:{coordinator.rpartition(':')[2]}"
-        try:
-            verdict = roll_call.answer(listen, count, timeout)
-        except OSError:
-            return
+        port = coordinator.rpartition(":")[2]
+        bind = bind or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")  # where JAX will listen
+        verdict = None
+        for listen in [bind] if bind else [f"[::]:{port}", f"0.0.0.0:{port}"]:  # no IPv6: v4
+            with contextlib.suppress(OSError):
+                verdict = roll_call.answer(listen, count, timeout)
+                break
+        if verdict is None:
+            raise InitializationError(
+                message(
+                    "Process 0 hosts the coordination service, so it must be able to listen "
+                    "at the coordinator's address.",
+                    received(coordinator_address=coordinator, listen_at=bind or f"*:{port}"),
+                    "give process 0's own host:port as the coordinator address, or set "
+                    "JAX_COORDINATOR_BIND_ADDRESS to an address of this machine.",
+                )
+            )
     else:
         verdict = roll_call.call(coordinator, index, timeout)
     if not verdict.ok:
