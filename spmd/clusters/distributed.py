@@ -124,8 +124,9 @@ def _check_port_free(coordinator: str, bind: str | None) -> None:
                     f"Process 0 hosts the coordination service on port {port}, so that port "
                     "must be free on this machine.",
                     received(coordinator_address=coordinator, error=str(e)),
-                    f"stop the program that listens on it (`ss -ltnp | grep :{port}`), or give "
-                    "every process another port (spmd launch picks a free one itself).",
+                    f"stop the program that listens on it (`ss -ltnp | grep :{port}`; it may be "
+                    "another process of this job given process_id 0 too), or give every process "
+                    "another port (spmd launch picks a free one itself).",
                 )
             ) from None
 
