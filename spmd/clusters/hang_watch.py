@@ -3,15 +3,17 @@
 A step pays one list-item increment (`STEPS[0] += 1` in `Step.__call__`). A
 daemon thread of each process samples that count and, every few seconds,
 publishes it in the coordination service's key-value store with how long it
-has not moved and whether the main thread waits in JAX (for a peer, in a
-collective) or in the program's own code. Every process reads every record.
-When one process has not advanced for its hang timeout, the process behind
-(the lowest step; among equals the one not waiting in JAX, then the lowest
-index) ends itself, printing its main thread's stack and its other
+has not moved and whether the process waits in JAX or spmd (for a peer, in a
+collective) or runs its own code. Process 0 reads every record; when some
+process has not advanced for its hang timeout, process 0 names the one behind
+(the lowest step; among equals the one not waiting, then the lowest index).
+That process ends itself, printing its main thread's stack and its other
 threads' innermost frames, and tells the others, who end naming it. A peer
 whose record stops changing (killed without a word, its machine lost, or its
-Python threads frozen) is named by the first process to notice, before the
-coordination service's heartbeat timeout would abort everyone.
+Python threads frozen) is named by process 0 (process 0 itself by the first
+other process to notice), before the coordination service's heartbeat timeout
+would abort everyone. Each interval costs the service N writes and 3N reads,
+not N² reads.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ SLOW_STEP_FACTOR = 10  # the default hang timeout: this many times the slowest r
 HUNG = "hung:"  # how a hang's failure reason starts (the peers exit with HANG_EXIT_CODE)
 GONE = "gone:"  # how the reason given for a process that stopped publishing starts
 _KEY = "spmd/progress/"  # key prefix: each process's Record, as JSON
+_VERDICT = "spmd/behind"  # the process that process 0 found behind, which then ends itself
 _ARMED_AT = 2  # the watch arms at the second Step call: the first one's compilation is not a hang
 _STACK_FRAMES = 12  # innermost frames of the main thread's stack that are shown
 _OTHER_FRAMES = 3  # innermost frames shown of each other thread
@@ -193,6 +196,7 @@ class _Watch:
         default_factory=lambda: collections.deque(maxlen=32)
     )
     peers: dict = dataclasses.field(default_factory=dict)  # index -> (seq, local time it changed)
+    named: tuple[int, float] | None = None  # (process 0) the one named behind, and when
 
     def limit(self) -> float:
         if self.hang_timeout is not None:
@@ -216,10 +220,15 @@ class _Watch:
         value = json.dumps(dataclasses.asdict(record))
         self.client.key_value_set(f"{_KEY}{self.index}", value, allow_overwrite=True)
 
-    def read(self, now: float) -> dict[int, Record]:
-        """Every published record; a peer's that stopped changing counts its silence as stall."""
+    def read(self, now: float, only: int | None = None) -> dict[int, Record]:
+        """Every published record (or process `only`'s); a peer's that stopped changing
+        counts its silence as stall."""
         records = {}
-        for key, value in self.client.key_value_dir_get(_KEY):
+        if only is None:
+            items = self.client.key_value_dir_get(_KEY)
+        else:
+            items = [(f"{_KEY}{only}", self.client.key_value_try_get(f"{_KEY}{only}"))]
+        for key, value in items:
             index = int(key.rsplit("/", 1)[1])
             record = Record(**json.loads(value))
             seq, changed = self.peers.get(index, (None, now))
@@ -228,7 +237,8 @@ class _Watch:
             self.peers[index] = (record.seq, changed)
             silent = now - changed if index != self.index else 0.0
             records[index] = dataclasses.replace(record, stalled=record.stalled + silent)
-        for index in set(range(self.count)) - set(records):  # killed before its first record
+        expected = range(self.count) if only is None else (only,)
+        for index in set(expected) - set(records):  # killed before its first record
             self.peers.setdefault(index, (None, now))
             records[index] = Record(0, 0, now - self.peers[index][1], math.inf, False, False)
         return records
@@ -242,7 +252,41 @@ class _Watch:
         return None
 
     def judge(self, now: float, records: Mapping[int, Record]) -> None:
-        """Ends this process if a peer is silent, or if this process is the one behind."""
+        """On process 0: ends a silent peer's job, or names the process behind.
+
+        The one behind is told through the verdict key and ends itself with
+        its stack; one that does not within `stale_after` is ended for.
+        """
+        self.end_if_silent(now, records)
+        culprit = behind(records)
+        if culprit == self.index:
+            self.end_hung(records[self.index])
+        if culprit is None or culprit == self.index:
+            self.named = None
+            return
+        if self.named is None or self.named[0] != culprit:
+            self.client.key_value_set(_VERDICT, str(culprit), allow_overwrite=True)
+            self.named = (culprit, now)
+        elif now - self.named[1] >= self.stale_after:
+            r = records[culprit]
+            reason = (
+                f"{HUNG} no progress for {r.stalled:.0f} s after {r.step} steps (hang_timeout="
+                f"{r.limit:g} s) while its peers waited for it; named, it did not answer "
+                "(no stack)"
+            )
+            self.end(culprit, reason, "")
+
+    def follow(self, now: float, own: Record) -> None:
+        """On the other processes: ends this one if process 0 named it, or fell silent."""
+        try:
+            named = int(self.client.key_value_try_get(_VERDICT))
+        except Exception:  # not named yet
+            named = None
+        if named == self.index:
+            self.end_hung(own)
+        self.end_if_silent(now, self.read(now, only=0))
+
+    def end_if_silent(self, now: float, records: Mapping[int, Record]) -> None:
         gone = self.silent(now, records)
         if gone is not None:
             r = records[gone]
@@ -252,14 +296,15 @@ class _Watch:
                 "it was killed, its machine was lost, or its Python threads are frozen"
             )
             self.end(gone, reason, f"process {gone} is gone: {reason[len(GONE) + 1 :]}.")
-        if behind(records) == self.index:
-            r = records[self.index]
-            stack = (_main_stack()[0] or "(no Python stack)") + _other_stacks()
-            reason = (
-                f"{HUNG} no progress for {r.stalled:.0f} s after {r.step} steps (hang_timeout="
-                f"{r.limit:g} s) while its peers waited for it; its main thread:\n{stack}"
-            )
-            self.end(self.index, reason, f"process {self.index} {reason}")
+
+    def end_hung(self, r: Record) -> None:
+        """Ends this process as the one behind, with its stacks."""
+        stack = (_main_stack()[0] or "(no Python stack)") + _other_stacks()
+        reason = (
+            f"{HUNG} no progress for {r.stalled:.0f} s after {r.step} steps (hang_timeout="
+            f"{r.limit:g} s) while its peers waited for it; its main thread:\n{stack}"
+        )
+        self.end(self.index, reason, f"process {self.index} {reason}")
 
     def run(self, stopping: Callable[[], bool]) -> None:
         first = True
@@ -269,13 +314,16 @@ class _Watch:
             first, now = False, time.monotonic()
             done = stopping()
             try:
-                self.publish(self.sample(now, done))
+                own = self.sample(now, done)
+                self.publish(own)
                 if done:
                     return
-                records = self.read(now)
+                if self.index == 0:
+                    self.judge(now, self.read(now))
+                else:
+                    self.follow(now, own)
             except Exception:  # the service is gone: the peer watch or JAX ends this process
                 continue
-            self.judge(now, records)
 
 
 def interval_for(hang_timeout: float | None, heartbeat_timeout: float) -> float:

@@ -3,6 +3,7 @@
 Scenarios (process ids from SPMD_PROCESS_ID; every process takes 30 steps of a
 psum-ing step, then prints DONE):
   sleep   process 1 sleeps 120 s in its loop before step 4 (alive, no progress).
+  sleep0  the same in process 0 (which hosts the coordination service and judges).
   slow    process 1 sleeps 0.4 s before every step: slow, but it advances.
   lock    process 1 waits on a lock nobody releases before step 4 (a deadlocked loader).
   loader  Trainer.fit on a generator that, in process 1, stops delivering before batch 6
@@ -19,6 +20,7 @@ import spmd
 
 SCENARIO = sys.argv[1]
 INDEX = int(os.environ["SPMD_PROCESS_ID"])
+STALLER = 0 if SCENARIO == "sleep0" else 1  # the process that stops making progress
 spmd.initialize(local_device_count=1)
 
 import jax  # noqa: E402
@@ -33,7 +35,7 @@ def step(state, batch):
 
 
 def stall_here() -> None:
-    if SCENARIO == "sleep":
+    if SCENARIO in ("sleep", "sleep0"):
         time.sleep(120)
     elif SCENARIO == "lock":
         lock = threading.Lock()
@@ -72,7 +74,7 @@ if SCENARIO == "loader":
 state = jnp.zeros(())
 batch = jnp.ones((strategy.num_replicas_in_sync, 2))
 for i in range(30):
-    if INDEX == 1 and i == 4:
+    if INDEX == STALLER and i == 4:
         stall_here()
     if INDEX == 1 and SCENARIO == "slow":
         time.sleep(0.4)

@@ -34,24 +34,28 @@ def launch(scenario: str, hang_timeout: float, seconds: float) -> tuple[int, str
 
 
 @pytest.mark.parametrize(
-    ("scenario", "where", "steps"),
+    ("scenario", "where", "steps", "stuck"),
     [
-        ("sleep", "time.sleep(120)", 4),
-        ("lock", "lock.acquire(timeout=120)", 4),
-        ("loader", "time.sleep(120)  # the source stopped delivering", 5),  # one prefetched
+        ("sleep", "time.sleep(120)", 4, 1),
+        ("sleep0", "time.sleep(120)", 4, 0),  # process 0 hosts the service and judges
+        ("lock", "lock.acquire(timeout=120)", 4, 1),
+        ("loader", "time.sleep(120)  # the source stopped delivering", 5, 1),  # one prefetched
     ],
 )
-def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(scenario, where, steps):
+def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(
+    scenario, where, steps, stuck
+):
     code, out, elapsed = launch(scenario, hang_timeout=3, seconds=100)
     assert code == HANG_EXIT_CODE, out[-3000:]
     assert elapsed < 60, elapsed  # joining takes seconds; the hang itself would last 120
     lines = out.splitlines()
-    [own] = [line for line in lines if line.startswith("[1] spmd: process 1 hung: ")]
+    [own] = [line for line in lines if line.startswith(f"[{stuck}] spmd: process {stuck} hung: ")]
     assert f"after {steps} steps (hang_timeout=3 s)" in own, own
-    assert any(line.startswith(f"[1]     {where}") for line in lines), out[-3000:]  # its stack
-    follower = [line for line in lines if line.startswith("[0] spmd: ending: process 1 failed")]
-    assert follower and "hung: no progress" in follower[0], out[-3000:]
-    assert "spmd launch: first failure: process 1, alive but hung: no progress" in out
+    assert any(line.startswith(f"[{stuck}]     {where}") for line in lines), out[-3000:]
+    other = 1 - stuck
+    follower = f"[{other}] spmd: ending: process {stuck} failed (hung: no progress"
+    assert any(line.startswith(follower) for line in lines), out[-3000:]
+    assert f"spmd launch: first failure: process {stuck}, alive but hung: no progress" in out
     assert "DONE" not in out
 
 
