@@ -12,8 +12,8 @@ threads' innermost frames, and tells the others, who end naming it. A peer
 whose record stops changing (killed without a word, its machine lost, or its
 Python threads frozen) is named by process 0 (process 0 itself by the first
 other process to notice), before the coordination service's heartbeat timeout
-would abort everyone. Each interval costs the service N writes and 3N reads,
-not N² reads.
+would abort everyone. Each interval costs the service N writes, 2N reads and
+one directory read, not N² reads.
 """
 
 from __future__ import annotations
