@@ -307,7 +307,9 @@ def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeo
         raise InitializationError(_absent(verdict, coordinator, where, timeout))
 
 
-def _absent(verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int], timeout: float):
+def _absent(
+    verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int], timeout: float
+) -> str:
     """The teaching message for a roll call that found someone missing or doubled."""
     index, count = where
     got = received(coordinator_address=coordinator, process_id=index, num_processes=count)
@@ -323,11 +325,7 @@ def _absent(verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int]
             "every process.",
         )
     missing = [0] if verdict.unreachable else list(verdict.missing)
-    what = (
-        "spmd.initialize() (process 0 hosts the coordinator)"
-        if verdict.unreachable
-        else ("spmd.initialize()")
-    )
+    what = "spmd.initialize()" + (" (process 0 hosts the coordinator)" * verdict.unreachable)
     return message(
         f"{not_arrived(missing, what, timeout)}: all {count} processes (process ids 0 .. "
         f"{count - 1}, each once) must join within initialization_timeout={timeout:g} s.",
