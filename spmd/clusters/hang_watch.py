@@ -129,6 +129,10 @@ def check_hang_timeout(value: float | None, name: str = "hang_timeout") -> float
     return seconds
 
 
+def _steps(count: int) -> str:
+    return f"{count} step" + ("s" if count != 1 else "")
+
+
 def _kind(frame: Any) -> str:
     """Where a thread's innermost frame is: "jax" (waiting for a computation, so in a
     collective for its peers), "idle" (the standard library: waiting on a lock, a
@@ -270,7 +274,7 @@ class _Watch:
         elif now - self.named[1] >= self.stale_after:
             r = records[culprit]
             reason = (
-                f"{HUNG} no progress for {r.stalled:.0f} s after {r.step} steps (hang_timeout="
+                f"{HUNG} no progress for {r.stalled:.0f} s after {_steps(r.step)} (hang_timeout="
                 f"{r.limit:g} s) while its peers waited for it; named, it did not answer "
                 "(no stack)"
             )
@@ -292,7 +296,7 @@ class _Watch:
             r = records[gone]
             silence = now - self.peers[gone][1]
             reason = (
-                f"{GONE} it has published nothing for {silence:.0f} s (after {r.step} steps): "
+                f"{GONE} it has published nothing for {silence:.0f} s (after {_steps(r.step)}): "
                 "it was killed, its machine was lost, or its Python threads are frozen"
             )
             self.end(gone, reason, f"process {gone} is gone: {reason[len(GONE) + 1 :]}.")
@@ -301,7 +305,7 @@ class _Watch:
         """Ends this process as the one behind, with its stacks."""
         stack = (_main_stack()[0] or "(no Python stack)") + _other_stacks()
         reason = (
-            f"{HUNG} no progress for {r.stalled:.0f} s after {r.step} steps (hang_timeout="
+            f"{HUNG} no progress for {r.stalled:.0f} s after {_steps(r.step)} (hang_timeout="
             f"{r.limit:g} s) while its peers waited for it; its main thread:\n{stack}"
         )
         self.end(self.index, reason, f"process {self.index} {reason}")
