@@ -223,3 +223,26 @@ def test_a_nested_error_prints_real_newlines_once(monkeypatch, capsys):
         "    To fix: fix the inner thing.",
         "To fix: fix it.",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("JAX_PLATFORMS", "tpu", "JAX_PLATFORMS=tpu names the platforms JAX must start"),
+        ("XLA_FLAGS", "--xla_bogus_flag=1", "unknown='--xla_bogus_flag=1'"),
+    ],
+)
+def test_spmd_env_with_a_backend_that_cannot_start_prints_one_clear_message(variable, value, named):
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = str(ROOT)
+    env[variable] = value
+    done = subprocess.run(
+        [sys.executable, "-m", "spmd", "env"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("spmd env: error: "), done.stderr[-3000:]
+    assert done.stderr.count("spmd env: error:") == 1 and named in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "To fix: " in done.stderr
+    assert len(done.stderr.splitlines()) == 3, done.stderr  # expected, received, fix
+    assert done.stdout == ""

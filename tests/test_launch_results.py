@@ -79,6 +79,7 @@ def test_processes_that_never_reached_a_collective_are_named_not_the_one_that_wa
     printer = _printer_with(0, "Traceback (most recent call last):", "  File x", error)
     text = summary(_group(1, 1, 1, failed=(0, 1, 2)), printer)
     assert text.startswith("first failure: processes [1, 2], alive but hung or slow"), text
+    assert "they never reached save(step=5), where process 0 waited" in text, text
     assert "process 0 then raised spmd.errors.CheckpointError: process(es) [1, 2] did not " in text
     one = _printer_with(0, "Traceback (most recent call last):", error.replace("[1, 2]", "[1]"))
     assert summary(_group(1, 1, failed=(0, 1)), one).startswith("first failure: process 1, ")
@@ -97,3 +98,20 @@ def test_only_configuration_errors_of_their_own_stop_the_restarts():
     assert (
         ProcessResult(1, code).describe() == "process 1 exited with code 78 (a configuration error)"
     )
+
+
+def test_a_hung_process_is_the_first_failure_with_what_it_said():
+    """Process 1 ended itself as hung; process 0 ended because of it."""
+    from spmd.clusters.launch_results import HANG_EXIT_CODE
+
+    hung = "spmd: process 1 hung: no progress for 6 s after 4 steps (hang_timeout=5 s) while "
+    printer = _printer_with(1, hung + "its peers waited for it; its main thread:", "  File x")
+    printer(0, "stderr", "spmd: ending: process 1 failed (hung: no progress ...); ending too.\n")
+    group = _group(HANG_EXIT_CODE, HANG_EXIT_CODE, failed=(1, 0))
+    text = summary(group, printer)
+    assert text.startswith(
+        "first failure: process 1, alive but hung: no progress for 6 s after 4 "
+    ), text
+    assert "its main thread" not in text and "its stack is above" in text
+    assert "(a hung or silent process; retryable)" in group.describe()
+    assert group.exit_code == HANG_EXIT_CODE

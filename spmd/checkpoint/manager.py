@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import traceback
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -24,6 +26,38 @@ from spmd.validate import positive_int, positive_number
 __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger(__name__)
+
+
+def _late_read(unraisable: Any) -> bool:
+    """Whether `unraisable` is a read of a failed restore that completed after its loop closed.
+
+    Orbax reads every array of a step at once on an asyncio loop; when one read
+    fails, the loop closes while tensorstore still completes the others, and
+    each completion's `loop.call_soon_threadsafe` raises "Event loop is closed"
+    into sys.unraisablehook: one traceback per array, after the fault was handled.
+    """
+    error = unraisable.exc_value
+    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
+        return False
+    frames = traceback.extract_tb(unraisable.exc_traceback)
+    asyncio_dir = os.path.join("asyncio", "base_events.py")
+    return any(
+        f.name == "call_soon_threadsafe" and f.filename.endswith(asyncio_dir) for f in frames
+    )
+
+
+def _drop_late_reads() -> None:
+    """After a restore failed: drops those late completions' tracebacks, and only those."""
+    previous = sys.unraisablehook
+    if getattr(previous, "spmd_drops_late_reads", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _late_read(unraisable):
+            previous(unraisable)
+
+    hook.spmd_drops_late_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 class CheckpointManager:
@@ -350,6 +384,7 @@ class CheckpointManager:
                 restored = self.restore(step, target=target, data=data), step
                 break
             except Damaged as e:
+                _drop_late_reads()
                 skipped[step] = str(e).splitlines()[1]
                 _log.warning("skipping checkpoint step %d in %s: %s", step, self.directory, e)
         self._set_aside(sorted(skipped))

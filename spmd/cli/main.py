@@ -33,6 +33,8 @@ def _add_launch(subparsers: Subparsers) -> None:
             "are stopped; the group is restarted up to --max-restarts times. A process exiting "
             "with code 42 (preempted) restarts the group without using up --max-restarts; one "
             "exiting with code 78 (spmd's ConfigurationError or BatchError) ends the launch. "
+            "A process that makes no step for --hang-timeout seconds while the others wait "
+            "is named, with its stack; every process then exits with code 75 (retryable). "
             "Ctrl-C, SIGTERM and SIGHUP stop every process; so does SIGKILL of spmd launch."
         ),
         epilog="example: spmd launch -n 2 --devices-per-process 4 -- python train.py --epochs 3",
@@ -58,6 +60,14 @@ def _add_launch(subparsers: Subparsers) -> None:
         type=positive_float,
         metavar="S",
         help="seconds for the whole launch, restarts included; then every process is stopped",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=positive_float,
+        metavar="S",
+        help="seconds a process may go without a step before every process ends naming it "
+        "and its stack, exit code 75 (default: the larger of 300 s and 10 times the slowest "
+        "recent step)",
     )
     p.add_argument(
         "--exit-grace",
@@ -97,6 +107,7 @@ def _run_launch(args: argparse.Namespace) -> int:
             exit_grace=args.exit_grace,
             verbose=args.verbose,
             min_processes=args.min_processes,
+            hang_timeout=args.hang_timeout,
         )
     except KeyboardInterrupt:
         print("spmd launch: interrupted; stopped every process.", file=sys.stderr)
@@ -160,9 +171,11 @@ def _run_env(args: argparse.Namespace) -> int:
 
     import jax
 
+    from spmd.clusters.backend_check import check_backends_start
     from spmd.clusters.initialize import initialize
     from spmd.strategy import strategies
 
+    check_backends_start()
     info = initialize(local_device_count=args.devices)
     print("cluster:")
     for field in dataclasses.fields(info):

@@ -15,8 +15,14 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from spmd.clusters import hang_watch, roll_call
 from spmd.clusters.jax_state import global_state
-from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE, PREEMPTED_EXIT_CODE
+from spmd.clusters.launch_results import (
+    CONFIGURATION_EXIT_CODE,
+    HANG_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    not_arrived,
+)
 from spmd.errors import BatchError, ConfigurationError, InitializationError, message, received
 
 __all__ = [
@@ -38,6 +44,7 @@ SIGTERM_GRACE = 120.0  # seconds after SIGTERM for a process with a save to make
 _FAILED = "spmd/failed/"  # key prefix: a process that fails says so here, once, before exiting
 _NOTICE = "RECEIVED_PREEMPTION_NOTICE"  # JAX's key, set when any process gets SIGTERM
 _EXIT_CODE_PEER = 1  # how a process ends because a peer failed
+_REASON_CHARS = 4000  # of a hang's reason, which carries the stuck process's stack
 # How a process that ends because a peer failed starts its last line ("spmd: ending:
 # process K failed ..."): `spmd launch` reads it, never to name it as the first failure.
 FOLLOWER = "ending: process"
@@ -117,8 +124,9 @@ def _check_port_free(coordinator: str, bind: str | None) -> None:
                     f"Process 0 hosts the coordination service on port {port}, so that port "
                     "must be free on this machine.",
                     received(coordinator_address=coordinator, error=str(e)),
-                    f"stop the program that listens on it (`ss -ltnp | grep :{port}`), or give "
-                    "every process another port (spmd launch picks a free one itself).",
+                    f"stop the program that listens on it (`ss -ltnp | grep :{port}`; it may be "
+                    "another process of this job given process_id 0 too), or give every process "
+                    "another port (spmd launch picks a free one itself).",
                 )
             ) from None
 
@@ -198,13 +206,16 @@ def join(
     init_timeout: int,
     heartbeat_timeout: int,
     exit_timeout: int = EXIT_TIMEOUT,
+    hang_timeout: float | None = None,
 ) -> None:
     """Calls jax.distributed.initialize, raising InitializationError instead of aborting.
 
     With a coordinator address it binds the coordinator there only (see
     `bind_address`), checks on process 0 that the port is free, then starts
-    the peer watch (`report_failure`), the bounded exit, and spmd's SIGTERM
-    handling. Without one, JAX's cluster detection picks everything.
+    the peer watch (`report_failure`), the hang watch (`hang_watch`: a process
+    that stops stepping for `hang_timeout` s, None: the default rule, is named),
+    the bounded exit, and spmd's SIGTERM handling. Without one, JAX's cluster
+    detection picks everything.
     """
     import jax
 
@@ -216,6 +227,7 @@ def join(
         bind = bind_address(coordinator)
         if index == 0:
             _check_port_free(coordinator, bind)
+        _roll_call(coordinator, bind, (index, count), init_timeout)
         kwargs.update(
             coordinator_address=coordinator,
             num_processes=count,
@@ -238,6 +250,90 @@ def join(
     _record_sys_exit()
     atexit.register(_agree_to_exit, exit_timeout)
     threading.Thread(target=_watch_peers, name="spmd-peer-watch", daemon=True).start()
+    hang_watch.start(
+        _client(), (index, count), (hang_timeout, heartbeat_timeout), _end_for, _exiting
+    )
+
+
+def _exiting() -> bool:
+    return bool(_state["exiting"])
+
+
+def _end_for(culprit: int, reason: str, text: str) -> None:
+    """Records `reason` as process `culprit`'s failure, for every peer to read, and ends.
+
+    The hang watch calls it: on the process that is behind (it names itself),
+    or on the first to see a peer fall silent (it speaks for that peer). Its
+    peers' watches then end them naming `culprit`, with HANG_EXIT_CODE.
+    """
+    client = _client()
+    with contextlib.suppress(Exception):
+        client.key_value_set(f"{_FAILED}{culprit}", reason[:_REASON_CHARS], allow_overwrite=True)
+    if culprit != _state["process"]:
+        _linger_if_host()
+        _end(HANG_EXIT_CODE, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
+    time.sleep(2.5 * PEER_POLL)  # the peers read it and end first: no collective fails on them
+    _end(HANG_EXIT_CODE, text)
+
+
+def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeout: float) -> None:
+    """Before the join: raises naming the processes missing, or the id given twice.
+
+    See `spmd.clusters.roll_call`. Process 0 that cannot listen at the
+    coordinator's address fails here (the service could not listen there either).
+    """
+    index, count = where
+    if index == 0:
+        port = coordinator.rpartition(":")[2]
+        bind = bind or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")  # where JAX will listen
+        verdict = None
+        for listen in [bind] if bind else [f"[::]:{port}", f"0.0.0.0:{port}"]:  # no IPv6: v4
+            with contextlib.suppress(OSError):
+                verdict = roll_call.answer(listen, count, timeout)
+                break
+        if verdict is None:
+            raise InitializationError(
+                message(
+                    "Process 0 hosts the coordination service, so it must be able to listen "
+                    "at the coordinator's address.",
+                    received(coordinator_address=coordinator, listen_at=bind or f"*:{port}"),
+                    "give process 0's own host:port as the coordinator address, or set "
+                    "JAX_COORDINATOR_BIND_ADDRESS to an address of this machine.",
+                )
+            )
+    else:
+        verdict = roll_call.call(coordinator, index, timeout)
+    if not verdict.ok:
+        raise InitializationError(_absent(verdict, coordinator, where, timeout))
+
+
+def _absent(
+    verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int], timeout: float
+) -> str:
+    """The teaching message for a roll call that found someone missing or doubled."""
+    index, count = where
+    got = received(coordinator_address=coordinator, process_id=index, num_processes=count)
+    if verdict.twice is not None:
+        return message(
+            f"Each process must join with its own process_id, 0 .. {count - 1}; process_id "
+            f"{verdict.twice} was given to more than one process (the same process_id twice): "
+            f"{' and '.join(verdict.where)}.",
+            got,
+            "give every process a different index (SPMD_PROCESS_ID, TF_CONFIG's task index, or "
+            "process_id=), or let spmd launch number them; check that the coordinator address "
+            "is this job's. A process restarted alone cannot rejoin a running job: restart "
+            "every process.",
+        )
+    missing = [0] if verdict.unreachable else list(verdict.missing)
+    what = "spmd.initialize()" + (" (process 0 hosts the coordinator)" * verdict.unreachable)
+    return message(
+        f"{not_arrived(missing, what, timeout)}: all {count} processes (process ids 0 .. "
+        f"{count - 1}, each once) must join within initialization_timeout={timeout:g} s.",
+        got,
+        f"start process(es) {missing} too (a process that crashed before spmd.initialize() says "
+        "why in its own output); check that process 0's host:port is reachable from this "
+        "machine, or raise initialization_timeout.",
+    )
 
 
 def _shutdown_quietly() -> None:
@@ -425,7 +521,9 @@ def _watch_peers() -> None:
                 key, reason = failed[0]
                 who = key.rsplit("/", 1)[1]
                 _linger_if_host()
-                _end(_EXIT_CODE_PEER, f"{FOLLOWER} {who} failed ({reason}); ending this one too.")
+                stalled = reason.startswith((hang_watch.HUNG, hang_watch.GONE))
+                code = HANG_EXIT_CODE if stalled else _EXIT_CODE_PEER
+                _end(code, f"{FOLLOWER} {who} failed ({reason}); ending this one too.")
         if sigterm_at is None and _notice(client):
             sigterm_at = time.monotonic()
             _state["sigterm"] = True

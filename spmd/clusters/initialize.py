@@ -7,6 +7,7 @@ import os
 
 from spmd.clusters.distributed import EXIT_TIMEOUT, distributed_state, join
 from spmd.clusters.gloo import check_interface, gloo_address, use_gloo_address
+from spmd.clusters.hang_watch import check_hang_timeout
 from spmd.clusters.jax_state import backends_started
 from spmd.clusters.resolvers.base import Resolver
 from spmd.clusters.resolvers.explicit import ExplicitResolver
@@ -17,6 +18,7 @@ from spmd.clusters.resolvers.spmd_launch import LaunchResolver
 from spmd.clusters.resolvers.tf_config import TfConfigResolver
 from spmd.clusters.spec import (
     ENV_DEVICES_PER_PROCESS,
+    ENV_HANG_TIMEOUT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ClusterInfo,
@@ -157,7 +159,7 @@ def _use_gloo(interface: str | None) -> None:
 def _set_up(
     info: ClusterInfo,
     cpu_collectives: str,
-    timeouts: tuple[int, int, int],
+    timeouts: tuple[int, int, int, float | None],
     interface: str | None = None,
 ) -> ClusterInfo:
     """Applies `info` to JAX: CPU device count, CPU collectives, jax.distributed."""
@@ -192,6 +194,7 @@ def initialize(
     heartbeat_timeout: int = 100,
     exit_timeout: int = EXIT_TIMEOUT,
     interface: str | None = None,
+    hang_timeout: float | None = None,
 ) -> ClusterInfo:
     """Joins this process to its cluster; call it first thing, in every process.
 
@@ -266,7 +269,11 @@ def initialize(
                 "call spmd.initialize() once, at the start of the program, with one description.",
             )
         )
-    timeouts = (initialization_timeout, heartbeat_timeout, exit_timeout)
+    if hang_timeout is None and os.environ.get(ENV_HANG_TIMEOUT):
+        hang = check_hang_timeout(os.environ[ENV_HANG_TIMEOUT], ENV_HANG_TIMEOUT)
+    else:
+        hang = check_hang_timeout(hang_timeout)
+    timeouts = (initialization_timeout, heartbeat_timeout, exit_timeout, hang)
     _INFO = _set_up(info, cpu_collectives, timeouts, interface)
     return _INFO
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from spmd.clusters.hang_watch import check_hang_timeout
 from spmd.clusters.launch_keeper import Keeper, group_alive, signal_groups
 from spmd.clusters.launch_printer import FOLLOWER_LINE, Printer, not_worth_restarting, summary
 from spmd.clusters.launch_results import (
@@ -30,6 +31,7 @@ from spmd.clusters.launch_results import (
 from spmd.clusters.spec import (
     ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,
+    ENV_HANG_TIMEOUT,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
@@ -430,6 +432,7 @@ def launch(
     exit_grace: float = EXIT_GRACE,
     verbose: bool = False,
     min_processes: int | None = None,
+    hang_timeout: float | None = None,
 ) -> int:
     """Runs `command` as `num_processes` local processes that form one spmd cluster.
 
@@ -468,6 +471,10 @@ def launch(
       verbose: also show gloo's "[Gloo] Rank N is connected" lines.
       min_processes: the fewest processes to relaunch the job on once the
         restarts are used up (None: `num_processes`, never fewer).
+      hang_timeout: seconds a process may go without a step before every
+        process ends naming it (SPMD_HANG_TIMEOUT; None: `spmd.initialize`'s
+        default rule). The attempt then fails with HANG_EXIT_CODE (75), which
+        is restarted as any failure and returned once the restarts are used up.
 
     Returns:
       0 if every process of an attempt succeeded; else the failed process's exit
@@ -484,6 +491,9 @@ def launch(
     budget = {"max_restarts": max_restarts, "max_preemptions": max_preemptions}
     _check_launch_args(command, num_processes, devices_per_process, budget)
     fewest = check_min_processes(min_processes, num_processes)
+    if hang_timeout is not None:
+        hang = check_hang_timeout(hang_timeout)
+        env = {**(env or {}), ENV_HANG_TIMEOUT: repr(hang)}
     settings = _Settings(
         num_processes, devices_per_process, timeout, env, grace_period, exit_grace, verbose, fewest
     )

@@ -14,6 +14,8 @@ __all__ = ["FOLLOWER_LINE", "Printer", "not_worth_restarting", "summary"]
 
 # What a process that ends because a peer failed says last, naming the peer.
 FOLLOWER_LINE = re.compile(rf"^spmd: {FOLLOWER} (\d+) failed")
+# What a process the hang watch named as behind says last (its stack follows).
+HUNG_LINE = re.compile(r"^spmd: process \d+ (hung: .*)")
 _GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to ")
 _TRACEBACK = "Traceback (most recent call last):"
 _KEPT_LINES = 200  # lines of each process's stderr kept for the failure summary
@@ -59,6 +61,11 @@ class Printer:
         found = [FOLLOWER_LINE.match(line) for line in self._stderr.get(index, ())]
         return next((int(m[1]) for m in found if m), None)
 
+    def hung(self, index: int) -> str | None:
+        """What process `index` said when it ended as hung ("hung: no progress ..."), if it did."""
+        found = [HUNG_LINE.match(line) for line in self._stderr.get(index, ())]
+        return next((m[1] for m in found if m), None)
+
     def forget(self) -> None:
         """Drops what was kept, before a restart."""
         self._stderr.clear()
@@ -77,6 +84,12 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
     leader = printer.follows(index)  # every failed process ended for a peer (stopped since)
     if leader is not None:
         who, index = f"process {leader} (process {index} ended because it failed)", leader
+    hang = printer.hung(index)
+    if hang is not None:
+        return (
+            f"first failure: process {index}, alive but {hang.split('; its main thread')[0]}; "
+            "its stack is above. The other processes waited for it and ended with it."
+        )
     exception = printer.exception(index)
     what = f"raised {exception}" if exception else "printed no Python exception"
     absent = NOT_ARRIVED_LINE.search(exception or "")
@@ -85,8 +98,9 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
         one = len(hung) == 1
         names = f"process {hung[0]}" if one else f"processes {hung}"
         return (
-            f"first failure: {names}, alive but hung or slow: {'it' if one else 'they'} never "
-            f"reached the collective that process {index} waited in; process {index} then "
+            f"first failure: {names}, alive but hung or slow (or never started): "
+            f"{'it' if one else 'they'} never reached {absent[2]}, where process {index} "
+            f"waited; process {index} then "
             f"{what}. Look at what {names} {'was' if one else 'were'} doing (the output above, "
             "py-spy dump)."
         )

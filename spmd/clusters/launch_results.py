@@ -9,6 +9,7 @@ import signal
 __all__ = [
     "CONFIGURATION_EXIT_CODE",
     "EXIT_GRACE",
+    "HANG_EXIT_CODE",
     "NOT_ARRIVED_LINE",
     "PREEMPTED_EXIT_CODE",
     "GroupResult",
@@ -23,6 +24,11 @@ PREEMPTED_EXIT_CODE = 42
 # (sysexits' EX_CONFIG): the same program raises it again, so `launch` neither restarts
 # nor shrinks the job for it.
 CONFIGURATION_EXIT_CODE = 78
+# A process that exits with this code (sysexits' EX_TEMPFAIL: try again) was named by the
+# hang watch: it made no progress for hang_timeout while its peers waited, or it fell
+# silent (killed, lost, frozen); its peers exit with it too. A retry may well succeed:
+# `launch` restarts as for any failure, and a scheduler may requeue on it.
+HANG_EXIT_CODE = 75
 TIMEOUT_EXIT_CODE = 124  # what `launch` returns when its timeout ends the run, as timeout(1)
 GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL when stopping processes
 # Seconds the other processes have to end once one has exited with code 0. A job whose
@@ -31,7 +37,7 @@ GRACE_PERIOD = 5.0  # seconds between SIGTERM and SIGKILL when stopping processe
 EXIT_GRACE = 30.0
 # How an error about processes that never reached a collective starts (spmd.checkpoint's
 # guard): `spmd launch` reads it to name those processes, not the one that waited, as at fault.
-NOT_ARRIVED_LINE = re.compile(r"process\(es\) \[([\d, ]+)\] did not reach ")
+NOT_ARRIVED_LINE = re.compile(r"process\(es\) \[([\d, ]+)\] did not reach (.+?) within ")
 
 
 def not_arrived(missing: list[int], what: str, timeout: float) -> str:
@@ -70,6 +76,11 @@ class ProcessResult:
             return (
                 f"process {self.process_index} exited with code {CONFIGURATION_EXIT_CODE} "
                 "(a configuration error)"
+            )
+        if self.returncode == HANG_EXIT_CODE:
+            return (
+                f"process {self.process_index} exited with code {HANG_EXIT_CODE} (a hung or "
+                "silent process; retryable)"
             )
         return f"process {self.process_index} exited with code {self.returncode}"
 

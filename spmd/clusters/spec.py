@@ -18,6 +18,7 @@ ENV_NUM_PROCESSES = "SPMD_NUM_PROCESSES"  # how many processes the job has
 ENV_PROCESS_ID = "SPMD_PROCESS_ID"  # this process's index, 0 .. num_processes - 1
 ENV_DEVICES_PER_PROCESS = "SPMD_DEVICES_PER_PROCESS"  # simulated CPU devices per process
 ENV_RESTART_COUNT = "SPMD_RESTART_COUNT"  # 0 on the first attempt, then 1, 2, ...
+ENV_HANG_TIMEOUT = "SPMD_HANG_TIMEOUT"  # seconds without a step before a process is hung
 TF_CONFIG = "TF_CONFIG"
 
 # The task types TF_CONFIG may name.

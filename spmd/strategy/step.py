@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.clusters.hang_watch import STEPS as _STEPS
 from spmd.errors import ConfigurationError, ContextError, message, received
 from spmd.strategy import nnx_state
 from spmd.strategy import step_checks as checks
@@ -69,6 +70,7 @@ class Step:
         functools.update_wrapper(self, fn)
 
     def __call__(self, state: Any, *data: Any, **kwargs: Any) -> Any:
+        _STEPS[0] += 1  # progress, which the hang watch publishes (spmd/clusters/hang_watch.py)
         if in_replica_context():
             raise ContextError(message(*STEP_IN_RUN))
         hot = self._hot

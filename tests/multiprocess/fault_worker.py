@@ -7,6 +7,7 @@ Scenarios (process ids come from SPMD_PROCESS_ID):
   early      join with exit_timeout=2; process 0 ends at once, process 1 blocks.
   block      join, print READY, block in the coordination service (a C++ wait, no GIL).
   block_save as block, with a PreemptionWatcher (a save to make) and grace_period=2.
+  dead       as block, with heartbeat_timeout=10 (a test kills one process with SIGKILL).
 Each prints "PID <pid>" once joined.
 """
 
@@ -46,7 +47,13 @@ def block(seconds: float) -> None:
 
 try:
     exit_timeout = 2 if SCENARIO == "early" else 30
-    spmd.initialize(local_device_count=1, initialization_timeout=8, exit_timeout=exit_timeout)
+    heartbeat = 10 if SCENARIO == "dead" else 100
+    spmd.initialize(
+        local_device_count=1,
+        initialization_timeout=8,
+        exit_timeout=exit_timeout,
+        heartbeat_timeout=heartbeat,
+    )
 except InitializationError as e:
     print("INIT_ERROR", str(e).replace("\n", " | "), flush=True)
     sys.exit(3)
@@ -62,7 +69,7 @@ elif SCENARIO == "raise":
     time.sleep(60)
 elif SCENARIO == "early" and INDEX == "1":
     time.sleep(60)
-elif SCENARIO.startswith("block"):
+elif SCENARIO.startswith("block") or SCENARIO == "dead":
     if SCENARIO == "block_save":
         from spmd.checkpoint.preemption import PreemptionWatcher
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from spmd.clusters.launch import free_port
+from spmd.clusters.launch_results import HANG_EXIT_CODE
 from spmd.testing import run_processes
 
 HERE = Path(__file__).parent
@@ -42,6 +43,7 @@ class Group:
 
     def __init__(self, scenario: str, indices: list[int], count: int, address: str = "") -> None:
         address = address or f"127.0.0.1:{free_port()}"
+        self.address = address
         self.procs = [
             subprocess.Popen(
                 [sys.executable, str(WORKER), scenario],
@@ -181,3 +183,74 @@ def test_sigterm_with_a_save_to_make_ends_a_blocked_process_after_the_grace():
     assert "SIGTERM 2 s ago and no save ended the process" in out1
     assert code0 == 1 and "process 1 failed (SIGTERM 2 s ago" in out0, out0[-1500:]
     assert 1.5 < elapsed < 6, elapsed
+
+
+@pytest.mark.parametrize("when", ["at once", "later"])
+def test_a_peer_killed_without_a_launcher_is_named_by_the_survivor(when):
+    """kill -9 of process 1: process 0 ends with spmd's error naming it, not JAX's abort.
+
+    (Process 0 hosts the coordination service: when it dies, JAX's client aborts
+    its peers at once, before any Python code can run; see docs/multihost.md.)
+    """
+    killed = 1
+    with Group("dead", [0, 1], 2) as group:
+        group.wait_for("READY")
+        time.sleep(0 if when == "at once" else 3)  # before or after its first records
+        group.procs[killed].kill()
+        sent = time.monotonic()
+        [(code, out)] = [r for i, r in enumerate(group.finish(seconds=90)) if i != killed]
+        elapsed = time.monotonic() - sent
+    assert code == HANG_EXIT_CODE, (elapsed, out[-2000:])
+    assert f"spmd: ending: process {killed} failed (gone: " in out, out[-2000:]
+    assert "bad_cast" not in out and "Check failure" not in out, out[-2000:]
+    assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s) would abort it
+
+
+def test_a_missing_process_is_named_on_every_process_that_joined():
+    with Group("join", [0, 2], 3) as group:
+        results = group.finish(seconds=50)
+        elapsed = time.monotonic() - group.start
+    assert [code for code, _ in results] == [3, 3], [out[-1500:] for _, out in results]
+    for _, out in results:
+        assert "process(es) [1] did not reach spmd.initialize() within 8 s" in init_error(out)
+        assert "Traceback" not in out and "bad_cast" not in out
+    assert elapsed < 30, elapsed  # initialization_timeout=8
+
+
+def test_a_process_id_given_twice_is_named_with_both_processes():
+    with Group("join", [0, 1, 1], 3) as group:
+        results = group.finish(seconds=50)
+    assert [code for code, _ in results] == [3, 3, 3], [out[-1500:] for _, out in results]
+    pids = [p.pid for p in group.procs[1:]]
+    for _, out in results:
+        line = init_error(out)
+        assert "process_id 1 was given to more than one process" in line, line
+        assert all(f"127.0.0.1 (pid {pid} on " in line for pid in pids), (pids, line)
+
+
+def test_a_late_second_process_with_a_taken_id_is_refused_and_the_job_runs():
+    """Process 0 moved on with a full roll; a process that comes later with id 1 is told so."""
+    with Group("block", [0, 1], 2) as group:
+        group.wait_for("READY")
+        late = Group("join", [1], 2, group.address)
+        with late:
+            [(code, out)] = late.finish(seconds=40)
+        assert all(p.poll() is None for p in group.procs)  # the job itself runs on
+    assert code == 3, out[-2000:]
+    assert "process_id 1 was given to more than one process" in init_error(out)
+
+
+def test_the_launcher_names_a_process_that_never_joins_not_process_0():
+    code = (
+        "import os, time, spmd\n"
+        "if os.environ['SPMD_PROCESS_ID'] == '1': time.sleep(60)\n"
+        "spmd.initialize(initialization_timeout=5)\n"
+    )
+    argv = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--", sys.executable, "-c", code]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPMD_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "spmd launch: first failure: process 1, alive but hung or slow" in done.stderr, (
+        done.stderr[-3000:]
+    )

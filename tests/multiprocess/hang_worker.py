@@ -1,0 +1,84 @@
+"""A training loop in which one process stops making progress: `python hang_worker.py SCENARIO`.
+
+Scenarios (process ids from SPMD_PROCESS_ID; every process takes 30 steps of a
+psum-ing step, then prints DONE):
+  sleep   process 1 sleeps 120 s in its loop before step 4 (alive, no progress).
+  sleep0  the same in process 0 (which hosts the coordination service and judges).
+  slow    process 1 sleeps 0.4 s before every step: slow, but it advances.
+  lock    process 1 waits on a lock nobody releases before step 4 (a deadlocked loader).
+  loader  Trainer.fit on a generator that, in process 1, stops delivering before batch 6
+          (spmd's prefetching thread waits in it; both main threads wait on that thread).
+The hang timeout comes from SPMD_HANG_TIMEOUT (spmd launch --hang-timeout).
+"""
+
+import os
+import sys
+import threading
+import time
+
+import spmd
+
+SCENARIO = sys.argv[1]
+INDEX = int(os.environ["SPMD_PROCESS_ID"])
+STALLER = 0 if SCENARIO == "sleep0" else 1  # the process that stops making progress
+spmd.initialize(local_device_count=1)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+strategy = spmd.MultiWorkerMirroredStrategy()
+
+
+@strategy.step
+def step(state, batch):
+    return state + jnp.sum(batch), jnp.mean(batch)
+
+
+def stall_here() -> None:
+    if SCENARIO in ("sleep", "sleep0"):
+        time.sleep(120)
+    elif SCENARIO == "lock":
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire(timeout=120)  # the second acquire never succeeds: a loader's deadlock
+
+
+def fit_on_a_stalling_loader() -> None:
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    class Linear(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dense(x)[:, 0]
+
+    def batches():
+        rng = np.random.default_rng(0)
+        for i in range(30):
+            if INDEX == 1 and i == 6:
+                time.sleep(120)  # the source stopped delivering
+            yield rng.random((8, 4), np.float32), rng.random((8,), np.float32)
+
+    with strategy.scope():
+        trainer = spmd.Trainer(Linear(nnx.Rngs(0)), optax.sgd(0.1), loss="mse")
+    trainer.fit(batches(), epochs=1, verbose=0)
+    print("DONE", flush=True)
+    sys.exit(0)
+
+
+if SCENARIO == "loader":
+    fit_on_a_stalling_loader()
+state = jnp.zeros(())
+batch = jnp.ones((strategy.num_replicas_in_sync, 2))
+for i in range(30):
+    if INDEX == STALLER and i == 4:
+        stall_here()
+    if INDEX == 1 and SCENARIO == "slow":
+        time.sleep(0.4)
+    state, loss = step(state, batch)
+    print("STEP", i, float(loss), flush=True)
+jax.block_until_ready(state)
+print("DONE", flush=True)

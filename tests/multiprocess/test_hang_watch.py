@@ -1,0 +1,65 @@
+"""A process that is alive but makes no progress is found and named, bounded: real processes.
+
+`spmd launch --hang-timeout 3` runs hang_worker.py on 2 processes; process 1 stops
+stepping. Every process ends within a bound, naming process 1, its step count and
+its stack, and the launcher exits with HANG_EXIT_CODE. A slow process that still
+advances is not flagged.
+"""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spmd.clusters.launch_results import HANG_EXIT_CODE
+
+from .procs import child_env
+
+HERE = Path(__file__).parent
+WORKER = HERE / "hang_worker.py"
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+def launch(scenario: str, hang_timeout: float, seconds: float) -> tuple[int, str, float]:
+    """(exit code, output, seconds taken) of spmd launch -n 2 running `scenario`."""
+    argv = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--hang-timeout", str(hang_timeout)]
+    argv += ["--timeout", str(seconds), "--", sys.executable, str(WORKER), scenario]
+    start = time.monotonic()
+    done = subprocess.run(
+        argv, env=child_env(), capture_output=True, text=True, timeout=seconds + 30
+    )
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("scenario", "where", "steps", "stuck"),
+    [
+        ("sleep", "time.sleep(120)", 4, 1),
+        ("sleep0", "time.sleep(120)", 4, 0),  # process 0 hosts the service and judges
+        ("lock", "lock.acquire(timeout=120)", 4, 1),
+        ("loader", "time.sleep(120)  # the source stopped delivering", 5, 1),  # one prefetched
+    ],
+)
+def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(
+    scenario, where, steps, stuck
+):
+    code, out, elapsed = launch(scenario, hang_timeout=3, seconds=100)
+    assert code == HANG_EXIT_CODE, out[-3000:]
+    assert elapsed < 60, elapsed  # joining takes seconds; the hang itself would last 120
+    lines = out.splitlines()
+    [own] = [line for line in lines if line.startswith(f"[{stuck}] spmd: process {stuck} hung: ")]
+    assert f"after {steps} steps (hang_timeout=3 s)" in own, own
+    assert any(line.startswith(f"[{stuck}]     {where}") for line in lines), out[-3000:]
+    other = 1 - stuck
+    follower = f"[{other}] spmd: ending: process {stuck} failed (hung: no progress"
+    assert any(line.startswith(follower) for line in lines), out[-3000:]
+    assert f"spmd launch: first failure: process {stuck}, alive but hung: no progress" in out
+    assert "DONE" not in out
+
+
+def test_a_slow_process_that_advances_is_not_flagged():
+    code, out, _ = launch("slow", hang_timeout=2, seconds=150)
+    assert code == 0, out[-3000:]
+    assert out.count("DONE") == 2 and "hung" not in out
