@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from spmd.data.dataset import NumpyDataset as NumpyDataset
     from spmd.data.grain_source import grain_shard_options as grain_shard_options
     from spmd.data.sources import PaddedBatch as PaddedBatch
+    from spmd.errors import ArgumentTypeError as ArgumentTypeError
     from spmd.errors import BatchError as BatchError
     from spmd.errors import CheckpointError as CheckpointError
     from spmd.errors import ClusterError as ClusterError
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "AutoShardPolicy",
     "BatchError",
     "CentralStorageStrategy",
@@ -129,6 +131,7 @@ _WHERE = {
     "BatchError": "spmd.errors",
     "callbacks": "spmd.callbacks",
     "CentralStorageStrategy": "spmd.strategy.strategies",
+    "ArgumentTypeError": "spmd.errors",
     "CheckpointError": "spmd.errors",
     "CheckpointManager": "spmd.checkpoint.manager",
     "cluster": "spmd.clusters.initialize",

@@ -16,6 +16,14 @@ class ConfigurationError(SpmdError, ValueError):
     """A strategy, mesh or rule was given arguments that cannot work."""
 
 
+class ArgumentTypeError(ConfigurationError, TypeError):
+    """An argument of the wrong type where tf.distribute raises a TypeError.
+
+    Both a `ConfigurationError` (spmd's contract) and a `TypeError` (TensorFlow's),
+    so code written against either catches it.
+    """
+
+
 class ClusterError(ConfigurationError):
     """The cluster description (arguments, TF_CONFIG, environment) is malformed."""
 

@@ -321,8 +321,14 @@ class Strategy:
         """A sharding that keeps one full copy on every device of the mesh."""
         return NamedSharding(self.mesh, PartitionSpec())
 
-    def check_batch(self, data: Any, axis: int = 0) -> None:
+    def check_batch(self, data: Any, axis: int = 0, names: Sequence[str] | None = None) -> None:
         """Checks that every batch leaf splits evenly over the replicas along `axis`.
+
+        Args:
+          data: the batch: a pytree, or a tuple of a program's data arguments.
+          axis: the batch axis.
+          names: the names of `data`'s entries (a step's own argument names),
+            which an error about their sizes uses.
 
         Raises:
           BatchError: leading sizes differ between leaves, or do not divide by
@@ -339,14 +345,7 @@ class Strategy:
                 )
             )
         if len(sizes) > 1:
-            raise BatchError(
-                message(
-                    "Every batch array must have the same leading (batch) size.",
-                    received(leading_sizes=sorted(sizes)),
-                    "make x and y the same length; pass arrays that are not batches "
-                    "by keyword, where they are replicated.",
-                )
-            )
+            raise BatchError(_ragged_batch_message(data, axis, names, sizes))
         if sizes and (size := sizes.pop()) % self.num_replicas_in_sync:
             raise BatchError(
                 message(
@@ -566,6 +565,25 @@ class Strategy:
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenates every replica's value along `axis` (a structure of them too)."""
         return per_replica.gather(value, axis, self)
+
+
+def _ragged_batch_message(data: Any, axis: int, names: Sequence[str] | None, sizes: set) -> str:
+    """Says which of a program's arguments have which batch sizes, by their own names."""
+    entries = list(data) if isinstance(data, tuple | list) else [data]
+    if names is None or len(names) != len(entries):
+        names = [f"argument {i}" for i in range(len(entries))]
+    by_name = {
+        name: sorted({np.shape(x)[axis] for x in jax.tree.leaves(entry) if np.ndim(x) > axis})
+        for name, entry in zip(names, entries, strict=True)
+    }
+    by_name = {name: s[0] if len(s) == 1 else s for name, s in by_name.items() if s}
+    shown = list(by_name) if len(by_name) > 1 else ["every leaf"]
+    return message(
+        "Every batch array must have the same leading (batch) size.",
+        received(leading_sizes=sorted(sizes), **{str(k): v for k, v in by_name.items()}),
+        f"make {' and '.join(shown) if len(shown) <= 2 else ', '.join(shown)} the same length; "
+        "pass arrays that are not batches by keyword, where they are replicated.",
+    )
 
 
 def _round_up(n: int, multiple: int) -> int:

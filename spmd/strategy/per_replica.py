@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd.errors import ConfigurationError, ContextError, message, received
@@ -151,8 +152,11 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     reads through globals or closures are constants of its program, as with
     jax.jit). A new function object (a fresh lambda, a bound method accessed
     again, a new partial) is traced anew, and its traced program is shared
-    with an earlier function's when the two jaxprs and their constants are the
-    same: a new lambda each call compiles once and always sees current values.
+    with an earlier function's when the two jaxprs, their constants, their
+    output structures and the Python functions their equations call back into
+    (callbacks, custom derivative rules) are the same: a new lambda each call
+    compiles once and always sees current values, and never gets another
+    function's output structure or callback.
     """
     if any(isinstance(x, jax.core.Tracer) for x in flat):  # inside a step: its trace caches
         return _jitted(fn, structure)
@@ -161,7 +165,14 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     program = _BY_FUNCTION.get(by_fn)
     if program is None:
         traced = _jitted(fn, structure).trace(*flat)
-        by_jaxpr = (structure, signature, str(traced.jaxpr), _consts_key(traced.jaxpr.consts))
+        by_jaxpr = (
+            structure,
+            signature,
+            traced.out_tree,
+            str(traced.jaxpr),
+            _consts_key(traced.jaxpr.consts),
+            _functions_key(traced.jaxpr.jaxpr),
+        )
         program = _BY_JAXPR.get(by_jaxpr)
         if program is None:
             program = _BY_JAXPR[by_jaxpr] = jax.jit(_replay(traced))
@@ -201,6 +212,32 @@ def _consts_key(consts: list) -> tuple:
         else (np.shape(c), np.asarray(c).dtype, np.asarray(c).tobytes())
         for c in consts
     )
+
+
+def _functions_key(jaxpr: Any) -> tuple:
+    """The Python functions a jaxpr's equations hold, by identity, sub-jaxprs included.
+
+    A printed jaxpr names a callback or a custom derivative rule without telling
+    two functions apart, so two programs that print alike may call different
+    Python code; their functions are part of the key.
+    """
+    found = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, jax_core.ClosedJaxpr):
+            walk(value.jaxpr)
+        elif isinstance(value, jax_core.Jaxpr):
+            for eqn in value.eqns:
+                for param in eqn.params.values():
+                    walk(param)
+        elif isinstance(value, tuple | list):
+            for item in value:
+                walk(item)
+        elif not isinstance(value, type) and (callable(value) or hasattr(value, "call_wrapped")):
+            found.append(_Identity(value))
+
+    walk(jaxpr)
+    return tuple(found)
 
 
 class _Identity:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmd.errors import ConfigurationError, enum_member, message, received
+from spmd.errors import ArgumentTypeError, ConfigurationError, enum_member, message, received
 from spmd.validate import is_integer
 
 __all__ = [
@@ -219,7 +219,8 @@ def _check_global_batch_size(size: Any) -> None:
         if is_int and isinstance(size, jax.core.Tracer):
             return
     if not is_int or int(size) < 1:
-        raise ConfigurationError(
+        # A float or an array of another rank is TensorFlow's TypeError; 0 or -3 its ValueError.
+        raise (ConfigurationError if is_int else ArgumentTypeError)(
             message(
                 "global_batch_size is a positive integer scalar: the number of examples "
                 "over every replica.",

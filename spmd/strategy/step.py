@@ -246,7 +246,7 @@ class Step:
             graphdef, pure = None, state
         donate = self.donates(graphdef is not None)
         checks.check_arguments(
-            self.strategy, pure, state_leaves, data, dynamic, self.batch_axis, donate
+            self.strategy, pure, state_leaves, data, dynamic, self.batch_axis, donate, self.fn
         )
         key = (
             _graph_key(graphdef),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,11 @@ def check_arguments(
     kwargs: dict,
     axis: int,
     donate: bool = False,
+    fn: Any = None,
 ) -> None:
     """Checks one call of a step before it runs; see the functions below.
+
+    `fn`, the step's function, names the data arguments in a batch error.
 
     Raises:
       ConfigurationError: NNX objects outside the state, a state leaf that is
@@ -64,7 +68,28 @@ def check_arguments(
         _check_no_shared_arrays(pure, state_leaves)
     _check_kwargs(kwargs)
     _check_batch_dtypes(data)
-    strategy.check_batch(data, axis)
+    strategy.check_batch(data, axis, data_names(fn, len(data)))
+
+
+def data_names(fn: Any, count: int) -> list[str] | None:
+    """The names of a step's `count` data arguments (every positional one after the state).
+
+    None where the signature cannot tell (a builtin, or fewer named parameters);
+    a `*args` parameter names the rest `args[0]`, `args[1]`, ...
+    """
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    names = []
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            names += [f"{p.name}[{i}]" for i in range(count - len(names))]
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        if len(names) >= count:
+            break
+    return names[:count] if len(names) >= count else None
 
 
 def _check_no_nnx(where: str, tree: Any) -> None:
