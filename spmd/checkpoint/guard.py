@@ -27,6 +27,7 @@ from spmd.clusters.launch_results import not_arrived
 from spmd.errors import CheckpointError, message, received
 
 __all__ = [
+    "NO_LOCK",
     "DirectoryLock",
     "agree",
     "check_newer_steps",
@@ -57,7 +58,10 @@ class DirectoryLock:
         if "://" in str(directory):
             return
         path = os.path.join(os.fspath(directory), _LOCK_NAME)
-        handle = open(path, "a+")  # noqa: SIM115 - held open while the manager lives
+        try:
+            handle = open(path, "a+")  # noqa: SIM115 - held open while the manager lives
+        except OSError as e:
+            raise not_writable(directory, e) from e
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -115,7 +119,10 @@ class _NoLock:
     holder = None
 
     def release(self) -> None:
-        """Nothing to release: only process 0 locks."""
+        """Nothing to release: only process 0 locks, and readers never do."""
+
+
+NO_LOCK = _NoLock()  # what a read-only manager holds
 
 
 def _check_same_folder(
@@ -156,6 +163,18 @@ def _check_same_folder(
         )
 
     agree(what, (root / opened[0]["token"]).exists(), timeout, all_see)
+
+
+def not_writable(directory: epath.Path, error: OSError) -> CheckpointError:
+    """The error for a writer's directory it cannot write (a read-only mount, permissions)."""
+    return CheckpointError(
+        message(
+            "A CheckpointManager that saves needs a directory it can write.",
+            received(directory=str(directory), error=first_line(error)),
+            "to only read the steps another job writes (an evaluator), pass read_only=True; "
+            "to save, give this process write access or another directory.",
+        )
+    )
 
 
 def lock_error(directory: epath.Path, holder: str) -> CheckpointError:

@@ -8,10 +8,11 @@ import os
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
-from spmd.checkpoint import guard, integrity
+from spmd.checkpoint import final, guard, integrity
 from spmd.checkpoint import tree as ct
 from spmd.checkpoint.integrity import Damaged, checksums
 from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
@@ -64,12 +65,20 @@ class CheckpointManager:
         construction) and on the step (each save): a process that never
         comes, or brings another directory or step, is a `CheckpointError`
         after at most this long, never a hang.
+      read_only: a reader of a directory another job (or manager) writes,
+        e.g. an evaluator's: it takes no lock (any number of readers beside
+        the one writer), never creates, writes or deletes anything (not
+        even a writer's unfinished saves), and lists the directory anew at
+        each `all_steps`, `latest_step` and `restore`, so it sees steps as
+        the writer commits them; never one being written, nor a damaged
+        one. Works on a read-only filesystem. `save` and `mark_final` are
+        errors; the saving arguments are ignored.
 
     Raises:
       ConfigurationError: an argument is out of range.
       InitializationError: `spmd launch` started this process and
         `spmd.initialize()` was not called.
-      CheckpointError: another open manager holds the directory, or (several
+      CheckpointError: another open writer holds the directory, or (several
         processes) they passed different directories with
         `shared_filesystem=True`, or do not all see the directory.
 
@@ -94,6 +103,7 @@ class CheckpointManager:
         exit_on_preemption: bool = True,
         preemption_check_steps: int = 1,
         coordination_timeout: float = 30.0,
+        read_only: bool = False,
     ):
         check_initialized_under_launcher()
         if max_to_keep is not None:
@@ -101,14 +111,26 @@ class CheckpointManager:
         _check_positive(save_interval_steps, "save_interval_steps", "e.g. 100")
         self._root = _absolute(directory)
         self._interval = save_interval_steps
-        self._watcher = PreemptionWatcher(preemption, preemption_check_steps)
+        self.read_only = _check_flag(read_only, "read_only")
+        self._watcher = PreemptionWatcher(
+            "off" if read_only else preemption, preemption_check_steps
+        )
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
-        self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout)
+        self._lock = (
+            guard.NO_LOCK
+            if read_only
+            else guard.open_directory(self._root, shared_filesystem, self._timeout)
+        )
         try:
             self._store = make_store(
-                self._root, max_to_keep, save_interval_steps, async_save, shared_filesystem
+                self._root,
+                max_to_keep,
+                save_interval_steps,
+                async_save,
+                shared_filesystem,
+                read_only,
             )
         except BaseException:
             self._lock.release()
@@ -143,6 +165,44 @@ class CheckpointManager:
         """The latest committed, intact checkpoint's step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def final_step(self) -> int | None:
+        """The step the training run marked as its last (`mark_final`), or None while it runs."""
+        return final.read(self.directory)
+
+    def mark_final(self, step: int | None = None) -> int:
+        """Marks `step` (the latest by default) as the run's last checkpoint; every process calls it.
+
+        Waits for saves in flight first. Readers (`read_only=True`, a
+        `SidecarEvaluator`) then know the run has ended: an evaluator stops
+        once it has evaluated this step. `Trainer.fit`'s `ModelCheckpoint`
+        calls it when fit ends. A later `save` removes the mark (the run goes on).
+
+        Returns:
+          The step marked.
+
+        Raises:
+          CheckpointError: a read-only manager, or `step` is not the latest
+            complete checkpoint (or there is none).
+        """
+        self._check_writer("mark_final")
+        self.wait()
+        steps = self.all_steps()
+        latest = steps[-1] if steps else None
+        step = latest if step is None else step
+        if step is None or step != latest:
+            raise CheckpointError(
+                message(
+                    "mark_final marks the latest complete checkpoint as the run's last.",
+                    received(step=step, directory=str(self.directory), complete_steps=steps),
+                    "save the final state first (save(step, state, force=True)), then "
+                    "call mark_final() with no step.",
+                )
+            )
+        if jax.process_index() == 0:
+            final.write(self.directory, step)
+        guard.agree("mark_final", step, self._timeout)
+        return step
 
     def reached_preemption(self, step: int) -> bool:
         """Whether `step` is where every process agreed to save and stop (see `save`)."""
@@ -186,7 +246,7 @@ class CheckpointManager:
             (after `coordination_timeout`), or an earlier asynchronous save
             failed (the message names its step).
         """
-        self._check_open("save")
+        self._check_writer("save")
         votes = guard.agree(
             f"save(step={step})",
             {"step": step, "notice": self._watcher.noticed()},
@@ -207,6 +267,8 @@ class CheckpointManager:
             return False
         guard.check_newer_steps(step, folders, self.directory)
         guard.check_no_file(step, self._store.step_dir(step))
+        if jax.process_index() == 0:
+            final.clear(self.directory)  # the run goes on past its marked last step
         arrays, keys = ct.to_saveable(_leaves(state))
         position = guard.every_pipeline(_position(data), self._timeout)
         meta = integrity.seal(
@@ -356,7 +418,7 @@ class CheckpointManager:
         return restored
 
     def _set_aside(self, steps: list[int]) -> None:
-        if not steps:
+        if not steps or self.read_only:  # a reader leaves the writer's folders as they are
             return
         self._store.set_aside(steps)
         guard.agree("restore_newest (setting damaged steps aside)", steps, self._timeout)
@@ -470,7 +532,21 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self._root)!r})"
+        extra = ", read_only=True" if self.read_only else ""
+        return f"CheckpointManager({str(self._root)!r}{extra})"
+
+    def _check_writer(self, what: str) -> None:
+        self._check_open(what)
+        if self.read_only:
+            raise CheckpointError(
+                message(
+                    f"{what}() writes to the checkpoint directory, which a "
+                    "CheckpointManager(read_only=True) never does.",
+                    received(directory=str(self._root), read_only=True),
+                    "save from the training job's own manager (read_only=False, one per "
+                    "directory); use this one to list and restore the steps it writes.",
+                )
+            )
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -497,6 +573,18 @@ def _absolute(directory: str | os.PathLike[str]) -> epath.Path:
         )
     text = os.fspath(directory)
     return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def _check_flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigurationError(
+            message(
+                f"{name} is True or False.",
+                received(**{name: value}),
+                f"pass {name}=True for a reader that never writes, else leave it out.",
+            )
+        )
+    return value
 
 
 def _check_timeout(value: Any) -> float:

@@ -40,19 +40,32 @@ class SharedStore:
         interval: int,
         async_save: bool,
         multiprocessing: ocp.options.MultiprocessingOptions | None = None,
+        read_only: bool = False,
     ):
         multiprocessing = multiprocessing or ocp.options.MultiprocessingOptions()
         chief_only = multiprocessing.active_processes is not None
-        if chief_only:  # Orbax creates the root folder only when all processes write
+        self.read_only = read_only
+        if chief_only and not read_only:  # Orbax creates the root only when all processes write
             directory.mkdir(parents=True, exist_ok=True)
-        options = ocp.CheckpointManagerOptions(
-            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(interval),
-            preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
-            create=not chief_only,
-            multiprocessing_options=multiprocessing,
-        )
+        if read_only:  # no folder made, no save, no deletion, no cleanup of a writer's tmp folders
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                create=False,
+                cleanup_tmp_directories=False,
+                save_interval_steps=0,
+                max_to_keep=None,
+                enable_async_checkpointing=False,
+                multiprocessing_options=multiprocessing,
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(interval),
+                preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=True,
+                create=not chief_only,
+                multiprocessing_options=multiprocessing,
+            )
         self.manager = ocp.CheckpointManager(
             directory, options=options, handler_registry=_registry(multiprocessing)
         )
@@ -69,12 +82,16 @@ class SharedStore:
 
     def all_steps(self) -> list[int]:
         """The committed, intact steps, oldest first (see `damaged_steps`)."""
-        damaged = self.damaged_steps()
-        return [s for s in sorted(self.manager.all_steps()) if s not in damaged]
+        folders = self.step_folders()
+        damaged = self._damaged(folders)
+        return [s for s in folders if s not in damaged]
 
     def damaged_steps(self) -> dict[int, str]:
         """step -> why its folder is not a complete checkpoint, for the step folders that are not."""
-        found = {s: damage(self.step_dir(s), s) for s in self.manager.all_steps()}
+        return self._damaged(self.step_folders())
+
+    def _damaged(self, steps: list[int]) -> dict[int, str]:
+        found = {s: damage(self.step_dir(s), s) for s in steps}
         return {s: why for s, why in sorted(found.items()) if why is not None}
 
     def step_dir(self, step: int) -> epath.Path:
@@ -82,7 +99,13 @@ class SharedStore:
         return self.directory / str(step)
 
     def step_folders(self) -> list[int]:
-        """Every step folder's step, intact or not, oldest first."""
+        """Every step folder's step, intact or not, oldest first.
+
+        A read-only store lists the directory anew each time: another
+        process writes (and deletes) its steps.
+        """
+        if self.read_only:
+            self.manager.reload()
         return sorted(self.manager.all_steps())
 
     def set_aside(self, steps: list[int]) -> None:
@@ -158,7 +181,14 @@ class ChiefStore:
     disk alone: lose that host and the checkpoint is lost with it.
     """
 
-    def __init__(self, directory: epath.Path, max_to_keep: int | None, interval: int, async_save):
+    def __init__(
+        self,
+        directory: epath.Path,
+        max_to_keep: int | None,
+        interval: int,
+        async_save: bool,
+        read_only: bool = False,
+    ):
         self.is_chief = jax.process_index() == 0
         self._directory = directory
         self._inner: SharedStore | None = None
@@ -166,7 +196,9 @@ class ChiefStore:
             only_me = ocp.options.MultiprocessingOptions(
                 primary_host=0, active_processes={0}, barrier_sync_key_prefix="spmd_chief"
             )
-            self._inner = SharedStore(directory, max_to_keep, interval, async_save, only_me)
+            self._inner = SharedStore(
+                directory, max_to_keep, interval, async_save, only_me, read_only
+            )
 
     @property
     def directory(self) -> epath.Path:
@@ -272,11 +304,12 @@ def make_store(
     interval: int,
     async_save: bool,
     shared_filesystem: bool,
+    read_only: bool = False,
 ) -> SharedStore | ChiefStore:
     """The store for this job: shared unless asked otherwise with several processes."""
     if shared_filesystem or jax.process_count() == 1:
-        return SharedStore(directory, max_to_keep, interval, async_save)
-    return ChiefStore(directory, max_to_keep, interval, async_save)
+        return SharedStore(directory, max_to_keep, interval, async_save, read_only=read_only)
+    return ChiefStore(directory, max_to_keep, interval, async_save, read_only)
 
 
 def _registry(
