@@ -46,6 +46,7 @@ PUBLIC = [
     "ReduceOp",
     "ReplicaContext",
     "ScopeError",
+    "SidecarEvaluator",
     "SpmdError",
     "Step",
     "Strategy",

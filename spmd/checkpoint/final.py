@@ -17,10 +17,28 @@ import uuid
 
 from etils import epath
 
-__all__ = ["MARKER", "clear", "read", "write"]
+from spmd.errors import CheckpointError, message, received
+
+__all__ = ["MARKER", "check", "clear", "read", "write"]
 
 MARKER = "spmd-final-step.json"
 _log = logging.getLogger(__name__)
+
+
+def check(step: int | None, steps: list[int], directory: epath.Path) -> int:
+    """The step to mark: `step`, or the latest of `steps` if None; it must be the latest."""
+    latest = steps[-1] if steps else None
+    step = latest if step is None else step
+    if step is not None and step == latest:
+        return step
+    raise CheckpointError(
+        message(
+            "mark_final marks the latest complete checkpoint as the run's last.",
+            received(step=step, directory=str(directory), complete_steps=steps),
+            "save the final state first (save(step, state, force=True)), then call "
+            "mark_final() with no step.",
+        )
+    )
 
 
 def write(directory: epath.Path, step: int) -> None:

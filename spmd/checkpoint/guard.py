@@ -35,6 +35,7 @@ __all__ = [
     "every_pipeline",
     "first_line",
     "open_directory",
+    "read_only_error",
     "same_step",
     "write_failed",
 ]
@@ -83,11 +84,24 @@ class DirectoryLock:
             self._file = None
 
 
-def open_directory(root: epath.Path, shared: bool, timeout: float) -> DirectoryLock:
+class _NoLock:
+    holder = None
+
+    def release(self) -> None:
+        """Nothing to release: only process 0 locks, and readers never do."""
+
+
+NO_LOCK = _NoLock()  # what a read-only manager holds
+
+
+def open_directory(
+    root: epath.Path, shared: bool, timeout: float, read_only: bool = False
+) -> DirectoryLock | _NoLock:
     """Locks `root` (process 0) and checks that every process opens the same shared folder.
 
     Before anything is written: process 0 takes the directory's lock and, with a
     shared filesystem and several processes, writes a probe file the others must see.
+    A reader (`read_only`) does neither: it holds no lock, and writes nothing.
 
     Returns:
       The lock, held by process 0 (an empty one elsewhere): release it on close.
@@ -96,6 +110,8 @@ def open_directory(root: epath.Path, shared: bool, timeout: float) -> DirectoryL
       CheckpointError: another manager holds the directory; or with `shared`, the
         processes name different folders or do not all see process 0's probe.
     """
+    if read_only:
+        return NO_LOCK
     chief, several = jax.process_index() == 0, jax.process_count() > 1
     lock, token = _NoLock(), None
     if chief:
@@ -113,16 +129,6 @@ def open_directory(root: epath.Path, shared: bool, timeout: float) -> DirectoryL
         if token is not None:
             (root / token).unlink(missing_ok=True)
     return lock
-
-
-class _NoLock:
-    holder = None
-
-    def release(self) -> None:
-        """Nothing to release: only process 0 locks, and readers never do."""
-
-
-NO_LOCK = _NoLock()  # what a read-only manager holds
 
 
 def _check_same_folder(
@@ -173,6 +179,19 @@ def not_writable(directory: epath.Path, error: OSError) -> CheckpointError:
             received(directory=str(directory), error=first_line(error)),
             "to only read the steps another job writes (an evaluator), pass read_only=True; "
             "to save, give this process write access or another directory.",
+        )
+    )
+
+
+def read_only_error(what: str, directory: epath.Path) -> CheckpointError:
+    """The error for a write asked of a CheckpointManager(read_only=True)."""
+    return CheckpointError(
+        message(
+            f"{what}() writes to the checkpoint directory, which a "
+            "CheckpointManager(read_only=True) never does.",
+            received(directory=str(directory), read_only=True),
+            "save from the training job's own manager (read_only=False, one per directory); "
+            "use this one to list and restore the steps it writes.",
         )
     )
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -15,12 +14,13 @@ from etils import epath
 from spmd.checkpoint import final, guard, integrity
 from spmd.checkpoint import tree as ct
 from spmd.checkpoint.integrity import Damaged, checksums
+from spmd.checkpoint.position import as_json, position_of, restore_position
 from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
 from spmd.checkpoint.store import make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
 from spmd.strategy.base import get_strategy
-from spmd.validate import positive_int, positive_number
+from spmd.validate import boolean, positive_int, positive_number
 
 __all__ = ["CheckpointManager"]
 
@@ -111,27 +111,17 @@ class CheckpointManager:
         _check_positive(save_interval_steps, "save_interval_steps", "e.g. 100")
         self._root = _absolute(directory)
         self._interval = save_interval_steps
-        self.read_only = _check_flag(read_only, "read_only")
+        self.read_only = boolean(read_only, "read_only", fix="pass read_only=True for a reader.")
         self._watcher = PreemptionWatcher(
             "off" if read_only else preemption, preemption_check_steps
         )
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
-        self._lock = (
-            guard.NO_LOCK
-            if read_only
-            else guard.open_directory(self._root, shared_filesystem, self._timeout)
-        )
+        self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
-            self._store = make_store(
-                self._root,
-                max_to_keep,
-                save_interval_steps,
-                async_save,
-                shared_filesystem,
-                read_only,
-            )
+            store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
+            self._store = make_store(self._root, *store)
         except BaseException:
             self._lock.release()
             raise
@@ -187,18 +177,7 @@ class CheckpointManager:
         """
         self._check_writer("mark_final")
         self.wait()
-        steps = self.all_steps()
-        latest = steps[-1] if steps else None
-        step = latest if step is None else step
-        if step is None or step != latest:
-            raise CheckpointError(
-                message(
-                    "mark_final marks the latest complete checkpoint as the run's last.",
-                    received(step=step, directory=str(self.directory), complete_steps=steps),
-                    "save the final state first (save(step, state, force=True)), then "
-                    "call mark_final() with no step.",
-                )
-            )
+        step = final.check(step, self.all_steps(), self.directory)
         if jax.process_index() == 0:
             final.write(self.directory, step)
         guard.agree("mark_final", step, self._timeout)
@@ -270,12 +249,12 @@ class CheckpointManager:
         if jax.process_index() == 0:
             final.clear(self.directory)  # the run goes on past its marked last step
         arrays, keys = ct.to_saveable(_leaves(state))
-        position = guard.every_pipeline(_position(data), self._timeout)
+        position = guard.every_pipeline(position_of(data), self._timeout)
         meta = integrity.seal(
             {
                 "format": integrity.FORMAT,
                 "prng_keys": keys,
-                "user": _json(metadata, "metadata"),
+                "user": as_json(metadata, "metadata"),
                 "checksums": checksums(arrays),
                 "data_checksum": integrity.json_checksum(position),
             }
@@ -327,7 +306,7 @@ class CheckpointManager:
         step = self._resolve_step(step)
         result = self._restore_numpy(step) if target is None else self._restore_into(step, target)
         if data is not None:
-            _set_position(data, self._saved_position(step), step)
+            restore_position(data, self._saved_position(step), step)
         return result
 
     def restore_data(self, step: int | None = None) -> dict | None:
@@ -538,15 +517,7 @@ class CheckpointManager:
     def _check_writer(self, what: str) -> None:
         self._check_open(what)
         if self.read_only:
-            raise CheckpointError(
-                message(
-                    f"{what}() writes to the checkpoint directory, which a "
-                    "CheckpointManager(read_only=True) never does.",
-                    received(directory=str(self._root), read_only=True),
-                    "save from the training job's own manager (read_only=False, one per "
-                    "directory); use this one to list and restore the steps it writes.",
-                )
-            )
+            raise guard.read_only_error(what, self._root)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -575,18 +546,6 @@ def _absolute(directory: str | os.PathLike[str]) -> epath.Path:
     return epath.Path(text if "://" in text else os.path.abspath(text))
 
 
-def _check_flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigurationError(
-            message(
-                f"{name} is True or False.",
-                received(**{name: value}),
-                f"pass {name}=True for a reader that never writes, else leave it out.",
-            )
-        )
-    return value
-
-
 def _check_timeout(value: Any) -> float:
     return positive_number(value, "coordination_timeout", fix="pass e.g. 30.")
 
@@ -607,60 +566,3 @@ def _leaves(state: Any) -> ct.Flat:
             )
         )
     return flat
-
-
-def _json(value: Any, name: str) -> Any:
-    """`value` if it serializes as JSON, else a CheckpointError naming the argument."""
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(
-            message(
-                f"{name} is saved as JSON: dicts, lists, strings, numbers, booleans, None.",
-                received(**{name: value}, error=str(e)),
-                "convert numpy or jax values with int()/float()/.tolist() first.",
-            )
-        ) from e
-    return value
-
-
-def _position(data: Any) -> dict | None:
-    """The data position to save: `data.get_state()`, a dict, or None."""
-    if data is None:
-        return None
-    if hasattr(data, "get_state"):
-        return _json(data.get_state(), "data.get_state()")
-    if isinstance(data, Mapping):
-        return _json(dict(data), "data")
-    raise CheckpointError(
-        message(
-            "data is the input position: an iterator with get_state() -> dict, or a dict.",
-            received(data_type=type(data).__name__),
-            "pass the iterator itself (e.g. the one from spmd.data), or {'position': n}.",
-        )
-    )
-
-
-def _set_position(data: Any, position: dict | None, step: int) -> None:
-    """Restores `position` into an iterator (`set_state`) or a dict (in place)."""
-    if position is None:
-        raise CheckpointError(
-            message(
-                "restore(data=...) needs a checkpoint saved with a data position.",
-                received(step=step, saved_position=None),
-                "pass data=... to save(), or leave data out of restore().",
-            )
-        )
-    if hasattr(data, "set_state"):
-        data.set_state(position)
-    elif isinstance(data, MutableMapping):
-        data.clear()
-        data.update(position)
-    else:
-        raise CheckpointError(
-            message(
-                "data is restored into an iterator with set_state(dict), or a dict.",
-                received(data_type=type(data).__name__),
-                "pass the iterator you saved with, or a dict to fill.",
-            )
-        )
