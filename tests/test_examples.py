@@ -20,9 +20,10 @@ FAST_ARGS = {
     "04_central_storage.py": ["--steps", "10"],
     "07_sharded_transformer_lm.py": ["--steps", "10"],
     "08_flax_mnist_tutorial.py": ["--steps", "20"],
+    "10_sidecar_evaluator.py": ["--epochs", "2"],
 }
 # Examples that start several processes themselves.
-MULTIPROCESS = {"03_multi_worker_tf_config.py"}
+MULTIPROCESS = {"03_multi_worker_tf_config.py", "10_sidecar_evaluator.py"}
 
 
 def _run(command, timeout=240):
