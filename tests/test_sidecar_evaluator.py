@@ -2,6 +2,7 @@
 
 import logging
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -149,7 +150,8 @@ def test_damaged_steps_are_skipped_with_a_log_line(trained, tmp_path, caplog):
 
     history = _evaluate_copy(trained, tmp_path, caplog, damage)
     assert list(history) == [9]
-    assert "skipping checkpoint step 3: damaged: missing state/_METADATA" in caplog.text
+    assert "skipping checkpoint step 3: not a complete checkpoint" in caplog.text
+    assert "missing state/_METADATA" in caplog.text
     assert "skipping checkpoint step 6: damaged" in caplog.text
     assert "the training run ended at step 9" in caplog.text
 
@@ -216,6 +218,50 @@ def test_bad_arguments_are_clear_errors(tmp_path, kwargs, match):
         spmd.SidecarEvaluator(_trainer(_one_device()), VAL, str(tmp_path), **kwargs)
 
 
+def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
+    batches = iter([(VAL[0][:32], VAL[1][:32])])
+    with pytest.raises(spmd.ConfigurationError, match="(?s)anew for every checkpoint"):
+        spmd.SidecarEvaluator(_trainer(_one_device()), batches, str(tmp_path))
+
+
 def test_a_bare_model_is_a_clear_error(tmp_path):
     with pytest.raises(spmd.ConfigurationError, match="(?s)spmd.Trainer.*Received: model_or"):
         spmd.SidecarEvaluator(MLP(nnx.Rngs(0)), VAL, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_an_evaluator_racing_a_writer_that_keeps_one_step(tmp_path):
+    """A writer saving every step with max_to_keep=1, deleting steps while they are listed
+    and read: the evaluator never fails, and every step it evaluated is that step's state."""
+    directory, states, errors = tmp_path / "ckpt", {}, []
+
+    class Remember(spmd.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            states[self.trainer.iterations] = jax.device_get(self.trainer.state)
+
+    def train():
+        try:
+            checkpoint = spmd.callbacks.ModelCheckpoint(str(directory), save_freq=1, max_to_keep=1)
+            _trainer(_one_device()).fit(
+                _data(320, 0), batch_size=16, verbose=0, callbacks=[checkpoint, Remember()]
+            )
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    writer = threading.Thread(target=train)
+    writer.start()
+    try:
+        history = spmd.SidecarEvaluator(
+            _trainer(_one_device()),
+            VAL,
+            str(directory),
+            batch_size=32,
+            poll_interval=0.01,
+            timeout=120,
+        ).start()
+    finally:
+        writer.join(timeout=300)
+    assert not errors and 20 in history  # it ended at the final step, 20
+    assert len(history) >= 5, sorted(history)
+    for step, metrics in history.items():
+        np.testing.assert_allclose(metrics["loss"], _oracle(states[step])["loss"], rtol=1e-6)

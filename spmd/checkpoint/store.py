@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -105,8 +106,19 @@ class SharedStore:
         process writes (and deletes) its steps.
         """
         if self.read_only:
-            self.manager.reload()
+            self._reload()
         return sorted(self.manager.all_steps())
+
+    def _reload(self) -> None:
+        """Orbax's listing, retried while a folder it listed vanishes before it is read
+        (the writer's max_to_keep deleting a step during the listing)."""
+        for pause in (0.01, 0.05, 0.2, 1.0):
+            try:
+                self.manager.reload()
+                return
+            except FileNotFoundError:
+                time.sleep(pause)
+        self.manager.reload()
 
     def set_aside(self, steps: list[int]) -> None:
         """Renames the folders of `steps` to `<step>.damaged` (process 0; call `reload` after)."""

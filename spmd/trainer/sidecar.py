@@ -89,13 +89,14 @@ class SidecarEvaluator:
         timeout: float | None = None,
     ) -> None:
         self.trainer = _check_trainer(model_or_trainer)
-        self.data, self.batch_size = data, batch_size
+        self.data, self.batch_size = _check_data(data), batch_size
         self.checkpoint_dir = checkpoint_dir
         self.steps = _optional_count(steps, "steps", "batches per evaluation")
         self.max_evaluations = _optional_count(max_evaluations, "max_evaluations", "evaluations")
         self.poll_interval = _check_poll(poll_interval)
         self.timeout = None if timeout is None else positive_number(timeout, "timeout")
-        self.callbacks = list(callbacks) + ([TensorBoard(log_dir)] if log_dir else [])
+        self._board = TensorBoard(log_dir) if log_dir else None
+        self.callbacks = list(callbacks) + ([self._board] if self._board else [])
         self.history: dict[int, dict[str, float]] = {}
 
     def start(self) -> dict[int, dict[str, float]]:
@@ -108,7 +109,7 @@ class SidecarEvaluator:
           CheckpointError: a checkpoint's tree is not the trainer's state (a
             different model or optimizer), or its files exist but cannot be
             read (permissions). Damaged and removed steps are skipped.
-          BatchError: `data` has no batch (a one-shot iterator is read once).
+          BatchError: `data` has no batch.
         """
         trainer = self.trainer
         trainer.build()
@@ -121,7 +122,8 @@ class SidecarEvaluator:
             self._loop(reader, dataset, hooks)
         finally:
             reader.close()
-            hooks.on_train_end()  # closes the TensorBoard writers
+            if self._board is not None:
+                self._board.on_train_end()  # closes its event files
         return self.history
 
     def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:
@@ -144,7 +146,7 @@ class SidecarEvaluator:
                 _log.info("the training run ended at step %d: done", final)
                 return
             waited = time.monotonic() - last_new
-            if self.timeout is not None and waited >= self.timeout:
+            if self.timeout is not None and _agreed(waited >= self.timeout, "timeout"):
                 _log.info("no new checkpoint in %.0f s (timeout): done", waited)
                 return
             pause = self.poll_interval
@@ -153,9 +155,9 @@ class SidecarEvaluator:
             time.sleep(pause)
 
     def _with_damaged(self, reader: CheckpointManager, steps: list[int], done: int) -> list[int]:
-        """`steps`, less the step folders before the newest of them that are not complete
-        checkpoints (logged). A later one may still be a save in flight (on an object
-        store a save writes into its step folder): it is looked at again next time."""
+        """`steps`; logs the step folders before the newest of them that are not complete
+        checkpoints (never listed, so skipped). A later one may still be a save in flight
+        (on an object store a save writes into its step folder): it is looked at next time."""
         if not steps:
             return steps
         damaged = _agreed(
@@ -163,7 +165,12 @@ class SidecarEvaluator:
             "damaged_steps",
         )
         for step, why in sorted((int(s), why) for s, why in damaged.items()):
-            _log.warning("skipping checkpoint step %d: damaged: %s", step, why)
+            _log.warning(
+                "skipping checkpoint step %d: not a complete checkpoint (damaged, or being "
+                "removed by the writer's max_to_keep): %s",
+                step,
+                why,
+            )
         return steps
 
     def _evaluate(self, reader: CheckpointManager, dataset: Any, hooks, step: int) -> dict | None:
@@ -172,7 +179,7 @@ class SidecarEvaluator:
         try:
             trainer.state = reader.restore(step, target=trainer.state)
         except CheckpointError as error:
-            if step not in reader.all_steps():
+            if _agreed(step not in reader.all_steps(), "removed"):
                 _log.warning(
                     "skipping checkpoint step %d: removed (the writer's max_to_keep) before "
                     "it could be read",
@@ -213,6 +220,21 @@ def _agreed(value: Any, what: str) -> Any:
 def _why(error: BaseException) -> str:
     lines = str(error).splitlines()
     return lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__
+
+
+def _check_data(data: Any) -> Any:
+    """`data`, unless it is a one-shot iterator: it is read anew for every checkpoint."""
+    if hasattr(data, "__next__") and iter(data) is data:
+        raise ConfigurationError(
+            message(
+                "SidecarEvaluator reads its data anew for every checkpoint, so it must start "
+                "over on each iter(): a one-shot iterator would be empty from the second on.",
+                received(data=type(data).__name__),
+                "pass arrays (x, y) with batch_size, a list of batches, or an object whose "
+                "__iter__ returns a new iterator.",
+            )
+        )
+    return data
 
 
 def _check_trainer(value: Any) -> Trainer:
