@@ -211,11 +211,14 @@ def test_a_checkpoint_of_another_model_is_an_error(trained):
         ({"steps": 0}, "steps"),
         ({"max_evaluations": 1.5}, "max_evaluations"),
         ({"timeout": -1}, "timeout"),
+        ({"checkpoint_dir": 7}, "checkpoint_dir"),
     ],
 )
 def test_bad_arguments_are_clear_errors(tmp_path, kwargs, match):
     with pytest.raises(spmd.ConfigurationError, match=match):
-        spmd.SidecarEvaluator(_trainer(_one_device()), VAL, str(tmp_path), **kwargs)
+        spmd.SidecarEvaluator(
+            _trainer(_one_device()), VAL, **{"checkpoint_dir": str(tmp_path), **kwargs}
+        )
 
 
 def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):

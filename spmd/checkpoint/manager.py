@@ -118,6 +118,7 @@ class CheckpointManager:
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
+        self._maybe_final = True  # a final-step marker may be there (an ended run's)
         self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
             store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
@@ -180,6 +181,7 @@ class CheckpointManager:
         step = final.check(step, self.all_steps(), self.directory)
         if jax.process_index() == 0:
             final.write(self.directory, step)
+        self._maybe_final = True
         guard.agree("mark_final", step, self._timeout)
         return step
 
@@ -246,8 +248,9 @@ class CheckpointManager:
             return False
         guard.check_newer_steps(step, folders, self.directory)
         guard.check_no_file(step, self._store.step_dir(step))
-        if jax.process_index() == 0:
+        if self._maybe_final and jax.process_index() == 0:
             final.clear(self.directory)  # the run goes on past its marked last step
+        self._maybe_final = False  # the writer holds the directory: no one else marks it
         arrays, keys = ct.to_saveable(_leaves(state))
         position = guard.every_pipeline(position_of(data), self._timeout)
         meta = integrity.seal(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -49,7 +50,8 @@ class SidecarEvaluator:
     Args:
       model_or_trainer: a `spmd.Trainer` built as the training job builds
         its own (same model, optimizer, loss and metrics: the checkpoint
-        holds its whole train state), on the evaluator's strategy.
+        holds its whole train state), on the evaluator's strategy. Each
+        checkpoint replaces its state: give the evaluator a Trainer of its own.
       data: the evaluation data, as `Trainer.evaluate` takes it (arrays with
         `batch_size`, or a re-iterable of batches): read anew for each step.
       checkpoint_dir: the training job's checkpoint directory (e.g. its
@@ -90,7 +92,7 @@ class SidecarEvaluator:
     ) -> None:
         self.trainer = _check_trainer(model_or_trainer)
         self.data, self.batch_size = _check_data(data), batch_size
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir = _check_directory(checkpoint_dir)
         self.steps = _optional_count(steps, "steps", "batches per evaluation")
         self.max_evaluations = _optional_count(max_evaluations, "max_evaluations", "evaluations")
         self.poll_interval = _check_poll(poll_interval)
@@ -220,6 +222,19 @@ def _agreed(value: Any, what: str) -> Any:
 def _why(error: BaseException) -> str:
     lines = str(error).splitlines()
     return lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__
+
+
+def _check_directory(directory: Any) -> str:
+    if isinstance(directory, str | os.PathLike) and os.fspath(directory):
+        return os.fspath(directory)
+    raise ConfigurationError(
+        message(
+            "checkpoint_dir is the training job's checkpoint folder: a path, or a URL such "
+            "as gs://bucket/run.",
+            received(checkpoint_dir=directory),
+            'pass the directory its ModelCheckpoint writes, e.g. "/ckpt/run".',
+        )
+    )
 
 
 def _check_data(data: Any) -> Any:
