@@ -268,3 +268,18 @@ def test_an_evaluator_racing_a_writer_that_keeps_one_step(tmp_path):
     assert len(history) >= 5, sorted(history)
     for step, metrics in history.items():
         np.testing.assert_allclose(metrics["loss"], _oracle(states[step])["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: spmd.callbacks.ModelCheckpoint(d, save_freq=2),
+        lambda d: spmd.callbacks.BackupAndRestore(d, save_freq=2, delete_checkpoint=False),
+    ],
+    ids=["ModelCheckpoint", "BackupAndRestore"],
+)
+def test_fit_marks_its_last_save_final_even_while_it_is_in_flight(tmp_path, make):
+    """One async save, still being written when fit ends: it is marked once committed."""
+    directory = str(tmp_path / "ckpt")
+    _trainer(_one_device()).fit(_data(64, 0), batch_size=32, verbose=0, callbacks=[make(directory)])
+    assert spmd.CheckpointManager(directory, read_only=True).final_step() == 2

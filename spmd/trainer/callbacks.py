@@ -431,7 +431,8 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.manager is not None:
-            if self.manager.latest_step() is not None:  # waits for async saves to commit
+            self.manager.wait()  # the saves in flight commit before the latest is looked up
+            if self.manager.latest_step() is not None:
                 self.manager.mark_final()  # a SidecarEvaluator stops after this step
             self.on_train_abort()
 
@@ -516,6 +517,7 @@ class BackupAndRestore(Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.manager is None:
             return
+        self.manager.wait()
         if not self.delete_checkpoint and self.manager.latest_step() is not None:
             self.manager.mark_final()  # the backups stay: a SidecarEvaluator stops here
         self.manager.close()
