@@ -194,12 +194,35 @@ def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):
     assert missing.start() == {} and not (tmp_path / "none-yet").exists()
 
 
-def test_a_checkpoint_of_another_model_is_an_error(trained):
+def test_the_optimizer_and_metrics_may_differ_from_trainings(trained):
+    """Only the model is read (never the optimizer state): any optimizer, other metrics."""
+    directory, saved = trained
+    other = spmd.Trainer(
+        MLP(nnx.Rngs(1)), optax.sgd(0.1), "sparse_categorical_crossentropy", strategy=_one_device()
+    )
+    history = spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32).start()
+    assert list(history) == [3, 6, 9] and list(history[9]) == ["loss"]
+    np.testing.assert_allclose(history[6]["loss"], _oracle(saved[6])["loss"], rtol=1e-6)
+
+
+class Wider(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def test_a_checkpoint_of_another_model_is_an_error_naming_the_paths(trained):
     directory, _ = trained
     other = spmd.Trainer(
-        MLP(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy", strategy=_one_device()
+        Wider(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        "sparse_categorical_crossentropy",
+        strategy=_one_device(),
     )
-    with pytest.raises(spmd.CheckpointError, match="opt_state"):
+    with pytest.raises(spmd.CheckpointError, match="(?s)shape_or_dtype_differs.*hidden"):
         spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32).start()
 
 

@@ -279,7 +279,14 @@ class CheckpointManager:
 
     # -- restore ----------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None, *, data: Any = None) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        data: Any = None,
+        partial: bool = False,
+    ) -> Any:
         """Restores checkpoint `step` (the latest by default) into `target`'s layout.
 
         Args:
@@ -293,6 +300,9 @@ class CheckpointManager:
             as their key data), for inspection.
           data: an iterator with `set_state(dict)`, or a dict, to restore the
             data position into.
+          partial: `target` may leave out parts of the checkpoint (e.g. the
+            parameters without the optimizer state): only its paths are read
+            (and checksummed); each must be in the checkpoint.
 
         Returns:
           The state, shaped and placed like `target` (NNX objects: `target` itself).
@@ -307,7 +317,10 @@ class CheckpointManager:
         """
         self._check_open("restore")
         step = self._resolve_step(step)
-        result = self._restore_numpy(step) if target is None else self._restore_into(step, target)
+        if target is None:
+            result = self._restore_numpy(step)
+        else:
+            result = self._restore_into(step, target, boolean(partial, "partial", fix=_PARTIAL))
         if data is not None:
             restore_position(data, self._saved_position(step), step)
         return result
@@ -426,14 +439,15 @@ class CheckpointManager:
         self._verify(step, values)
         return ct.nest(values)
 
-    def _restore_into(self, step: int, target: Any) -> Any:
+    def _restore_into(self, step: int, target: Any, partial: bool = False) -> Any:
         flat, rebuild = ct.flatten(target)
         shardings = ct.target_shardings(target, flat)
         abstract = {p: ct.abstract_leaf(leaf, shardings[p]) for p, leaf in flat.items()}
         wanted = {p: (a.shape, np.dtype(a.dtype)) for p, a in abstract.items()}
         saved = self._read(step, "tree", lambda: self._store.saved_tree(step))
-        ct.check_match(saved, wanted, step)
-        values = self._read(step, "arrays", lambda: self._store.restore_placed(step, abstract))
+        ct.check_match(saved, wanted, step, partial)
+        restore = lambda: self._store.restore_placed(step, abstract, partial)  # noqa: E731
+        values = self._read(step, "arrays", restore)
         ct.check_restored_dtypes(saved, values, step)  # before the checksum: not damage
         self._verify(step, values)
         return rebuild(ct.wrap_keys(values, flat))
@@ -534,6 +548,8 @@ class CheckpointManager:
 
 
 # -- helpers ------------------------------------------------------------------
+
+_PARTIAL = "pass partial=True to restore a part of the checkpoint, else leave it out."
 
 
 def _absolute(directory: str | os.PathLike[str]) -> epath.Path:

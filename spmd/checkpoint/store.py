@@ -161,11 +161,12 @@ class SharedStore:
         args = ocp.args.PyTreeRestore(restore_args=ct.nest(as_numpy))
         return ct.unnest(self.manager.restore(step, args=ocp.args.Composite(state=args)).state)
 
-    def restore_placed(self, step: int, abstract: ct.Flat) -> ct.Flat:
-        """path -> jax.Array laid out as `abstract`'s ShapeDtypeStructs; Orbax reshards."""
+    def restore_placed(self, step: int, abstract: ct.Flat, partial: bool = False) -> ct.Flat:
+        """path -> jax.Array laid out as `abstract`'s ShapeDtypeStructs; Orbax reshards.
+        With `partial`, `abstract` may name only some of the saved arrays: only those are read."""
         item = ct.nest(abstract)
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=partial)
         return ct.unnest(self.manager.restore(step, args=ocp.args.Composite(state=args)).state)
 
     def read_json(self, step: int, item: str) -> Any:
@@ -274,8 +275,9 @@ class ChiefStore:
             for p, (s, d) in sorted(shapes.items())
         }
 
-    def restore_placed(self, step: int, abstract: ct.Flat) -> ct.Flat:
-        """The broadcast arrays placed as `abstract`; each process fills its own shards."""
+    def restore_placed(self, step: int, abstract: ct.Flat, partial: bool = False) -> ct.Flat:
+        """The broadcast arrays placed as `abstract`; each process fills its own shards.
+        (Every array is read and broadcast; those `abstract` names are placed.)"""
         host = self.restore_numpy(step)
         return {p: _place(host[p], a.sharding) for p, a in abstract.items()}
 

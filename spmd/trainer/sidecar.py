@@ -24,6 +24,7 @@ __all__ = ["SidecarEvaluator"]
 
 _log = logging.getLogger(__name__)
 _MAX_POLL_S = 600.0  # the longest pause between two looks at the directory
+_MODEL = ("params", "rest", "step")  # what an evaluation needs of a saved train state
 
 
 class SidecarEvaluator:
@@ -48,10 +49,11 @@ class SidecarEvaluator:
     step.
 
     Args:
-      model_or_trainer: a `spmd.Trainer` built as the training job builds
-        its own (same model, optimizer, loss and metrics: the checkpoint
-        holds its whole train state), on the evaluator's strategy. Each
-        checkpoint replaces its state: give the evaluator a Trainer of its own.
+      model_or_trainer: a `spmd.Trainer` of the training job's model (the
+        same module and config: its parameters and other model state are
+        read from each checkpoint, never the optimizer state), with the loss
+        and metrics to evaluate, on the evaluator's strategy. Each checkpoint
+        replaces its parameters: give the evaluator a Trainer of its own.
       data: the evaluation data, as `Trainer.evaluate` takes it (arrays with
         `batch_size`, or a re-iterable of batches): read anew for each step.
       checkpoint_dir: the training job's checkpoint directory (e.g. its
@@ -108,9 +110,9 @@ class SidecarEvaluator:
           {step: {"loss": ..., metric: ...}} for every step evaluated, oldest first.
 
         Raises:
-          CheckpointError: a checkpoint's tree is not the trainer's state (a
-            different model or optimizer), or its files exist but cannot be
-            read (permissions). Damaged and removed steps are skipped.
+          CheckpointError: a checkpoint's model is not the trainer's (the
+            message names the paths), or its files exist but cannot be read
+            (permissions). Damaged and removed steps are skipped.
           BatchError: `data` has no batch.
         """
         trainer = self.trainer
@@ -178,8 +180,9 @@ class SidecarEvaluator:
     def _evaluate(self, reader: CheckpointManager, dataset: Any, hooks, step: int) -> dict | None:
         """The metrics of checkpoint `step`, or None if it is damaged or gone (logged)."""
         trainer = self.trainer
+        target = {part: trainer.state[part] for part in _MODEL}
         try:
-            trainer.state = reader.restore(step, target=trainer.state)
+            model = reader.restore(step, target=target, partial=True)  # no optimizer state
         except CheckpointError as error:
             if _agreed(step not in reader.all_steps(), "removed"):
                 _log.warning(
@@ -192,6 +195,7 @@ class SidecarEvaluator:
                 _log.warning("skipping checkpoint step %d: damaged: %s", step, _why(error))
                 return None
             raise
+        trainer.state = {**trainer.state, **model}
         trainer.iterations = step
         hooks.on_test_begin()
         batches = dataset if self.steps is None else _first(dataset, self.steps)
@@ -257,12 +261,11 @@ def _check_trainer(value: Any) -> Trainer:
         return value
     raise ConfigurationError(
         message(
-            "SidecarEvaluator evaluates with a spmd.Trainer: the checkpoint holds the "
-            "training job's whole train state (parameters, optimizer state, step), and the "
-            "Trainer knows its form, its loss and its metrics.",
+            "SidecarEvaluator evaluates with a spmd.Trainer: it knows where the model's "
+            "parameters sit in a saved train state, and the loss and metrics to compute.",
             received(model_or_trainer=type(value).__name__),
-            "build the Trainer as the training job does, on this job's strategy: "
-            "spmd.Trainer(model, optimizer, loss, metrics=...), and pass it.",
+            "wrap the training job's model on this job's strategy: spmd.Trainer(model, "
+            "optimizer, loss, metrics=...) (any optimizer: its state is not read), and pass it.",
         )
     )
 
