@@ -135,7 +135,8 @@ class SidecarEvaluator:
         while True:
             final = _agreed(reader.final_step(), "final_step")  # before the listing: see below
             steps = [s for s in _agreed(reader.all_steps(), "all_steps") if s > done]
-            for step in self._with_damaged(reader, steps, done):
+            _log_damaged(reader, steps, done)
+            for step in steps:
                 metrics = self._evaluate(reader, dataset, hooks, step)
                 done = step
                 if metrics is not None:
@@ -157,25 +158,6 @@ class SidecarEvaluator:
             if self.timeout is not None:
                 pause = min(pause, self.timeout - waited)
             time.sleep(pause)
-
-    def _with_damaged(self, reader: CheckpointManager, steps: list[int], done: int) -> list[int]:
-        """`steps`; logs the step folders before the newest of them that are not complete
-        checkpoints (never listed, so skipped). A later one may still be a save in flight
-        (on an object store a save writes into its step folder): it is looked at next time."""
-        if not steps:
-            return steps
-        damaged = _agreed(
-            {str(s): why for s, why in reader.damaged_steps().items() if done < s < steps[-1]},
-            "damaged_steps",
-        )
-        for step, why in sorted((int(s), why) for s, why in damaged.items()):
-            _log.warning(
-                "skipping checkpoint step %d: not a complete checkpoint (damaged, or being "
-                "removed by the writer's max_to_keep): %s",
-                step,
-                why,
-            )
-        return steps
 
     def _evaluate(self, reader: CheckpointManager, dataset: Any, hooks, step: int) -> dict | None:
         """The metrics of checkpoint `step`, or None if it is damaged or gone (logged)."""
@@ -204,6 +186,25 @@ class SidecarEvaluator:
         shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
         _log.info("checkpoint step %d: %s", step, shown)
         return metrics
+
+
+def _log_damaged(reader: CheckpointManager, steps: list[int], done: int) -> None:
+    """Logs the step folders after `done` and before the newest of `steps` that are not
+    complete checkpoints (never listed, so skipped). A later one may still be a save in
+    flight (on an object store a save writes into its step folder): looked at next time."""
+    if not steps:
+        return
+    damaged = _agreed(
+        {str(s): why for s, why in reader.damaged_steps().items() if done < s < steps[-1]},
+        "damaged_steps",
+    )
+    for step, why in sorted((int(s), why) for s, why in damaged.items()):
+        _log.warning(
+            "skipping checkpoint step %d: not a complete checkpoint (damaged, or being "
+            "removed by the writer's max_to_keep): %s",
+            step,
+            why,
+        )
 
 
 class _first:
