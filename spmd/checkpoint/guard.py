@@ -115,7 +115,10 @@ def open_directory(
     chief, several = jax.process_index() == 0, jax.process_count() > 1
     lock, token = _NoLock(), None
     if chief:
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise not_writable(root, e) from e
         lock = DirectoryLock(root)
         if shared and several and lock.holder is None:
             token = f"{_PROBE}{uuid.uuid4().hex}"
