@@ -7,9 +7,10 @@ Usage:
       time fit ended to ORACLE/ended; --kill-at kills every process (SIGKILL)
       right after the save of that step began (an async save in flight).
   python sidecar_job.py evaluate CKPT OUT.json [--timeout S]
-      the evaluator task (TF_CONFIG names it): a SidecarEvaluator on one device;
-      writes {"history", "times", "task_type", "process_count"} to OUT.json, and
-      OUT.json.<step> after each evaluation.
+      the evaluator task (TF_CONFIG names it): a SidecarEvaluator on one device
+      (or, as several processes, on all of theirs); process 0 writes {"history",
+      "times", "task_type", "process_count"} to OUT.json, and OUT.json.<step>
+      after each evaluation.
 """
 
 import argparse
@@ -102,13 +103,15 @@ def evaluate(args) -> None:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     info = spmd.initialize()
-    trainer = make_trainer(spmd.OneDeviceStrategy(jax.devices()[0]))
+    one = spmd.OneDeviceStrategy(jax.devices()[0])
+    trainer = make_trainer(one if info.process_count == 1 else spmd.MultiWorkerMirroredStrategy())
     times = {}
 
     class Times(spmd.callbacks.Callback):
         def on_test_end(self, logs=None):
             times[self.trainer.iterations] = time.time()
-            Path(f"{args.out}.{self.trainer.iterations}").write_text(json.dumps(logs))
+            if jax.process_index() == 0:
+                Path(f"{args.out}.{self.trainer.iterations}").write_text(json.dumps(logs))
 
     history = spmd.SidecarEvaluator(
         trainer,
@@ -126,7 +129,8 @@ def evaluate(args) -> None:
         "process_count": jax.process_count(),
         "devices": jax.device_count(),
     }
-    Path(args.out).write_text(json.dumps(result))
+    if jax.process_index() == 0:
+        Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

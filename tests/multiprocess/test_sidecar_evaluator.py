@@ -136,3 +136,20 @@ def test_a_run_killed_mid_save_leaves_no_partial_step_to_evaluate(tmp_path):
         np.testing.assert_allclose(metrics["loss"], _oracle(states[int(step)])["loss"], rtol=1e-6)
     after = sorted(p.name for p in ckpt.iterdir() if p.name.startswith(f"{kill_at}"))
     assert after == leftovers  # the reader cleaned nothing up: that is the writer's job
+
+
+def test_an_evaluator_of_two_processes_agrees_on_each_step(tmp_path):
+    """An evaluator job of its own with 2 processes (4 devices) over a finished run's steps."""
+    ckpt, oracle = tmp_path / "ckpt", tmp_path / "oracle"
+    _train(ckpt, oracle)
+    out = tmp_path / "eval.json"
+    command = [sys.executable, str(JOB), "evaluate", str(ckpt), str(out), "--timeout", "60"]
+    run_processes(command, 2, devices_per_process=2, env=child_env(), timeout=400)
+    result = json.loads(out.read_text())
+    assert (result["process_count"], result["devices"]) == (2, 4)
+    history = {int(s): m for s, m in result["history"].items()}
+    assert sorted(history) == STEPS
+    for step in (STEPS[0], STEPS[-1]):
+        state = pickle.loads((oracle / f"{step}.pkl").read_bytes())
+        for key, value in _oracle(state).items():
+            np.testing.assert_allclose(history[step][key], value, rtol=1e-6, atol=1e-7)
