@@ -14,7 +14,9 @@ from etils import epath
 from spmd.checkpoint import final, guard, integrity
 from spmd.checkpoint import tree as ct
 from spmd.checkpoint.integrity import Damaged, checksums
-from spmd.checkpoint.position import as_json, position_of, restore_position
+from spmd.checkpoint.position import as_json as _json
+from spmd.checkpoint.position import position_of as _position
+from spmd.checkpoint.position import restore_position as _set_position
 from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
 from spmd.checkpoint.store import make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
@@ -252,12 +254,12 @@ class CheckpointManager:
             final.clear(self.directory)  # the run goes on past its marked last step
         self._maybe_final = False  # the writer holds the directory: no one else marks it
         arrays, keys = ct.to_saveable(_leaves(state))
-        position = guard.every_pipeline(position_of(data), self._timeout)
+        position = guard.every_pipeline(_position(data), self._timeout)
         meta = integrity.seal(
             {
                 "format": integrity.FORMAT,
                 "prng_keys": keys,
-                "user": as_json(metadata, "metadata"),
+                "user": _json(metadata, "metadata"),
                 "checksums": checksums(arrays),
                 "data_checksum": integrity.json_checksum(position),
             }
@@ -322,7 +324,7 @@ class CheckpointManager:
         else:
             result = self._restore_into(step, target, boolean(partial, "partial", fix=_PARTIAL))
         if data is not None:
-            restore_position(data, self._saved_position(step), step)
+            _set_position(data, self._saved_position(step), step)
         return result
 
     def restore_data(self, step: int | None = None) -> dict | None:
