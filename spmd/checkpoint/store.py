@@ -46,6 +46,7 @@ class SharedStore:
         multiprocessing = multiprocessing or ocp.options.MultiprocessingOptions()
         chief_only = multiprocessing.active_processes is not None
         self.read_only = read_only
+        self._intact: set[int] = set()  # a reader's steps found whole: committed, they stay so
         if chief_only and not read_only:  # Orbax creates the root only when all processes write
             directory.mkdir(parents=True, exist_ok=True)
         if read_only:  # no folder made, no save, no deletion, no cleanup of a writer's tmp folders
@@ -92,7 +93,13 @@ class SharedStore:
         return self._damaged(self.step_folders())
 
     def _damaged(self, steps: list[int]) -> dict[int, str]:
-        found = {s: damage(self.step_dir(s), s) for s in steps}
+        """Why each of `steps` is not a complete step folder (those that are not). A reader
+        looks at each folder until it is found whole, not at every listing: a committed step
+        changes no more (a deleted one leaves the listing)."""
+        fresh = [s for s in steps if s not in self._intact]
+        found = {s: damage(self.step_dir(s), s) for s in fresh}
+        if self.read_only:
+            self._intact = {s for s in steps if s in self._intact or found[s] is None}
         return {s: why for s, why in sorted(found.items()) if why is not None}
 
     def step_dir(self, step: int) -> epath.Path:
