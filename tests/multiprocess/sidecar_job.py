@@ -1,11 +1,12 @@
 """A training job and its evaluator, for tests/multiprocess/test_sidecar_evaluator.py.
 
 Usage:
-  python sidecar_job.py train CKPT ORACLE [--sleep S] [--kill-at STEP]
+  python sidecar_job.py train CKPT ORACLE [--sleep S] [--kill-at STEP] [--wait-for FILE]
       every process trains (Trainer.fit, ModelCheckpoint every SAVE_EVERY steps);
       process 0 pickles each saved step's state to ORACLE/<step>.pkl, and the
       time fit ended to ORACLE/ended; --kill-at kills every process (SIGKILL)
-      right after the save of that step began (an async save in flight).
+      right after the save of that step began (an async save in flight);
+      --wait-for makes every process wait at step 4 until FILE exists.
   python sidecar_job.py evaluate CKPT OUT.json [--timeout S]
       the evaluator task (TF_CONFIG names it): a SidecarEvaluator on one device
       (or, as several processes, on all of theirs); process 0 writes {"history",
@@ -78,6 +79,10 @@ def train(args) -> None:
                     (oracle / f"{step}.pkl").write_bytes(pickle.dumps(state))
             if step == args.kill_at:  # the async save of this step is in flight
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == 2 * SAVE_EVERY and args.wait_for:  # an evaluator has read the first step
+                deadline = time.monotonic() + 240
+                while not Path(args.wait_for).exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             time.sleep(args.sleep)
 
     oracle.mkdir(parents=True, exist_ok=True)
@@ -141,6 +146,7 @@ if __name__ == "__main__":
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--wait-for", default=None, help="a file to wait for at step 4")
     args = parser.parse_args()
     args.oracle = args.out
     train(args) if args.mode == "train" else evaluate(args)

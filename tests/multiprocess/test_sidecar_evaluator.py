@@ -73,7 +73,9 @@ def test_an_evaluator_follows_a_two_process_run_and_kill_9_of_another_costs_trai
     )
     killer.start()
     try:
-        _train(ckpt, oracle, "--sleep", "0.4")  # raises unless both processes exit 0
+        # Training waits at step 4 until the evaluator has evaluated step 2: they overlap.
+        wait = str(tmp_path / f"eval.json.{STEPS[0]}")
+        _train(ckpt, oracle, "--sleep", "0.2", "--wait-for", wait)  # both processes exit 0
         ended = float((oracle / "ended").read_text())
         output = evaluator.communicate(timeout=300)[0].decode()
     finally:
