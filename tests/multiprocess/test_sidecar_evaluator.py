@@ -116,14 +116,25 @@ def test_an_evaluator_follows_a_two_process_run_and_kill_9_of_another_costs_trai
 def test_a_run_killed_mid_save_leaves_no_partial_step_to_evaluate(tmp_path):
     ckpt, oracle = tmp_path / "ckpt", tmp_path / "oracle"
     kill_at = 8
+    results: list = []
+    wait = str(tmp_path / "eval.json.2")  # training waits at step 4 for the evaluator's first
+    args = ("--kill-at", str(kill_at), "--sleep", "0.2", "--wait-for", wait)
+    training = threading.Thread(
+        target=lambda: results.extend(_train(ckpt, oracle, *args, check=False))
+    )
+    training.start()
+    deadline = time.monotonic() + 300
+    while not (ckpt / "2").exists() and training.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the evaluator's timeout counts from its start: start it at step 2
     evaluator = _evaluator(ckpt, tmp_path / "eval.json", timeout=8)  # reads while it dies
     try:
-        results = _train(ckpt, oracle, "--kill-at", str(kill_at), "--sleep", "0.2", check=False)
+        training.join(timeout=400)
         output = evaluator.communicate(timeout=300)[0].decode()
     finally:
         if evaluator.poll() is None:
             evaluator.kill()
         evaluator.wait(timeout=60)
+    assert results, "the training run did not end"
     assert all(r.returncode != 0 for r in results)  # killed: no final step marked
     assert evaluator.returncode == 0, output[-3000:]
     leftovers = sorted(p.name for p in ckpt.iterdir() if p.name.startswith(f"{kill_at}"))
