@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from spmd.strategy.strategies import OneDeviceStrategy as OneDeviceStrategy
     from spmd.strategy.strategies import ParameterServerStrategy as ParameterServerStrategy
     from spmd.strategy.strategies import TPUStrategy as TPUStrategy
+    from spmd.trainer.sidecar import SidecarEvaluator as SidecarEvaluator
     from spmd.trainer.trainer import NonFiniteLossError as NonFiniteLossError
     from spmd.trainer.trainer import Trainer as Trainer
 
@@ -105,6 +106,7 @@ __all__ = [
     "RemoteValue",
     "ReplicaContext",
     "ScopeError",
+    "SidecarEvaluator",
     "SpmdError",
     "Step",
     "Strategy",
@@ -176,6 +178,7 @@ _WHERE = {
     "ReplicaContext": "spmd.strategy.replica",
     "scale_regularization_loss": "spmd.strategy.replica",
     "ScopeError": "spmd.errors",
+    "SidecarEvaluator": "spmd.trainer.sidecar",
     "SpmdError": "spmd.errors",
     "Step": "spmd.strategy.base",
     "Strategy": "spmd.strategy.base",

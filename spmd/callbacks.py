@@ -1,4 +1,4 @@
-"""`spmd.callbacks`: the Trainer's callbacks (public name; they live in spmd/trainer/callbacks.py)."""
+"""`spmd.callbacks`: the Trainer's callbacks (public name; they live in spmd/trainer/)."""
 
 from spmd.trainer.callbacks import BackupAndRestore as BackupAndRestore
 from spmd.trainer.callbacks import Callback as Callback
@@ -8,7 +8,7 @@ from spmd.trainer.callbacks import EpochLogger as EpochLogger
 from spmd.trainer.callbacks import History as History
 from spmd.trainer.callbacks import ModelCheckpoint as ModelCheckpoint
 from spmd.trainer.callbacks import ProgressBar as ProgressBar
-from spmd.trainer.callbacks import TensorBoard as TensorBoard
+from spmd.trainer.tensorboard import TensorBoard as TensorBoard
 
 __all__ = [
     "BackupAndRestore",

@@ -16,7 +16,14 @@ from typing import Any
 
 from spmd.errors import ConfigurationError, SpmdError, message, received
 
-__all__ = ["integer", "is_integer", "non_negative_int", "positive_int", "positive_number"]
+__all__ = [
+    "boolean",
+    "integer",
+    "is_integer",
+    "non_negative_int",
+    "positive_int",
+    "positive_number",
+]
 
 
 def is_integer(value: Any) -> bool:
@@ -122,3 +129,16 @@ def positive_number(
             fix or f"pass e.g. {name}=30.",
         )
     )
+
+
+def boolean(
+    value: Any, name: str, *, fix: str, error: type[SpmdError] = ConfigurationError
+) -> bool:
+    """`value` if it is True or False (numpy's too); 1, "yes" or None are errors.
+
+    Raises:
+      `error`: `value` is not a bool.
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise error(message(f"{name} is True or False.", received(**{name: value}), fix))

@@ -278,6 +278,32 @@ def test_initialize_single_process_is_a_noop_and_idempotent():
     assert proc.stdout.strip() == "OK"
 
 
+EVALUATOR = """
+import spmd, jax
+info = spmd.initialize()
+assert (info.task_type, info.process_count, info.coordinator_address) == ("evaluator", 1, None)
+assert spmd.cluster() is info and info.is_chief
+assert jax.process_count() == 1  # no jax.distributed: nothing waits for the workers
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_a_tf_config_evaluator_is_a_one_process_job_even_under_the_launchers_variables():
+    tf_config = json.dumps(
+        {
+            "cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]},
+            "task": {"type": "evaluator", "index": 0},
+        }
+    )
+    launcher = {"SPMD_NUM_PROCESSES": "2", "SPMD_PROCESS_ID": "1"}
+    proc = run_python(
+        EVALUATOR, TF_CONFIG=tf_config, SPMD_COORDINATOR_ADDRESS="127.0.0.1:1", **launcher
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK"
+
+
 TOO_LATE = """
 import spmd, jax
 jax.devices()

@@ -21,9 +21,10 @@ FAST_ARGS = {
     "07_sharded_transformer_lm.py": ["--steps", "10"],
     "08_flax_mnist_tutorial.py": ["--steps", "20"],
     "10_diloco.py": ["--steps", "150"],
+    "11_sidecar_evaluator.py": ["--epochs", "2"],
 }
 # Examples that start several processes themselves.
-MULTIPROCESS = {"03_multi_worker_tf_config.py"}
+MULTIPROCESS = {"03_multi_worker_tf_config.py", "11_sidecar_evaluator.py"}
 
 
 def _run(command, timeout=240):

@@ -50,6 +50,7 @@ PUBLIC = [
     "RemoteValue",
     "ReplicaContext",
     "ScopeError",
+    "SidecarEvaluator",
     "SpmdError",
     "Step",
     "Strategy",

@@ -27,6 +27,7 @@ from spmd.clusters.launch_results import not_arrived
 from spmd.errors import CheckpointError, message, received
 
 __all__ = [
+    "NO_LOCK",
     "DirectoryLock",
     "agree",
     "check_newer_steps",
@@ -34,6 +35,7 @@ __all__ = [
     "every_pipeline",
     "first_line",
     "open_directory",
+    "read_only_error",
     "same_step",
     "write_failed",
 ]
@@ -57,7 +59,10 @@ class DirectoryLock:
         if "://" in str(directory):
             return
         path = os.path.join(os.fspath(directory), _LOCK_NAME)
-        handle = open(path, "a+")  # noqa: SIM115 - held open while the manager lives
+        try:
+            handle = open(path, "a+")  # noqa: SIM115 - held open while the manager lives
+        except OSError as e:
+            raise not_writable(directory, e) from e
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -79,11 +84,24 @@ class DirectoryLock:
             self._file = None
 
 
-def open_directory(root: epath.Path, shared: bool, timeout: float) -> DirectoryLock:
+class _NoLock:
+    holder = None
+
+    def release(self) -> None:
+        """Nothing to release: only process 0 locks, and readers never do."""
+
+
+NO_LOCK = _NoLock()  # what a read-only manager holds
+
+
+def open_directory(
+    root: epath.Path, shared: bool, timeout: float, read_only: bool = False
+) -> DirectoryLock | _NoLock:
     """Locks `root` (process 0) and checks that every process opens the same shared folder.
 
     Before anything is written: process 0 takes the directory's lock and, with a
     shared filesystem and several processes, writes a probe file the others must see.
+    A reader (`read_only`) does neither: it holds no lock, and writes nothing.
 
     Returns:
       The lock, held by process 0 (an empty one elsewhere): release it on close.
@@ -92,10 +110,15 @@ def open_directory(root: epath.Path, shared: bool, timeout: float) -> DirectoryL
       CheckpointError: another manager holds the directory; or with `shared`, the
         processes name different folders or do not all see process 0's probe.
     """
+    if read_only:
+        return NO_LOCK
     chief, several = jax.process_index() == 0, jax.process_count() > 1
     lock, token = _NoLock(), None
     if chief:
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise not_writable(root, e) from e
         lock = DirectoryLock(root)
         if shared and several and lock.holder is None:
             token = f"{_PROBE}{uuid.uuid4().hex}"
@@ -109,13 +132,6 @@ def open_directory(root: epath.Path, shared: bool, timeout: float) -> DirectoryL
         if token is not None:
             (root / token).unlink(missing_ok=True)
     return lock
-
-
-class _NoLock:
-    holder = None
-
-    def release(self) -> None:
-        """Nothing to release: only process 0 locks."""
 
 
 def _check_same_folder(
@@ -156,6 +172,31 @@ def _check_same_folder(
         )
 
     agree(what, (root / opened[0]["token"]).exists(), timeout, all_see)
+
+
+def not_writable(directory: epath.Path, error: OSError) -> CheckpointError:
+    """The error for a writer's directory it cannot write (a read-only mount, permissions)."""
+    return CheckpointError(
+        message(
+            "A CheckpointManager that saves needs a directory it can write.",
+            received(directory=str(directory), error=first_line(error)),
+            "to only read the steps another job writes (an evaluator), pass read_only=True; "
+            "to save, give this process write access or another directory.",
+        )
+    )
+
+
+def read_only_error(what: str, directory: epath.Path) -> CheckpointError:
+    """The error for a write asked of a CheckpointManager(read_only=True)."""
+    return CheckpointError(
+        message(
+            f"{what}() writes to the checkpoint directory, which a "
+            "CheckpointManager(read_only=True) never does.",
+            received(directory=str(directory), read_only=True),
+            "save from the training job's own manager (read_only=False, one per directory); "
+            "use this one to list and restore the steps it writes.",
+        )
+    )
 
 
 def lock_error(directory: epath.Path, holder: str) -> CheckpointError:

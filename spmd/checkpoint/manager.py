@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from etils import epath
 
-from spmd.checkpoint import guard, integrity
+from spmd.checkpoint import final, guard, integrity
 from spmd.checkpoint import tree as ct
 from spmd.checkpoint.integrity import Damaged, checksums
+from spmd.checkpoint.position import as_json as _json
+from spmd.checkpoint.position import position_of as _position
+from spmd.checkpoint.position import restore_position as _set_position
 from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
 from spmd.checkpoint.store import make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
 from spmd.strategy.base import get_strategy
-from spmd.validate import positive_int, positive_number
+from spmd.validate import boolean, positive_int, positive_number
 
 __all__ = ["CheckpointManager"]
 
@@ -98,12 +101,20 @@ class CheckpointManager:
         construction) and on the step (each save): a process that never
         comes, or brings another directory or step, is a `CheckpointError`
         after at most this long, never a hang.
+      read_only: a reader of a directory another job (or manager) writes,
+        e.g. an evaluator's: it takes no lock (any number of readers beside
+        the one writer), never creates, writes or deletes anything (not
+        even a writer's unfinished saves), and lists the directory anew at
+        each `all_steps`, `latest_step` and `restore`, so it sees steps as
+        the writer commits them; never one being written, nor a damaged
+        one. Works on a read-only filesystem. `save` and `mark_final` are
+        errors; the saving arguments are ignored.
 
     Raises:
       ConfigurationError: an argument is out of range.
       InitializationError: `spmd launch` started this process and
         `spmd.initialize()` was not called.
-      CheckpointError: another open manager holds the directory, or (several
+      CheckpointError: another open writer holds the directory, or (several
         processes) they passed different directories with
         `shared_filesystem=True`, or do not all see the directory.
 
@@ -128,6 +139,7 @@ class CheckpointManager:
         exit_on_preemption: bool = True,
         preemption_check_steps: int = 1,
         coordination_timeout: float = 30.0,
+        read_only: bool = False,
     ):
         check_initialized_under_launcher()
         if max_to_keep is not None:
@@ -135,15 +147,18 @@ class CheckpointManager:
         _check_positive(save_interval_steps, "save_interval_steps", "e.g. 100")
         self._root = _absolute(directory)
         self._interval = save_interval_steps
-        self._watcher = PreemptionWatcher(preemption, preemption_check_steps)
+        self.read_only = boolean(read_only, "read_only", fix="pass read_only=True for a reader.")
+        self._watcher = PreemptionWatcher(
+            "off" if read_only else preemption, preemption_check_steps
+        )
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
-        self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout)
+        self._maybe_final = True  # a final-step marker may be there (an ended run's)
+        self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
-            self._store = make_store(
-                self._root, max_to_keep, save_interval_steps, async_save, shared_filesystem
-            )
+            store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
+            self._store = make_store(self._root, *store)
         except BaseException:
             self._lock.release()
             raise
@@ -177,6 +192,34 @@ class CheckpointManager:
         """The latest committed, intact checkpoint's step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def final_step(self) -> int | None:
+        """The step the training run marked as its last (`mark_final`), or None while it runs."""
+        return final.read(self.directory)
+
+    def mark_final(self, step: int | None = None) -> int:
+        """Marks `step` (the latest by default) as the run's last checkpoint; every process calls it.
+
+        Waits for saves in flight first. Readers (`read_only=True`, a
+        `SidecarEvaluator`) then know the run has ended: an evaluator stops
+        once it has evaluated this step. `Trainer.fit`'s `ModelCheckpoint`
+        calls it when fit ends. A later `save` removes the mark (the run goes on).
+
+        Returns:
+          The step marked.
+
+        Raises:
+          CheckpointError: a read-only manager, or `step` is not the latest
+            complete checkpoint (or there is none).
+        """
+        self._check_writer("mark_final")
+        self.wait()
+        step = final.check(step, self.all_steps(), self.directory)
+        if jax.process_index() == 0:
+            final.write(self.directory, step)
+        self._maybe_final = True
+        guard.agree("mark_final", step, self._timeout)
+        return step
 
     def reached_preemption(self, step: int) -> bool:
         """Whether `step` is where every process agreed to save and stop (see `save`)."""
@@ -220,7 +263,7 @@ class CheckpointManager:
             (after `coordination_timeout`), or an earlier asynchronous save
             failed (the message names its step).
         """
-        self._check_open("save")
+        self._check_writer("save")
         votes = guard.agree(
             f"save(step={step})",
             {"step": step, "notice": self._watcher.noticed()},
@@ -241,6 +284,9 @@ class CheckpointManager:
             return False
         guard.check_newer_steps(step, folders, self.directory)
         guard.check_no_file(step, self._store.step_dir(step))
+        if self._maybe_final and jax.process_index() == 0:
+            final.clear(self.directory)  # the run goes on past its marked last step
+        self._maybe_final = False  # the writer holds the directory: no one else marks it
         arrays, keys = ct.to_saveable(_leaves(state))
         position = guard.every_pipeline(_position(data), self._timeout)
         meta = integrity.seal(
@@ -269,7 +315,14 @@ class CheckpointManager:
 
     # -- restore ----------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: Any = None, *, data: Any = None) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        *,
+        data: Any = None,
+        partial: bool = False,
+    ) -> Any:
         """Restores checkpoint `step` (the latest by default) into `target`'s layout.
 
         Args:
@@ -283,6 +336,9 @@ class CheckpointManager:
             as their key data), for inspection.
           data: an iterator with `set_state(dict)`, or a dict, to restore the
             data position into.
+          partial: `target` may leave out parts of the checkpoint (e.g. the
+            parameters without the optimizer state): only its paths are read
+            (and checksummed); each must be in the checkpoint.
 
         Returns:
           The state, shaped and placed like `target` (NNX objects: `target` itself).
@@ -297,7 +353,10 @@ class CheckpointManager:
         """
         self._check_open("restore")
         step = self._resolve_step(step)
-        result = self._restore_numpy(step) if target is None else self._restore_into(step, target)
+        if target is None:
+            result = self._restore_numpy(step)
+        else:
+            result = self._restore_into(step, target, boolean(partial, "partial", fix=_PARTIAL))
         if data is not None:
             _set_position(data, self._saved_position(step), step)
         return result
@@ -391,7 +450,7 @@ class CheckpointManager:
         return restored
 
     def _set_aside(self, steps: list[int]) -> None:
-        if not steps:
+        if not steps or self.read_only:  # a reader leaves the writer's folders as they are
             return
         self._store.set_aside(steps)
         guard.agree("restore_newest (setting damaged steps aside)", steps, self._timeout)
@@ -417,14 +476,15 @@ class CheckpointManager:
         self._verify(step, values)
         return ct.nest(values)
 
-    def _restore_into(self, step: int, target: Any) -> Any:
+    def _restore_into(self, step: int, target: Any, partial: bool = False) -> Any:
         flat, rebuild = ct.flatten(target)
         shardings = ct.target_shardings(target, flat)
         abstract = {p: ct.abstract_leaf(leaf, shardings[p]) for p, leaf in flat.items()}
         wanted = {p: (a.shape, np.dtype(a.dtype)) for p, a in abstract.items()}
         saved = self._read(step, "tree", lambda: self._store.saved_tree(step))
-        ct.check_match(saved, wanted, step)
-        values = self._read(step, "arrays", lambda: self._store.restore_placed(step, abstract))
+        ct.check_match(saved, wanted, step, partial)
+        restore = lambda: self._store.restore_placed(step, abstract, partial)  # noqa: E731
+        values = self._read(step, "arrays", restore)
         ct.check_restored_dtypes(saved, values, step)  # before the checksum: not damage
         self._verify(step, values)
         return rebuild(ct.wrap_keys(values, flat))
@@ -505,7 +565,13 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({str(self._root)!r})"
+        extra = ", read_only=True" if self.read_only else ""
+        return f"CheckpointManager({str(self._root)!r}{extra})"
+
+    def _check_writer(self, what: str) -> None:
+        self._check_open(what)
+        if self.read_only:
+            raise guard.read_only_error(what, self._root)
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -519,6 +585,8 @@ class CheckpointManager:
 
 
 # -- helpers ------------------------------------------------------------------
+
+_PARTIAL = "pass partial=True to restore a part of the checkpoint, else leave it out."
 
 
 def _absolute(directory: str | os.PathLike[str]) -> epath.Path:
@@ -554,60 +622,3 @@ def _leaves(state: Any) -> ct.Flat:
             )
         )
     return flat
-
-
-def _json(value: Any, name: str) -> Any:
-    """`value` if it serializes as JSON, else a CheckpointError naming the argument."""
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(
-            message(
-                f"{name} is saved as JSON: dicts, lists, strings, numbers, booleans, None.",
-                received(**{name: value}, error=str(e)),
-                "convert numpy or jax values with int()/float()/.tolist() first.",
-            )
-        ) from e
-    return value
-
-
-def _position(data: Any) -> dict | None:
-    """The data position to save: `data.get_state()`, a dict, or None."""
-    if data is None:
-        return None
-    if hasattr(data, "get_state"):
-        return _json(data.get_state(), "data.get_state()")
-    if isinstance(data, Mapping):
-        return _json(dict(data), "data")
-    raise CheckpointError(
-        message(
-            "data is the input position: an iterator with get_state() -> dict, or a dict.",
-            received(data_type=type(data).__name__),
-            "pass the iterator itself (e.g. the one from spmd.data), or {'position': n}.",
-        )
-    )
-
-
-def _set_position(data: Any, position: dict | None, step: int) -> None:
-    """Restores `position` into an iterator (`set_state`) or a dict (in place)."""
-    if position is None:
-        raise CheckpointError(
-            message(
-                "restore(data=...) needs a checkpoint saved with a data position.",
-                received(step=step, saved_position=None),
-                "pass data=... to save(), or leave data out of restore().",
-            )
-        )
-    if hasattr(data, "set_state"):
-        data.set_state(position)
-    elif isinstance(data, MutableMapping):
-        data.clear()
-        data.update(position)
-    else:
-        raise CheckpointError(
-            message(
-                "data is restored into an iterator with set_state(dict), or a dict.",
-                received(data_type=type(data).__name__),
-                "pass the iterator you saved with, or a dict to fill.",
-            )
-        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,19 +41,33 @@ class SharedStore:
         interval: int,
         async_save: bool,
         multiprocessing: ocp.options.MultiprocessingOptions | None = None,
+        read_only: bool = False,
     ):
         multiprocessing = multiprocessing or ocp.options.MultiprocessingOptions()
         chief_only = multiprocessing.active_processes is not None
-        if chief_only:  # Orbax creates the root folder only when all processes write
+        self.read_only = read_only
+        self._intact: set[int] = set()  # a reader's steps found whole: committed, they stay so
+        if chief_only and not read_only:  # Orbax creates the root only when all processes write
             directory.mkdir(parents=True, exist_ok=True)
-        options = ocp.CheckpointManagerOptions(
-            save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(interval),
-            preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,
-            create=not chief_only,
-            multiprocessing_options=multiprocessing,
-        )
+        if read_only:  # no folder made, no save, no deletion, no cleanup of a writer's tmp folders
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                create=False,
+                cleanup_tmp_directories=False,
+                save_interval_steps=0,
+                max_to_keep=None,
+                enable_async_checkpointing=False,
+                multiprocessing_options=multiprocessing,
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                save_decision_policy=ocp.checkpoint_managers.FixedIntervalPolicy(interval),
+                preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=True,
+                create=not chief_only,
+                multiprocessing_options=multiprocessing,
+            )
         self.manager = ocp.CheckpointManager(
             directory, options=options, handler_registry=_registry(multiprocessing)
         )
@@ -69,12 +84,22 @@ class SharedStore:
 
     def all_steps(self) -> list[int]:
         """The committed, intact steps, oldest first (see `damaged_steps`)."""
-        damaged = self.damaged_steps()
-        return [s for s in sorted(self.manager.all_steps()) if s not in damaged]
+        folders = self.step_folders()
+        damaged = self._damaged(folders)
+        return [s for s in folders if s not in damaged]
 
     def damaged_steps(self) -> dict[int, str]:
         """step -> why its folder is not a complete checkpoint, for the step folders that are not."""
-        found = {s: damage(self.step_dir(s), s) for s in self.manager.all_steps()}
+        return self._damaged(self.step_folders())
+
+    def _damaged(self, steps: list[int]) -> dict[int, str]:
+        """Why each of `steps` is not a complete step folder (those that are not). A reader
+        looks at each folder until it is found whole, not at every listing: a committed step
+        changes no more (a deleted one leaves the listing)."""
+        fresh = [s for s in steps if s not in self._intact]
+        found = {s: damage(self.step_dir(s), s) for s in fresh}
+        if self.read_only:
+            self._intact = {s for s in steps if s in self._intact or found[s] is None}
         return {s: why for s, why in sorted(found.items()) if why is not None}
 
     def step_dir(self, step: int) -> epath.Path:
@@ -82,8 +107,25 @@ class SharedStore:
         return self.directory / str(step)
 
     def step_folders(self) -> list[int]:
-        """Every step folder's step, intact or not, oldest first."""
+        """Every step folder's step, intact or not, oldest first.
+
+        A read-only store lists the directory anew each time: another
+        process writes (and deletes) its steps.
+        """
+        if self.read_only:
+            self._reload()
         return sorted(self.manager.all_steps())
+
+    def _reload(self) -> None:
+        """Orbax's listing, retried while a folder it listed vanishes before it is read
+        (the writer's max_to_keep deleting a step during the listing)."""
+        for pause in (0.01, 0.05, 0.2, 1.0):
+            try:
+                self.manager.reload()
+                return
+            except FileNotFoundError:
+                time.sleep(pause)
+        self.manager.reload()
 
     def set_aside(self, steps: list[int]) -> None:
         """Renames the folders of `steps` to `<step>.damaged` (process 0; call `reload` after)."""
@@ -126,11 +168,12 @@ class SharedStore:
         args = ocp.args.PyTreeRestore(restore_args=ct.nest(as_numpy))
         return ct.unnest(self.manager.restore(step, args=ocp.args.Composite(state=args)).state)
 
-    def restore_placed(self, step: int, abstract: ct.Flat) -> ct.Flat:
-        """path -> jax.Array laid out as `abstract`'s ShapeDtypeStructs; Orbax reshards."""
+    def restore_placed(self, step: int, abstract: ct.Flat, partial: bool = False) -> ct.Flat:
+        """path -> jax.Array laid out as `abstract`'s ShapeDtypeStructs; Orbax reshards.
+        With `partial`, `abstract` may name only some of the saved arrays: only those are read."""
         item = ct.nest(abstract)
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=partial)
         return ct.unnest(self.manager.restore(step, args=ocp.args.Composite(state=args)).state)
 
     def read_json(self, step: int, item: str) -> Any:
@@ -158,7 +201,14 @@ class ChiefStore:
     disk alone: lose that host and the checkpoint is lost with it.
     """
 
-    def __init__(self, directory: epath.Path, max_to_keep: int | None, interval: int, async_save):
+    def __init__(
+        self,
+        directory: epath.Path,
+        max_to_keep: int | None,
+        interval: int,
+        async_save: bool,
+        read_only: bool = False,
+    ):
         self.is_chief = jax.process_index() == 0
         self._directory = directory
         self._inner: SharedStore | None = None
@@ -166,7 +216,9 @@ class ChiefStore:
             only_me = ocp.options.MultiprocessingOptions(
                 primary_host=0, active_processes={0}, barrier_sync_key_prefix="spmd_chief"
             )
-            self._inner = SharedStore(directory, max_to_keep, interval, async_save, only_me)
+            self._inner = SharedStore(
+                directory, max_to_keep, interval, async_save, only_me, read_only
+            )
 
     @property
     def directory(self) -> epath.Path:
@@ -230,8 +282,9 @@ class ChiefStore:
             for p, (s, d) in sorted(shapes.items())
         }
 
-    def restore_placed(self, step: int, abstract: ct.Flat) -> ct.Flat:
-        """The broadcast arrays placed as `abstract`; each process fills its own shards."""
+    def restore_placed(self, step: int, abstract: ct.Flat, partial: bool = False) -> ct.Flat:
+        """The broadcast arrays placed as `abstract`; each process fills its own shards.
+        (Every array is read and broadcast; those `abstract` names are placed.)"""
         host = self.restore_numpy(step)
         return {p: _place(host[p], a.sharding) for p, a in abstract.items()}
 
@@ -272,11 +325,12 @@ def make_store(
     interval: int,
     async_save: bool,
     shared_filesystem: bool,
+    read_only: bool = False,
 ) -> SharedStore | ChiefStore:
     """The store for this job: shared unless asked otherwise with several processes."""
     if shared_filesystem or jax.process_count() == 1:
-        return SharedStore(directory, max_to_keep, interval, async_save)
-    return ChiefStore(directory, max_to_keep, interval, async_save)
+        return SharedStore(directory, max_to_keep, interval, async_save, read_only=read_only)
+    return ChiefStore(directory, max_to_keep, interval, async_save, read_only)
 
 
 def _registry(

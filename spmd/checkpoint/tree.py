@@ -204,16 +204,19 @@ def check_restored_dtypes(saved: dict[str, tuple], values: Flat, step: int) -> N
     )
 
 
-def check_match(saved: dict[str, tuple], wanted: dict[str, tuple], step: int) -> None:
+def check_match(
+    saved: dict[str, tuple], wanted: dict[str, tuple], step: int, partial: bool = False
+) -> None:
     """Raises a CheckpointError naming the paths where a checkpoint and a target differ.
 
     Args:
       saved: path -> (shape, dtype) of the checkpoint.
       wanted: path -> (shape, dtype) the target asks for.
       step: the checkpoint's step, for the message.
+      partial: the target may leave out paths of the checkpoint.
     """
     missing = sorted(set(wanted) - set(saved))
-    extra = sorted(set(saved) - set(wanted))
+    extra = [] if partial else sorted(set(saved) - set(wanted))
     differ = [
         f"{p}: saved {_describe(*saved[p])}, target {_describe(*wanted[p])}"
         for p in sorted(set(saved) & set(wanted))

@@ -1,4 +1,5 @@
-"""Callbacks of `Trainer.fit`, under Keras's hook names: the base, History, progress, EarlyStopping."""
+"""Callbacks of `Trainer.fit`, under Keras's hook names: the base, History, progress,
+EarlyStopping, checkpoints (TensorBoard is in spmd/trainer/tensorboard.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ __all__ = [
     "History",
     "ModelCheckpoint",
     "ProgressBar",
-    "TensorBoard",
+    "check_freq",
 ]
 
 
@@ -355,7 +356,10 @@ class ModelCheckpoint(Callback):
     Every process calls the manager; Orbax decides who writes what. Each
     checkpoint is named by the global step and carries `{"epoch", "logs"}`
     as metadata. Restore one with `spmd.CheckpointManager(directory).restore(
-    target=trainer.state)` or `trainer.load_state(...)`.
+    target=trainer.state)` or `trainer.load_state(...)`. When fit ends (not
+    when it stops on an error), the latest checkpoint is marked as the run's
+    final step (`CheckpointManager.mark_final`), where a `spmd.SidecarEvaluator`
+    reading the directory stops.
 
     Args:
       directory: where the checkpoints go (shared by every process).
@@ -377,7 +381,7 @@ class ModelCheckpoint(Callback):
         max_to_keep: int | None = 3,
         async_save: bool = True,
     ) -> None:
-        _check_freq(save_freq, "ModelCheckpoint")
+        check_freq(save_freq, "ModelCheckpoint")
         self.directory, self.monitor, self.save_best_only = directory, monitor, save_best_only
         self.mode = ("max" if "acc" in monitor else "min") if mode == "auto" else mode
         self.save_freq, self.max_to_keep, self.async_save = save_freq, max_to_keep, async_save
@@ -427,10 +431,15 @@ class ModelCheckpoint(Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.manager is not None:
-            self.manager.close()  # waits for async saves to commit
-            self.manager = None
+            self.manager.wait()  # the saves in flight commit before the latest is looked up
+            if self.manager.latest_step() is not None:
+                self.manager.mark_final()  # a SidecarEvaluator stops after this step
+            self.on_train_abort()
 
-    on_train_abort = on_train_end  # fit stopped on an exception: wait for saves, release
+    def on_train_abort(self) -> None:
+        if self.manager is not None:  # fit stopped on an exception: wait for saves, release
+            self.manager.close()
+            self.manager = None
 
 
 class BackupAndRestore(Callback):
@@ -454,7 +463,7 @@ class BackupAndRestore(Callback):
     def __init__(
         self, backup_dir: str, save_freq: str | int = "epoch", delete_checkpoint: bool = True
     ) -> None:
-        _check_freq(save_freq, "BackupAndRestore")
+        check_freq(save_freq, "BackupAndRestore")
         self.backup_dir, self.save_freq, self.delete_checkpoint = (
             backup_dir,
             save_freq,
@@ -508,6 +517,9 @@ class BackupAndRestore(Callback):
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.manager is None:
             return
+        self.manager.wait()
+        if not self.delete_checkpoint and self.manager.latest_step() is not None:
+            self.manager.mark_final()  # the backups stay: a SidecarEvaluator stops here
         self.manager.close()
         self.manager = None
         if self.delete_checkpoint:
@@ -533,67 +545,8 @@ def _remove_everywhere(directory: str) -> None:
         multihost_utils.sync_global_devices(f"spmd-removed:{directory}")
 
 
-def _check_freq(save_freq: Any, owner: str) -> None:
+def check_freq(save_freq: Any, owner: str) -> None:
     if isinstance(save_freq, str) and save_freq == "epoch":
         return
     fix = 'pass save_freq="epoch", or a number of batches, e.g. save_freq=100.'
     positive_int(save_freq, f"{owner}.save_freq", fix=fix)
-
-
-class TensorBoard(Callback):
-    """Writes the logs as TensorBoard scalars (real event files), from the chief only.
-
-    Training scalars go to `log_dir/train`, validation ones (`val_*`, without
-    the prefix) to `log_dir/validation`, per epoch; with `update_freq=N` the
-    running training metrics also every N batches. Needs `tensorboardX`
-    (`pip install "spmd[tensorboard]"`).
-
-    Args:
-      log_dir: the folder TensorBoard reads (`tensorboard --logdir log_dir`).
-      update_freq: "epoch", or a number of batches.
-    """
-
-    def __init__(self, log_dir: str, update_freq: str | int = "epoch") -> None:
-        _check_freq(update_freq, "TensorBoard")
-        try:
-            import tensorboardX  # noqa: F401
-        except ImportError as error:
-            raise ConfigurationError(
-                message(
-                    "The TensorBoard callback writes event files with the tensorboardX package.",
-                    received(tensorboardX="not installed"),
-                    'pip install "spmd[tensorboard]" (or pip install tensorboardX).',
-                )
-            ) from error
-        self.log_dir, self.update_freq = log_dir, update_freq
-        self._writers: dict[str, Any] = {}
-
-    def _writer(self, name: str):
-        if name not in self._writers:
-            from tensorboardX import SummaryWriter
-
-            self._writers[name] = SummaryWriter(f"{self.log_dir}/{name}")
-        return self._writers[name]
-
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if jax.process_index() or not isinstance(self.update_freq, int):
-            return
-        if self.trainer.iterations % self.update_freq == 0:
-            for key, value in self.trainer.running_metrics().items():
-                self._writer("train").add_scalar(f"batch_{key}", value, self.trainer.iterations)
-
-    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if jax.process_index():
-            return
-        for key, value in (logs or {}).items():
-            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            self._writer(split).add_scalar(f"epoch_{name}", float(value), epoch)
-        for writer in self._writers.values():
-            writer.flush()
-
-    def on_train_end(self, logs: dict | None = None) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers = {}
-
-    on_train_abort = on_train_end

@@ -1,0 +1,291 @@
+"""SidecarEvaluator: the `evaluator` task, evaluating each checkpoint a training job writes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from spmd.checkpoint import guard
+from spmd.checkpoint.integrity import Damaged
+from spmd.checkpoint.manager import CheckpointManager
+from spmd.errors import CheckpointError, ConfigurationError, message, received
+from spmd.trainer.callbacks import Callback, CallbackList
+from spmd.trainer.tensorboard import TensorBoard
+from spmd.trainer.trainer import Trainer
+from spmd.validate import positive_int, positive_number
+
+__all__ = ["SidecarEvaluator"]
+
+_log = logging.getLogger(__name__)
+_MAX_POLL_S = 600.0  # the longest pause between two looks at the directory
+_MODEL = ("params", "rest", "step")  # what an evaluation needs of a saved train state
+
+
+class SidecarEvaluator:
+    """Evaluates the checkpoints a training job writes, while it writes them.
+
+    The `evaluator` task of tf.distribute (Keras' `SidecarEvaluator`): a job of
+    its own, beside the training job, that waits for each new checkpoint in
+    `checkpoint_dir`, restores it into its own strategy (any device count: a
+    one-device evaluator of an 8-device or multi-host run, the arrays are
+    resharded), evaluates it exactly with `Trainer.evaluate`'s step (every
+    example once, padding masked) and logs the metrics. It reads through a
+    `CheckpointManager(read_only=True)`: it takes no lock, writes nothing
+    into the directory, never sees a step being written, and works on a
+    read-only mount.
+
+    Every step is evaluated, oldest first. A step that is damaged (its
+    checksums fail) or that the writer's `max_to_keep` removed before it
+    could be read is skipped, with a log line. `start` ends after the step
+    the training run marked as its last (`ModelCheckpoint` marks it when
+    `fit` ends; a custom loop calls `CheckpointManager.mark_final()`), after
+    `max_evaluations` evaluations, or after `timeout` seconds without a new
+    step.
+
+    Args:
+      model_or_trainer: a `spmd.Trainer` of the training job's model (the
+        same module and config: its parameters and other model state are
+        read from each checkpoint, never the optimizer state), with the loss
+        and metrics to evaluate, on the evaluator's strategy. Each checkpoint
+        replaces its parameters: give the evaluator a Trainer of its own.
+      data: the evaluation data, as `Trainer.evaluate` takes it (arrays with
+        `batch_size`, or a re-iterable of batches): read anew for each step.
+      checkpoint_dir: the training job's checkpoint directory (e.g. its
+        `ModelCheckpoint` directory); it may not exist yet.
+      steps: evaluate the first `steps` batches of `data` (None: all of it).
+      max_evaluations: stop after this many evaluations (None: no limit).
+        Unlike Keras, a count of evaluations, not a checkpoint number.
+      log_dir: write each step's metrics as TensorBoard scalars
+        `evaluation_<metric>_vs_iterations` at the step, under
+        `log_dir/validation` (as Keras' TensorBoard callback does).
+      callbacks: `spmd.callbacks.Callback`s; `on_test_begin` and
+        `on_test_end(logs)` are called around each evaluation, with
+        `trainer.iterations` set to the step.
+      batch_size: the global batch size, with array data.
+      poll_interval: seconds between looks at the directory (at most 600).
+      timeout: stop after this many seconds without a new step (None: wait
+        for the run's final step).
+
+    Example:
+      >>> evaluator = spmd.SidecarEvaluator(trainer, (x_val, y_val), "/ckpt/run",
+      ...                                   batch_size=256, log_dir="/logs/run")  # doctest: +SKIP
+      >>> history = evaluator.start()  # {step: {"loss": ..., "accuracy": ...}}  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model_or_trainer: Trainer,
+        data: Any,
+        checkpoint_dir: str,
+        steps: int | None = None,
+        max_evaluations: int | None = None,
+        log_dir: str | None = None,
+        callbacks: Sequence[Callback] = (),
+        *,
+        batch_size: int | None = None,
+        poll_interval: float = 1.0,
+        timeout: float | None = None,
+    ) -> None:
+        self.trainer = _check_trainer(model_or_trainer)
+        self.data, self.batch_size = _check_data(data), batch_size
+        self.checkpoint_dir = _check_directory(checkpoint_dir)
+        self.steps = _optional_count(steps, "steps", "batches per evaluation")
+        self.max_evaluations = _optional_count(max_evaluations, "max_evaluations", "evaluations")
+        self.poll_interval = _check_poll(poll_interval)
+        self.timeout = None if timeout is None else positive_number(timeout, "timeout")
+        self._board = TensorBoard(log_dir) if log_dir else None
+        self.callbacks = list(callbacks) + ([self._board] if self._board else [])
+        self.history: dict[int, dict[str, float]] = {}
+
+    def start(self) -> dict[int, dict[str, float]]:
+        """Evaluates each new checkpoint until the run's final step (see the class).
+
+        Returns:
+          {step: {"loss": ..., metric: ...}} for every step evaluated, oldest first.
+
+        Raises:
+          CheckpointError: a checkpoint's model is not the trainer's (the
+            message names the paths), or its files exist but cannot be read
+            (permissions). Damaged and removed steps are skipped.
+          BatchError: `data` has no batch.
+        """
+        trainer = self.trainer
+        trainer.build()
+        dataset = trainer._dataset(
+            self.data, self.batch_size, shuffle=False, pad=True, what="SidecarEvaluator data"
+        )
+        hooks = CallbackList(self.callbacks, trainer, {"steps": self.steps, "verbose": 0})
+        reader = CheckpointManager(self.checkpoint_dir, read_only=True)
+        try:
+            self._loop(reader, dataset, hooks)
+        finally:
+            reader.close()
+            if self._board is not None:
+                self._board.on_train_end()  # closes its event files
+        return self.history
+
+    def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:
+        done, last_new = -1, time.monotonic()
+        while True:
+            final = _agreed(reader.final_step(), "final_step")  # before the listing: see below
+            steps = [s for s in _agreed(reader.all_steps(), "all_steps") if s > done]
+            _log_damaged(reader, steps, done)
+            for step in steps:
+                metrics = self._evaluate(reader, dataset, hooks, step)
+                done = step
+                if metrics is not None:
+                    self.history[step] = metrics
+                    if self.max_evaluations and len(self.history) >= self.max_evaluations:
+                        _log.info("evaluated %d steps (max_evaluations): done", len(self.history))
+                        return
+            last_new = time.monotonic() if steps else last_new
+            # The run marks its final step after its last save committed, so a listing
+            # made after reading the mark holds every step the run wrote.
+            if final is not None:
+                _log.info("the training run ended at step %d: done", final)
+                return
+            waited = time.monotonic() - last_new
+            if self.timeout is not None and _agreed(waited >= self.timeout, "timeout"):
+                _log.info("no new checkpoint in %.0f s (timeout): done", waited)
+                return
+            pause = self.poll_interval
+            if self.timeout is not None:
+                pause = min(pause, self.timeout - waited)
+            time.sleep(pause)
+
+    def _evaluate(self, reader: CheckpointManager, dataset: Any, hooks, step: int) -> dict | None:
+        """The metrics of checkpoint `step`, or None if it is damaged or gone (logged)."""
+        trainer = self.trainer
+        target = {part: trainer.state[part] for part in _MODEL}
+        try:
+            model = reader.restore(step, target=target, partial=True)  # no optimizer state
+        except CheckpointError as error:
+            if _agreed(step not in reader.all_steps(), "removed"):
+                _log.warning(
+                    "skipping checkpoint step %d: removed (the writer's max_to_keep) before "
+                    "it could be read",
+                    step,
+                )
+                return None
+            if isinstance(error, Damaged):
+                _log.warning("skipping checkpoint step %d: damaged: %s", step, _why(error))
+                return None
+            raise
+        trainer.state = {**trainer.state, **model}
+        trainer.iterations = step
+        hooks.on_test_begin()
+        batches = dataset if self.steps is None else _first(dataset, self.steps)
+        metrics = trainer._evaluate_dataset(batches, "SidecarEvaluator")
+        hooks.on_test_end(metrics)
+        shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
+        _log.info("checkpoint step %d: %s", step, shown)
+        return metrics
+
+
+def _log_damaged(reader: CheckpointManager, steps: list[int], done: int) -> None:
+    """Logs the step folders after `done` and before the newest of `steps` that are not
+    complete checkpoints (never listed, so skipped). A later one may still be a save in
+    flight (on an object store a save writes into its step folder): looked at next time."""
+    if not steps:
+        return
+    damaged = _agreed(
+        {str(s): why for s, why in reader.damaged_steps().items() if done < s < steps[-1]},
+        "damaged_steps",
+    )
+    for step, why in sorted((int(s), why) for s, why in damaged.items()):
+        _log.warning(
+            "skipping checkpoint step %d: not a complete checkpoint (damaged, or being "
+            "removed by the writer's max_to_keep): %s",
+            step,
+            why,
+        )
+
+
+class _first:
+    """The first `count` batches of `dataset`, each time it is iterated."""
+
+    def __init__(self, dataset: Any, count: int) -> None:
+        self.dataset, self.count = dataset, count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.dataset), self.count)
+
+
+def _agreed(value: Any, what: str) -> Any:
+    """`value` as process 0 sees it, on every process of a multi-process evaluator."""
+    if jax.process_count() == 1:
+        return value
+    return guard.agree(f"SidecarEvaluator {what}", value, 300.0)[0]
+
+
+def _why(error: BaseException) -> str:
+    lines = str(error).splitlines()
+    return lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__
+
+
+def _check_directory(directory: Any) -> str:
+    if isinstance(directory, str | os.PathLike) and os.fspath(directory):
+        return os.fspath(directory)
+    raise ConfigurationError(
+        message(
+            "checkpoint_dir is the training job's checkpoint folder: a path, or a URL such "
+            "as gs://bucket/run.",
+            received(checkpoint_dir=directory),
+            'pass the directory its ModelCheckpoint writes, e.g. "/ckpt/run".',
+        )
+    )
+
+
+def _check_data(data: Any) -> Any:
+    """`data`, unless it is a one-shot iterator: it is read anew for every checkpoint."""
+    if hasattr(data, "__next__") and iter(data) is data:
+        raise ConfigurationError(
+            message(
+                "SidecarEvaluator reads its data anew for every checkpoint, so it must start "
+                "over on each iter(): a one-shot iterator would be empty from the second on.",
+                received(data=type(data).__name__),
+                "pass arrays (x, y) with batch_size, a list of batches, or an object whose "
+                "__iter__ returns a new iterator.",
+            )
+        )
+    return data
+
+
+def _check_trainer(value: Any) -> Trainer:
+    if isinstance(value, Trainer):
+        return value
+    raise ConfigurationError(
+        message(
+            "SidecarEvaluator evaluates with a spmd.Trainer: it knows where the model's "
+            "parameters sit in a saved train state, and the loss and metrics to compute.",
+            received(model_or_trainer=type(value).__name__),
+            "wrap the training job's model on this job's strategy: spmd.Trainer(model, "
+            "optimizer, loss, metrics=...) (any optimizer: its state is not read), and pass it.",
+        )
+    )
+
+
+def _optional_count(value: Any, name: str, what: str) -> int | None:
+    if value is None:
+        return None
+    return positive_int(value, name, fix=f"pass a number of {what} >= 1, or None for no limit.")
+
+
+def _check_poll(value: Any) -> float:
+    seconds = positive_number(value, "poll_interval", fix="pass e.g. poll_interval=1.0.")
+    if seconds > _MAX_POLL_S:
+        raise ConfigurationError(
+            message(
+                f"poll_interval is at most {_MAX_POLL_S:.0f} seconds: a pause between two "
+                "looks at the checkpoint directory, not a schedule.",
+                received(poll_interval=value),
+                "pass e.g. poll_interval=1.0; to stop when no step comes, pass timeout=...",
+            )
+        )
+    return seconds

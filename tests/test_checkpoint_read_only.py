@@ -1,0 +1,176 @@
+"""CheckpointManager(read_only=True): a reader beside the writer that never writes, on any disk."""
+
+import logging
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmd
+from tests.test_checkpoint_faults import _assert_equal, _target, flip_bytes, make_state
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+def test_a_reader_beside_the_writer_sees_each_step_as_it_is_committed(tmp_path):
+    writer = spmd.CheckpointManager(tmp_path, max_to_keep=None, async_save=True)
+    reader = spmd.CheckpointManager(tmp_path, read_only=True)  # no lock: the writer holds it
+    other = spmd.CheckpointManager(tmp_path, read_only=True)  # any number of readers
+    try:
+        assert reader.all_steps() == [] and reader.latest_step() is None
+        for step in (1, 2, 3):
+            writer.save(step, make_state(step))
+            writer.wait()
+            assert reader.all_steps() == list(range(1, step + 1)) == other.all_steps()
+            _assert_equal(reader.restore(target=_target()), make_state(step))  # the latest
+        _assert_equal(reader.restore(1, target=_target()), make_state(1))
+        np.testing.assert_array_equal(reader.restore(2)["b"], np.arange(64.0) + 2)
+    finally:
+        writer.close(), reader.close(), other.close()
+
+
+def test_a_reader_refuses_to_write(tmp_path):
+    with spmd.CheckpointManager(tmp_path) as writer:
+        writer.save(1, make_state(1))
+    with spmd.CheckpointManager(tmp_path, read_only=True) as reader:
+        for call in (lambda: reader.save(2, make_state(2)), reader.mark_final):
+            with pytest.raises(
+                spmd.CheckpointError, match=r"(?s)read_only=True\) never.*training job"
+            ):
+                call()
+        assert reader.all_steps() == [1]
+        assert "read_only=True" in repr(reader)
+
+
+def test_two_writers_stay_refused_with_readers_open(tmp_path):
+    reader = spmd.CheckpointManager(tmp_path, read_only=True)
+    refused = pytest.raises(spmd.CheckpointError, match="One CheckpointManager at a time writes")
+    with spmd.CheckpointManager(tmp_path), refused:
+        spmd.CheckpointManager(tmp_path)
+    reader.close()
+
+
+def test_a_reader_creates_nothing_and_leaves_a_writers_unfinished_save(tmp_path):
+    missing = tmp_path / "not-yet"
+    with spmd.CheckpointManager(missing, read_only=True) as reader:
+        assert reader.all_steps() == [] and reader.final_step() is None
+    assert not missing.exists()  # a reader may start before the writer made the folder
+    with spmd.CheckpointManager(tmp_path) as writer:
+        writer.save(1, make_state(1))
+    shutil.copytree(tmp_path / "1", tmp_path / "2.orbax-checkpoint-tmp-123")  # a save in flight
+    (tmp_path / "3").mkdir()  # a step folder whose save never committed
+    before = _listing(tmp_path)
+    with spmd.CheckpointManager(tmp_path, read_only=True) as reader:
+        assert reader.all_steps() == [1]
+        assert list(reader.damaged_steps()) == [3]
+        state, step = reader.restore_newest(_target())
+        assert step == 1
+    assert _listing(tmp_path) == before  # no lock file, no cleanup, nothing set aside
+
+
+def test_a_damaged_step_is_an_error_and_restore_newest_skips_it(tmp_path, caplog):
+    with spmd.CheckpointManager(tmp_path, max_to_keep=None) as writer:
+        for step in (1, 2):
+            writer.save(step, make_state(step))
+    flip_bytes(tmp_path / "2")
+    with spmd.CheckpointManager(tmp_path, read_only=True) as reader:
+        with pytest.raises(spmd.CheckpointError, match=r"(?s)step=2.*arrays=\['w'\]"):
+            reader.restore(2, target=_target())
+        with caplog.at_level(logging.WARNING):
+            state, step = reader.restore_newest(_target())
+        assert step == 1 and "skipping checkpoint step 2" in caplog.text
+        _assert_equal(state, make_state(1))
+    assert (tmp_path / "2").is_dir()  # the writer's folder, left in place
+
+
+def test_a_step_removed_after_listing_is_an_error_not_a_hang(tmp_path):
+    with spmd.CheckpointManager(tmp_path, max_to_keep=None) as writer:
+        for step in (1, 2):
+            writer.save(step, make_state(step))
+    with spmd.CheckpointManager(tmp_path, read_only=True) as reader:
+        assert reader.all_steps() == [1, 2]
+        shutil.rmtree(tmp_path / "1")  # as the writer's max_to_keep does
+        with pytest.raises(spmd.CheckpointError, match="complete_steps=\\[2\\]"):
+            reader.restore(1, target=_target())
+
+
+def test_the_final_step_marker(tmp_path):
+    with spmd.CheckpointManager(tmp_path) as writer:
+        reader = spmd.CheckpointManager(tmp_path, read_only=True)
+        with pytest.raises(spmd.CheckpointError, match="complete_steps=\\[\\]"):
+            writer.mark_final()  # nothing saved yet
+        writer.save(1, make_state(1))
+        writer.save(2, make_state(2))
+        with pytest.raises(spmd.CheckpointError, match="latest complete checkpoint"):
+            writer.mark_final(1)
+        assert reader.final_step() is None
+        assert writer.mark_final() == 2 == reader.final_step()
+        writer.save(3, make_state(3))  # a resumed run goes on: the mark goes
+        assert reader.final_step() is None
+        reader.close()
+    (tmp_path / "spmd-final-step.json").write_text("{not json")
+    with spmd.CheckpointManager(tmp_path, read_only=True) as reader:
+        assert reader.final_step() is None  # unreadable: logged, not trusted
+
+
+def test_read_only_must_be_a_bool(tmp_path):
+    with pytest.raises(spmd.ConfigurationError, match="read_only=1"):
+        spmd.CheckpointManager(tmp_path, read_only=1)
+
+
+@pytest.fixture
+def read_only_mount(tmp_path):
+    """(source, mount): `source` bind-mounted read-only at `mount` (needs root), unmounted after."""
+    source, mount = tmp_path / "source", tmp_path / f"ro-{uuid.uuid4().hex[:6]}"
+    source.mkdir(), mount.mkdir()
+    for command in (
+        ["mount", "--bind", str(source), str(mount)],
+        ["mount", "-o", "remount,bind,ro", str(mount)],
+    ):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+            pytest.fail(f"this test bind-mounts a folder read-only and needs root: {done.stderr}")
+    try:
+        yield source, mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_reader_works_on_a_read_only_filesystem(read_only_mount):
+    source, mount = read_only_mount
+    with spmd.CheckpointManager(source, max_to_keep=None) as writer:
+        for step in (1, 2):
+            writer.save(step, make_state(step))
+        writer.mark_final()
+    flip_bytes(source / "2")
+    before = _listing(source)
+    with pytest.raises(OSError, match="Read-only"):
+        (mount / "probe").write_text("")
+    for directory in (mount, mount / "new"):  # an error that says what to do, not an OSError
+        with pytest.raises(spmd.CheckpointError, match="(?s)can write.*read_only=True"):
+            spmd.CheckpointManager(directory)
+    with spmd.CheckpointManager(mount, read_only=True) as reader:
+        assert reader.all_steps() == [1, 2] and reader.final_step() == 2
+        _assert_equal(reader.restore(1, target=_target()), make_state(1))
+        state, step = reader.restore_newest(_target())  # skips the damaged step 2
+        assert step == 1
+        assert reader.restore_data(1) is None and reader.metadata(1) is None
+    assert _listing(source) == before
+
+
+def test_a_reader_follows_a_writer_that_keeps_few_steps(tmp_path):
+    with spmd.CheckpointManager(tmp_path, max_to_keep=1) as writer:
+        reader = spmd.CheckpointManager(tmp_path, read_only=True)
+        for step in (1, 2, 3):
+            writer.save(step, {"x": jnp.full((4,), float(step))})
+            writer.wait()
+            assert reader.all_steps() == [step]
+            np.testing.assert_array_equal(reader.restore()["x"], np.full((4,), float(step)))
+        reader.close()

@@ -1,0 +1,309 @@
+"""SidecarEvaluator in one process: each checkpoint fit writes, evaluated exactly, on any device count."""
+
+import logging
+import shutil
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import spmd
+from tests.test_callbacks import MLP, _read_events
+
+
+def _data(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype(np.float32)
+    return x, (x[:, 0] + 0.3 * x[:, 1] > 0).astype(np.int32)
+
+
+def _trainer(strategy):
+    return spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        "sparse_categorical_crossentropy",
+        metrics=("accuracy",),
+        strategy=strategy,
+    )
+
+
+def _one_device():
+    return spmd.OneDeviceStrategy(jax.devices()[0])
+
+
+def damage_values(step_dir):
+    """Flips every byte in the second half of each of the step's array data files."""
+    for path in (step_dir / "state").rglob("*"):
+        if path.is_file() and path.parent.name == "d":
+            data = bytearray(path.read_bytes())
+            half = len(data) // 2
+            data[half:] = bytes(b ^ 0xFF for b in data[half:])
+            path.write_bytes(bytes(data))
+
+
+VAL = _data(77, 1)  # 77 rows: the last batch of 32 is padded, and must not count
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A fit on 8 devices that saved every 3 steps (9 steps: 3, 6, 9) and marked step 9 final."""
+    directory = tmp_path_factory.mktemp("run") / "ckpt"
+    trainer = _trainer(spmd.MirroredStrategy())
+    saved = {}
+
+    class Remember(spmd.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.trainer.iterations % 3 == 0:
+                saved[self.trainer.iterations] = jax.device_get(self.trainer.state)
+
+    trainer.fit(
+        _data(144, 0),
+        batch_size=48,
+        epochs=3,
+        verbose=0,
+        shuffle=False,
+        callbacks=[
+            Remember(),
+            spmd.callbacks.ModelCheckpoint(str(directory), save_freq=3, max_to_keep=None),
+        ],
+    )
+    return directory, saved
+
+
+def _oracle(state):
+    """Trainer.evaluate of `state` on one device."""
+    trainer = _trainer(_one_device())
+    trainer.build()
+    trainer.load_state(state)
+    return trainer.evaluate(VAL, batch_size=32)
+
+
+def test_each_step_is_evaluated_as_evaluate_does_on_one_device(trained, tmp_path):
+    directory, saved = trained
+    assert spmd.CheckpointManager(directory, read_only=True).final_step() == 9
+    evaluator = spmd.SidecarEvaluator(
+        _trainer(_one_device()),
+        VAL,
+        str(directory),
+        batch_size=32,
+        log_dir=str(tmp_path / "logs"),
+        poll_interval=0.05,
+    )
+    history = evaluator.start()  # ends at the final step: no timeout needed
+    assert list(history) == [3, 6, 9]
+    for step, metrics in history.items():
+        want = _oracle(saved[step])
+        assert metrics.keys() == want.keys()
+        for key in want:
+            np.testing.assert_allclose(metrics[key], want[key], rtol=1e-6, atol=1e-7)
+    assert history[3]["loss"] != history[9]["loss"]
+    (events_file,) = (tmp_path / "logs" / "validation").glob("events.out.tfevents.*")
+    scalars = {
+        (v.tag, e.step): v.simple_value for e in _read_events(events_file) for v in e.summary.value
+    }
+    for step, metrics in history.items():
+        assert scalars[("evaluation_loss_vs_iterations", step)] == pytest.approx(metrics["loss"])
+        got = scalars[("evaluation_accuracy_vs_iterations", step)]
+        assert got == pytest.approx(metrics["accuracy"])
+
+
+def test_an_evaluator_on_eight_devices_and_a_steps_limit(trained):
+    directory, saved = trained
+    history = spmd.SidecarEvaluator(
+        _trainer(spmd.MirroredStrategy()), VAL, str(directory), steps=1, batch_size=32
+    ).start()
+    first_batch = (VAL[0][:32], VAL[1][:32])
+    trainer = _trainer(_one_device())
+    trainer.build()
+    trainer.load_state(saved[6])
+    np.testing.assert_allclose(
+        history[6]["loss"], trainer.evaluate(first_batch, batch_size=32)["loss"], rtol=1e-6
+    )
+
+
+def test_max_evaluations(trained):
+    directory, _ = trained
+    evaluator = spmd.SidecarEvaluator(
+        _trainer(_one_device()), VAL, str(directory), max_evaluations=2, batch_size=32
+    )
+    assert list(evaluator.start()) == [3, 6]
+
+
+def _evaluate_copy(trained, tmp_path, caplog, damage, callbacks=()):
+    directory, _ = trained
+    copy = tmp_path / "ckpt"
+    shutil.copytree(directory, copy)
+    damage(copy)
+    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+        return spmd.SidecarEvaluator(
+            _trainer(_one_device()), VAL, str(copy), callbacks=callbacks, batch_size=32
+        ).start()
+
+
+def test_damaged_steps_are_skipped_with_a_log_line(trained, tmp_path, caplog):
+    def damage(copy):
+        (copy / "3" / "state" / "_METADATA").unlink()  # an incomplete step folder
+        damage_values(copy / "6")  # the files look whole: only the checksums tell
+
+    history = _evaluate_copy(trained, tmp_path, caplog, damage)
+    assert list(history) == [9]
+    assert "skipping checkpoint step 3: not a complete checkpoint" in caplog.text
+    assert "missing state/_METADATA" in caplog.text
+    assert "skipping checkpoint step 6: damaged" in caplog.text
+    assert "the training run ended at step 9" in caplog.text
+
+
+def test_a_step_removed_before_it_was_read_is_skipped(trained, tmp_path, caplog):
+    class RemoveNine(spmd.callbacks.Callback):  # as the writer's max_to_keep does
+        def on_test_end(self, logs=None):  # step 9 was listed before step 3 was evaluated
+            if self.trainer.iterations == 3:
+                shutil.rmtree(tmp_path / "ckpt" / "9")
+
+    history = _evaluate_copy(trained, tmp_path, caplog, lambda copy: None, [RemoveNine()])
+    assert list(history) == [3, 6]
+    assert "skipping checkpoint step 9: removed" in caplog.text
+
+
+def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):
+    trainer = _trainer(_one_device())
+    trainer.fit(
+        _data(64, 0),
+        batch_size=32,
+        epochs=1,
+        verbose=0,
+        callbacks=[spmd.callbacks.ModelCheckpoint(str(tmp_path / "ckpt"), save_freq=1)],
+    )
+    (tmp_path / "ckpt" / "spmd-final-step.json").unlink()  # as if the run went on
+    evaluator = spmd.SidecarEvaluator(
+        _trainer(_one_device()),
+        VAL,
+        str(tmp_path / "ckpt"),
+        batch_size=32,
+        timeout=0.3,
+        poll_interval=0.05,
+    )
+    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+        assert list(evaluator.start()) == [1, 2]
+    assert "(timeout)" in caplog.text
+    missing = spmd.SidecarEvaluator(
+        _trainer(_one_device()), VAL, str(tmp_path / "none-yet"), batch_size=32, timeout=0.2
+    )
+    assert missing.start() == {} and not (tmp_path / "none-yet").exists()
+
+
+def test_the_optimizer_and_metrics_may_differ_from_trainings(trained):
+    """Only the model is read (never the optimizer state): any optimizer, other metrics."""
+    directory, saved = trained
+    other = spmd.Trainer(
+        MLP(nnx.Rngs(1)), optax.sgd(0.1), "sparse_categorical_crossentropy", strategy=_one_device()
+    )
+    history = spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32).start()
+    assert list(history) == [3, 6, 9] and list(history[9]) == ["loss"]
+    np.testing.assert_allclose(history[6]["loss"], _oracle(saved[6])["loss"], rtol=1e-6)
+
+
+class Wider(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+def test_a_checkpoint_of_another_model_is_an_error_naming_the_paths(trained):
+    directory, _ = trained
+    other = spmd.Trainer(
+        Wider(nnx.Rngs(0)),
+        optax.adam(1e-2),
+        "sparse_categorical_crossentropy",
+        strategy=_one_device(),
+    )
+    with pytest.raises(spmd.CheckpointError, match="(?s)shape_or_dtype_differs.*hidden"):
+        spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32).start()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"poll_interval": 3600}, "poll_interval is at most 600"),
+        ({"poll_interval": 0}, "poll_interval must be"),
+        ({"steps": 0}, "steps"),
+        ({"max_evaluations": 1.5}, "max_evaluations"),
+        ({"timeout": -1}, "timeout"),
+        ({"checkpoint_dir": 7}, "checkpoint_dir"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(tmp_path, kwargs, match):
+    with pytest.raises(spmd.ConfigurationError, match=match):
+        spmd.SidecarEvaluator(
+            _trainer(_one_device()), VAL, **{"checkpoint_dir": str(tmp_path), **kwargs}
+        )
+
+
+def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
+    batches = iter([(VAL[0][:32], VAL[1][:32])])
+    with pytest.raises(spmd.ConfigurationError, match="(?s)anew for every checkpoint"):
+        spmd.SidecarEvaluator(_trainer(_one_device()), batches, str(tmp_path))
+
+
+def test_a_bare_model_is_a_clear_error(tmp_path):
+    with pytest.raises(spmd.ConfigurationError, match="(?s)spmd.Trainer.*Received: model_or"):
+        spmd.SidecarEvaluator(MLP(nnx.Rngs(0)), VAL, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_an_evaluator_racing_a_writer_that_keeps_one_step(tmp_path):
+    """A writer saving every step with max_to_keep=1, deleting steps while they are listed
+    and read: the evaluator never fails, and every step it evaluated is that step's state."""
+    directory, states, errors = tmp_path / "ckpt", {}, []
+
+    class Remember(spmd.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            states[self.trainer.iterations] = jax.device_get(self.trainer.state)
+            time.sleep(0.1)  # time for the evaluator to read while the writer deletes
+
+    def train():
+        try:
+            checkpoint = spmd.callbacks.ModelCheckpoint(str(directory), save_freq=1, max_to_keep=1)
+            _trainer(_one_device()).fit(
+                _data(320, 0), batch_size=16, verbose=0, callbacks=[checkpoint, Remember()]
+            )
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    writer = threading.Thread(target=train)
+    writer.start()
+    try:
+        history = spmd.SidecarEvaluator(
+            _trainer(_one_device()),
+            VAL,
+            str(directory),
+            batch_size=32,
+            poll_interval=0.01,
+            timeout=120,
+        ).start()
+    finally:
+        writer.join(timeout=300)
+    assert not errors and 20 in history  # it ended at the final step, 20
+    for step, metrics in history.items():
+        np.testing.assert_allclose(metrics["loss"], _oracle(states[step])["loss"], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: spmd.callbacks.ModelCheckpoint(d, save_freq=2),
+        lambda d: spmd.callbacks.BackupAndRestore(d, save_freq=2, delete_checkpoint=False),
+    ],
+    ids=["ModelCheckpoint", "BackupAndRestore"],
+)
+def test_fit_marks_its_last_save_final_even_while_it_is_in_flight(tmp_path, make):
+    """One async save, still being written when fit ends: it is marked once committed."""
+    directory = str(tmp_path / "ckpt")
+    _trainer(_one_device()).fit(_data(64, 0), batch_size=32, verbose=0, callbacks=[make(directory)])
+    assert spmd.CheckpointManager(directory, read_only=True).final_step() == 2
