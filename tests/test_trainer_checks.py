@@ -209,6 +209,38 @@ def test_a_nan_loss_stops_fit_naming_the_epoch_and_step():
     assert isinstance(info.value, FloatingPointError)
 
 
+class SqrtAtZero(nnx.Module):
+    """A finite output whose gradient is infinite: sqrt of a parameter that starts at 0."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.shift = nnx.Param(jnp.zeros(FEATURES))
+        self.out = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(x + jnp.sqrt(self.shift[...]))
+
+
+def test_a_finite_loss_whose_update_is_not_finite_names_its_own_step():
+    x, y = _data()
+    trainer = _trainer(SqrtAtZero(nnx.Rngs(0)))
+    with pytest.raises(spmd.NonFiniteLossError) as info:
+        trainer.fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
+    text = str(info.value)
+    assert "epoch=0" in text and "batch_in_epoch=0" in text and "global_step=0" in text
+    assert "the loss at global_step=0 was finite" in text and "update" in text
+    assert "clip_by_global_norm" in text
+
+
+def test_a_non_finite_loss_is_still_named_as_the_loss():
+    x, y = _data()
+    y = y.copy()
+    y[16 + 2] = CLASSES  # batch 1 (past the first-batch check): its loss is NaN
+    with pytest.raises(spmd.NonFiniteLossError) as info:
+        _trainer().fit((x, y), batch_size=16, epochs=1, shuffle=False, verbose=0)
+    text = str(info.value)
+    assert "global_step=1" in text and "The loss is finite at every step" in text
+
+
 def test_a_negative_label_is_a_nan_loss_not_a_wrong_one():
     per = spmd.losses.LOSSES["sparse_categorical_crossentropy"](
         jnp.ones((2, 4)), jnp.array([1, -1])

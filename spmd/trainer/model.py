@@ -91,16 +91,33 @@ def _wrap_module(model: nnx.Module, seed: int, rngs: nnx.Rngs | None) -> Model:
     return Model(params, rest, apply_rngs, model, (model, rngs), stats)
 
 
+NAN_LOSS, NAN_UPDATE = 1, 2  # what made a step non-finite (`first_nan`)
+
+
 def cast(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(
         lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
     )
 
 
-def first_nan(state: dict, loss_sum: jax.Array) -> jax.Array:
-    """The first step whose loss was not finite, or -1 (a state loaded without it starts at -1)."""
+def first_nan(state: dict, loss_sum: jax.Array, params: Any = None) -> tuple[jax.Array, jax.Array]:
+    """The first step whose loss, or whose update of `params`, was not finite, and which.
+
+    Returns (step or -1, cause): cause is NAN_LOSS where the step's loss was NaN or
+    infinite, NAN_UPDATE where its loss was finite but the parameters it wrote
+    are not (an infinite gradient, an overflowing update), 0 while all is finite.
+    A state loaded without these entries starts at (-1, 0).
+    """
     seen = state.get("nan_step", jnp.full((), -1, jnp.int32))
-    return jnp.where((seen < 0) & ~jnp.isfinite(loss_sum), state["step"], seen)
+    cause = state.get("nan_cause", jnp.zeros((), jnp.int32))
+    bad_loss = ~jnp.isfinite(loss_sum)
+    bad_update = jnp.zeros((), bool)
+    for leaf in jax.tree.leaves(params):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact):
+            bad_update = bad_update | ~jnp.all(jnp.isfinite(leaf))
+    new = (seen < 0) & (bad_loss | bad_update)
+    now = jnp.where(bad_loss, NAN_LOSS, NAN_UPDATE).astype(jnp.int32)
+    return jnp.where(new, state["step"], seen), jnp.where(new, now, cause)
 
 
 def example_weights(y: Any, w: Any, mask: Any) -> tuple[jax.Array, jax.Array]:

@@ -35,7 +35,16 @@ from spmd.trainer.losses import (
     resolve_loss,
     resolve_metrics,
 )
-from spmd.trainer.model import averages, cast, example_weights, first_nan, stack, wrap_model
+from spmd.trainer.model import (
+    NAN_LOSS,
+    NAN_UPDATE,
+    averages,
+    cast,
+    example_weights,
+    first_nan,
+    stack,
+    wrap_model,
+)
 
 __all__ = ["NonFiniteLossError", "Trainer"]
 
@@ -45,6 +54,30 @@ _PRECISIONS = {None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16":
 
 class NonFiniteLossError(SpmdError, FloatingPointError):
     """`Trainer.fit` met a NaN or infinite loss (raised unless `terminate_on_nan=False`)."""
+
+
+def _non_finite_message(cause: int, epoch: int, batch_in_epoch: int, step: int) -> str:
+    """Names the step that went non-finite, and whether its loss or its update did."""
+    where = received(epoch=epoch, batch_in_epoch=batch_in_epoch, global_step=step)
+    if cause == NAN_UPDATE:
+        return message(
+            "Every update leaves the parameters finite (terminate_on_nan=True stops at the "
+            "first step that does not, as Keras' TerminateOnNaN does).",
+            where + f"; the loss at global_step={step} was finite, but the update it computed "
+            "made a parameter NaN or infinite",
+            "look for an infinite gradient at that step's inputs (jnp.sqrt or jnp.log at 0, a "
+            "division by a value that reaches 0), or a learning rate too high; clip the "
+            "gradients (optax.clip_by_global_norm); pass Trainer(terminate_on_nan=False) to "
+            "train on regardless.",
+        )
+    return message(
+        "The loss is finite at every step (terminate_on_nan=True stops at the first "
+        "that is not, as Keras' TerminateOnNaN does).",
+        where,
+        "look for labels outside the loss's range (a class id >= the number of "
+        "outputs, or < 0), NaN or inf in the inputs, or a learning rate too high; "
+        "pass Trainer(terminate_on_nan=False) to train on regardless.",
+    )
 
 
 class Trainer:
@@ -151,7 +184,8 @@ class Trainer:
             "rest": self._model.rest,
             "step": jnp.zeros((), jnp.int32),
             "metrics": self._zero_sums(),
-            "nan_step": jnp.full((), -1, jnp.int32),  # the first step with a non-finite loss
+            "nan_step": jnp.full((), -1, jnp.int32),  # the first step that went non-finite
+            "nan_cause": jnp.zeros((), jnp.int32),  # its loss (NAN_LOSS) or its update
         }
 
     def _zero_sums(self) -> dict:
@@ -249,13 +283,18 @@ class Trainer:
         # Keras' sum_over_batch_size: sum(loss * sample_weight) / the real examples
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["count"], 1.0), grads)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        nan_step, nan_cause = first_nan(
+            state, sums["loss"], params if self.terminate_on_nan else None
+        )
         return {
-            "params": optax.apply_updates(state["params"], updates),
+            "params": params,
             "opt_state": opt_state,
             "rest": rest,
             "step": state["step"] + 1,
             "metrics": jax.tree.map(jnp.add, state["metrics"], sums),
-            "nan_step": first_nan(state, sums["loss"]),
+            "nan_step": nan_step,
+            "nan_cause": nan_cause,
         }
 
     def _train_many(self, state, *batches):
@@ -311,16 +350,8 @@ class Trainer:
             # The flag counts the state's steps, which need not be `iterations` (a
             # state trained elsewhere): the epoch began this epoch's batches ago.
             start = int(jax.device_get(self.state["step"])) - (self.iterations - self._epoch_start)
-            raise NonFiniteLossError(
-                message(
-                    "The loss is finite at every step (terminate_on_nan=True stops at the first "
-                    "that is not, as Keras' TerminateOnNaN does).",
-                    received(epoch=self.epoch, batch_in_epoch=step - start, global_step=step),
-                    "look for labels outside the loss's range (a class id >= the number of "
-                    "outputs, or < 0), NaN or inf in the inputs, or a learning rate too high; "
-                    "pass Trainer(terminate_on_nan=False) to train on regardless.",
-                )
-            )
+            cause = int(jax.device_get(self.state.get("nan_cause", NAN_LOSS)))
+            raise NonFiniteLossError(_non_finite_message(cause, self.epoch, step - start, step))
 
     def _check_batch(self, batch: tuple, what: str, first: bool) -> None:
         """Checks a batch before it runs (see `BatchChecks.check`)."""
@@ -382,6 +413,8 @@ class Trainer:
         self._precheck(data, batch_size, validation_data, val_size)
         if "nan_step" in self.state:
             self.state["nan_step"] = _like(jnp.full((), -1, jnp.int32), self.state["nan_step"])
+        if "nan_cause" in self.state:
+            self.state["nan_cause"] = _like(jnp.zeros((), jnp.int32), self.state["nan_cause"])
         history = History()
         steps = steps_per_epoch or self.dataset.num_batches
         verbose = (1 if sys.stdout.isatty() else 2) if verbose == "auto" else verbose
