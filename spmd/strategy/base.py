@@ -502,7 +502,13 @@ class Strategy:
 
     # -- the per-replica view -------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        axis_name: str | None = None,
+    ):
         """Runs `fn` once per replica, each on its slice of the data (`shard_map`).
 
         Positional arguments are split along their leading axis over the
@@ -517,6 +523,12 @@ class Strategy:
           fn: `fn(*replica_args, **kwargs)`, returning a pytree of arrays.
           args: the distributed arguments.
           kwargs: replicated arguments.
+          axis_name: a name of your own for the replicas, as `jax.pmap`'s
+            `axis_name`: collectives in `fn` over it (`lax.psum(x, "batch")`,
+            `lax.pmean`, `lax.axis_index`, `nn.BatchNorm(axis_name="batch")`)
+            run over every replica, so a pmap program ports with no edit.
+            None: the strategy's batch axes, which `get_replica_context()`'s
+            collectives use either way.
 
         Returns:
           `fn`'s result structure with a `PerReplica` at each leaf, as
@@ -526,7 +538,7 @@ class Strategy:
           >>> loss, grads = strategy.run(replica_fn, args=(x, y))
           >>> strategy.reduce("SUM", loss)
         """
-        return per_replica.run(self, fn, args, kwargs)
+        return per_replica.run(self, fn, args, kwargs, axis_name)
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combines per-replica values over the replicas.

@@ -44,9 +44,16 @@ def _is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
 
 
-def run(strategy: Strategy, fn: Callable, args: Sequence[Any] = (), kwargs: dict | None = None):
+def run(
+    strategy: Strategy,
+    fn: Callable,
+    args: Sequence[Any] = (),
+    kwargs: dict | None = None,
+    axis_name: str | None = None,
+):
     """`Strategy.run`: `fn` once per replica; fn's structure with `PerReplica` leaves."""
     _check_run_call(strategy, fn, args, kwargs)
+    _check_axis_name(strategy, axis_name)
     top, treedef = jax.tree.flatten((tuple(args), dict(kwargs or {})), is_leaf=_is_per_replica)
     n_args = len(jax.tree.leaves(tuple(args), is_leaf=_is_per_replica))
     flat, kinds, subdefs = [], [], []
@@ -68,8 +75,51 @@ def run(strategy: Strategy, fn: Callable, args: Sequence[Any] = (), kwargs: dict
         conform(x, strategy.replicated if k == _REPLICATED else batch)
         for x, k in zip(flat, kinds, strict=True)
     ]
-    structure = (strategy, treedef, tuple(subdefs), tuple(kinds))
-    return _program(fn, structure, flat)(*flat)
+    structure = (strategy, treedef, tuple(subdefs), tuple(kinds), axis_name)
+    out = _program(fn, structure, flat)(*flat)
+    if axis_name is None or (axis_name,) == tuple(strategy.batch_axes):
+        return out
+    # The program ran on the mesh with the batch axes named `axis_name`: the same
+    # devices in the same order, so placing its results back on the strategy's
+    # mesh moves nothing.
+    back = NamedSharding(strategy.mesh, PartitionSpec(strategy.batch_axes))
+    return jax.tree.map(
+        lambda r: PerReplica(jax.device_put(r.values, back)), out, is_leaf=_is_per_replica
+    )
+
+
+def _check_axis_name(strategy: Strategy, axis_name: Any) -> None:
+    """An axis name for the replicas is a string that names no other axis of the mesh."""
+    if axis_name is None:
+        return
+    others = [a for a in strategy.mesh.axis_names if a not in strategy.batch_axes]
+    if not isinstance(axis_name, str) or axis_name in others:
+        raise ConfigurationError(
+            message(
+                "run's axis_name is a string naming the replicas (the batch axes "
+                f"{tuple(strategy.batch_axes)}), as jax.pmap's axis_name did; it may not "
+                f"name another axis of the mesh ({others}).",
+                received(axis_name=axis_name),
+                'pass the name the function\'s collectives use, e.g. axis_name="batch" '
+                'for lax.pmean(x, "batch").',
+            )
+        )
+
+
+def _replica_mesh(strategy: Strategy, axis_name: str) -> Mesh:
+    """The strategy's mesh with its batch axes as one axis called `axis_name`.
+
+    The batch axes come first, in the order they split the batch, then the
+    other axes in mesh order: a leading-axis split over `axis_name` places every
+    row on the same device as a split over the batch axes does.
+    """
+    mesh, batch = strategy.mesh, list(strategy.batch_axes)
+    names = list(mesh.axis_names)
+    rest = [a for a in names if a not in batch]
+    devices = np.transpose(mesh.devices, [names.index(a) for a in batch + rest])
+    devices = devices.reshape((-1, *devices.shape[len(batch) :]))
+    types = tuple(mesh.axis_types[names.index(a)] for a in rest)
+    return Mesh(devices, (axis_name, *rest), axis_types=(mesh.axis_types[0], *types))
 
 
 def _check_run_call(strategy: Strategy, fn: Any, args: Any, kwargs: Any) -> None:
@@ -255,9 +305,12 @@ class _Identity:
 
 def _jitted(fn: Callable, structure: tuple) -> Callable:
     """One jitted shard_map of `fn` for (strategy, argument structure)."""
-    strategy, treedef, subdefs, kinds = structure
-    context = ReplicaContext(strategy.num_replicas_in_sync, strategy.batch_axes)
-    batch = PartitionSpec(strategy.batch_axes)
+    strategy, treedef, subdefs, kinds, axis_name = structure
+    mesh, axes = strategy.mesh, tuple(strategy.batch_axes)
+    if axis_name is not None and (axis_name,) != axes:
+        mesh, axes = _replica_mesh(strategy, axis_name), (axis_name,)
+    context = ReplicaContext(strategy.num_replicas_in_sync, axes)
+    batch = PartitionSpec(axes)
     specs = tuple(PartitionSpec() if k == _REPLICATED else batch for k in kinds)
 
     def per_replica(*flat):
@@ -275,10 +328,10 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
 
     mapped = jax.shard_map(
         per_replica,
-        mesh=strategy.mesh,
+        mesh=mesh,
         in_specs=specs,
         out_specs=batch,
-        axis_names=set(strategy.batch_axes),
+        axis_names=set(axes),
         # Each replica's gradients stay its own, as in tf.distribute: with
         # varying-axis checks on, the gradient of a replicated argument would
         # come back already summed over the replicas.

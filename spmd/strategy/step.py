@@ -371,6 +371,7 @@ class Step:
         )
 
 
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")
 _MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+) is not found in mesh")
 
 
@@ -379,6 +380,22 @@ def _call(strategy: Strategy, fn: Callable, state: Any, data: tuple, kwargs: dic
     strategy's mesh lacks is a ConfigurationError that says how to write it."""
     try:
         return fn(state, *data, **kwargs, **static)
+    except NameError as error:
+        found = _UNBOUND_AXIS.search(str(error))
+        if found is None:
+            raise
+        raise ConfigurationError(
+            message(
+                "A step is the global view: the batch is one array and XLA inserts the "
+                "all-reduces, so its code names no axis for a collective (pmap-era "
+                "lax.pmean(x, 'batch') or nn.BatchNorm(axis_name='batch') have none to bind).",
+                received(axis_name=found.group(1), batch_axes=tuple(strategy.batch_axes)),
+                "remove the axis name (a mean over the global batch is jnp.mean; "
+                "nn.BatchNorm() with no axis_name already normalizes over the whole batch), or "
+                "keep the per-replica code and run it with strategy.run(fn, args=..., "
+                f"axis_name={found.group(1)!r}), where that name means every replica.",
+            )
+        ) from error
     except ValueError as error:
         found = _MISSING_AXIS.search(str(error))
         if found is None:

@@ -1,0 +1,168 @@
+"""pmap programs port to `strategy.run(..., axis_name=...)` with no edit, and a step names them.
+
+The oracle is the same program under `jax.pmap` on the same eight devices: a
+linen model with `nn.BatchNorm(axis_name="batch")` whose gradients are
+`lax.pmean`-ed over "batch", as flax's pmap-era examples train.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import spmd
+
+N = 8  # replicas
+LOCAL = 4  # examples per replica
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train, axis_name="batch", momentum=0.9)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+MODEL = Net()
+TX = optax.sgd(0.1, momentum=0.9)
+
+
+def _train_step(params, stats, opt_state, x, y):
+    """The pmap-era step, unchanged: per-replica loss, pmean'd grads and loss."""
+
+    def loss_fn(p):
+        logits, updates = MODEL.apply(
+            {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, updates["batch_stats"]
+
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    grads = jax.lax.pmean(grads, "batch")
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), stats, opt_state, jax.lax.pmean(loss, "batch")
+
+
+def _data(steps):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps, N * LOCAL, 5)).astype(np.float32)
+    y = rng.integers(0, 3, size=(steps, N * LOCAL)).astype(np.int32)
+    return x, y
+
+
+def _init():
+    variables = MODEL.init(jax.random.key(0), jnp.ones((LOCAL, 5)), train=False)
+    params, stats = variables["params"], variables["batch_stats"]
+    return params, stats, TX.init(params)
+
+
+def _pmap_oracle(steps):
+    params, stats, opt_state = _init()
+    rep = jax.tree.map(lambda a: jnp.stack([a] * N), (params, stats, opt_state))
+    step = jax.pmap(_train_step, axis_name="batch")
+    xs, ys = _data(steps)
+    losses = []
+    for x, y in zip(xs, ys, strict=True):
+        *rep, loss = step(*rep, x.reshape(N, LOCAL, 5), y.reshape(N, LOCAL))
+        losses.append(np.asarray(loss[0]))
+    return jax.tree.map(lambda a: np.asarray(a[0]), tuple(rep)), losses
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        spmd.MirroredStrategy,
+        lambda: spmd.Strategy(
+            mesh=spmd.make_mesh({"host": 2, "replica": 4}), batch_axes=("host", "replica")
+        ),
+    ],
+    ids=["mirrored", "two_batch_axes"],
+)
+def test_a_pmap_training_loop_runs_unchanged_under_run_with_its_axis_name(make):
+    strategy = make()
+    steps = 3
+    (want_params, want_stats, _), want_losses = _pmap_oracle(steps)
+    params, stats, opt_state = _init()
+    # Each replica's copy as a PerReplica, the way pmap's replicated arguments are.
+    rep = jax.tree.map(lambda a: spmd.PerReplica(jnp.stack([a] * N)), (params, stats, opt_state))
+    xs, ys = _data(steps)
+    for i, (x, y) in enumerate(zip(xs, ys, strict=True)):
+        *rep, loss = strategy.run(_train_step, args=(*rep, x, y), axis_name="batch")
+        np.testing.assert_allclose(strategy.local_results(loss)[0], want_losses[i], rtol=1e-5)
+    got_params, got_stats = jax.tree.map(
+        lambda r: np.asarray(strategy.local_results(r)[0]),
+        tuple(rep[:2]),
+        is_leaf=lambda r: isinstance(r, spmd.PerReplica),
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_params, want_params
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_stats, want_stats
+    )
+
+
+def test_axis_index_and_all_gather_over_the_own_name_match_pmap():
+    strategy = spmd.MirroredStrategy()
+    x = np.arange(N * 2, dtype=np.float32)
+
+    def fn(v):
+        return jax.lax.axis_index("i"), jax.lax.all_gather(v, "i"), jax.lax.psum(v, "i")
+
+    want = jax.pmap(fn, axis_name="i")(x.reshape(N, 2))
+    got = strategy.run(fn, args=(x,), axis_name="i")
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g.values), np.asarray(w))
+
+
+def test_the_replica_context_collectives_still_work_beside_an_own_axis_name():
+    strategy = spmd.MirroredStrategy()
+    x = np.arange(N, dtype=np.float32)
+
+    def fn(v):
+        ctx = spmd.get_replica_context()
+        return ctx.all_reduce("SUM", v), ctx.replica_id_in_sync_group
+
+    total, ids = strategy.run(fn, args=(x,), axis_name="batch")
+    assert strategy.reduce("MEAN", total, axis=None) == pytest.approx(x.sum())
+    assert [int(i) for i in strategy.local_results(ids)] == list(range(N))
+
+
+@pytest.mark.parametrize("bad", [3, "model"])
+def test_an_axis_name_that_is_not_a_string_or_names_another_mesh_axis_is_an_error(bad):
+    strategy = spmd.Strategy(mesh=spmd.make_mesh({"data": 4, "model": 2}), batch_axes=("data",))
+    with pytest.raises(spmd.ConfigurationError, match="axis_name"):
+        strategy.run(lambda v: v, args=(np.ones(4, np.float32),), axis_name=bad)
+
+
+def test_a_step_with_a_pmap_collective_says_to_remove_the_name_or_use_run():
+    strategy = spmd.MirroredStrategy()
+
+    @strategy.step
+    def train_step(state, x):
+        return state, {"mean": jax.lax.pmean(x.mean(), "batch")}
+
+    state = strategy.put({"w": jnp.zeros(2)})
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        train_step(state, np.ones((8, 2), np.float32))
+    text = str(caught.value)
+    assert "axis_name='batch'" in text and "strategy.run" in text and "remove the axis name" in text
+    assert isinstance(caught.value.__cause__, NameError)
+
+
+def test_a_step_with_a_pmap_batch_norm_is_named_too():
+    strategy = spmd.MirroredStrategy()
+    params, stats, opt_state = _init()
+
+    @strategy.step
+    def train_step(state, x, y):
+        *new, loss = _train_step(*state, x, y)
+        return tuple(new), {"loss": loss}
+
+    state = strategy.put((params, stats, opt_state))
+    x, y = _data(1)
+    with pytest.raises(spmd.ConfigurationError, match="global view"):
+        train_step(state, x[0], y[0])
