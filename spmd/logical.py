@@ -276,7 +276,7 @@ def check_mapped(noted: Sequence[tuple[str, tuple]], rules: LogicalRules, mesh: 
     raise ConfigurationError(
         message(
             f"Every logical name of the state's annotations is a mesh axis or mapped by the "
-            f"strategy's logical_axis_rules; {len(first)} are not: {listed}.",
+            f"strategy's logical_axis_rules; these are not: {listed}.",
             received(
                 unmapped=tuple(first),
                 logical_axis_rules=tuple(rules),

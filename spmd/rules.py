@@ -366,7 +366,8 @@ def _fits_rank(path: str, leaf: Any, note: Annotation) -> bool:
             "(one name per dimension at most).",
             received(path=path, annotation=note.names, shape=tuple(leaf.shape)),
             "write the annotation for this leaf's shape, e.g. "
-            f"nnx.with_partitioning(init, {note.names[:rank]}).",
+            f"nnx.with_partitioning(init, {note.names[:rank]}) (or "
+            "nn.with_logical_partitioning in linen).",
         )
     )
 

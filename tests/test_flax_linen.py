@@ -119,7 +119,7 @@ def test_partitioned_boxes_name_mesh_axes(doc):
 def test_create_fn_that_unboxes_itself_is_an_error(doc):
     strategy = _strategies(doc)["data4_model2"]
     with pytest.raises(
-        spmd.ConfigurationError, match=r"unboxed them itself(.|\n)*leaf=.params/embedding"
+        spmd.ConfigurationError, match=r"sharding constraint(.|\n)*leaf=.params/embedding"
     ):
         strategy.init(lambda key: nn.meta.unbox(doc["create"](key)), jax.random.key(0))
     with pytest.raises(spmd.ConfigurationError, match="nn.meta.unbox"):

@@ -304,9 +304,9 @@ class Strategy:
         """The abstract state `pure_create` makes; checks no layout its boxes asked for is lost.
 
         Raises:
-          ConfigurationError: `create_fn` unboxed flax linen partitioning boxes
-            (`nn.meta.unbox`) itself: a state leaf comes out of the constraint
-            the box asked for, and nothing else lays it out.
+          ConfigurationError: a state leaf comes straight out of a sharding
+            constraint that shards it (`create_fn` unboxed flax linen boxes
+            itself, `nn.meta.unbox`), and no rule or annotation lays it out.
         """
         closed, abstract = jax.make_jaxpr(pure_create, return_shape=True)(*args)
         asked = _constrained_outputs(closed.jaxpr)
@@ -318,9 +318,10 @@ class Strategy:
             if layouts[index].source == "default":
                 raise ConfigurationError(
                     message(
-                        "The state's layout is read from flax's boxes (nn.LogicallyPartitioned, "
-                        "nn.Partitioned); create_fn unboxed them itself (nn.meta.unbox), so "
-                        "their names are gone and the state would come out replicated.",
+                        "A state leaf is laid out by a rule or a flax annotation; this one "
+                        "comes out of create_fn through a sharding constraint (what "
+                        "nn.meta.unbox applies to a linen box it unboxes), which spmd cannot "
+                        "read, so it would come out replicated.",
                         received(leaf=path_str(flat[index][0]), unboxed_constraint=spec),
                         "return the boxed state from create_fn (spmd keeps the boxes, and "
                         "flax's apply reads through them), or add a rule for the path.",
