@@ -176,3 +176,17 @@ def test_rest_rule_replicates_the_names_no_other_rule_maps(doc):
 def test_rest_rule_only_replicates(doc):
     with pytest.raises(spmd.ConfigurationError, match="REST cannot map to mesh axes"):
         spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}), logical_axis_rules=[(REST, "model")])
+
+
+def test_a_box_own_rules_map_its_names_first(doc):
+    def create(key):
+        init = nn.with_logical_partitioning(
+            nn.initializers.ones, ("batchless", "hidden"), rules=(("hidden", "model"),)
+        )
+        return {"kernel": init(key, (4, 8))}
+
+    strategy = spmd.Strategy(
+        spmd.make_mesh({"data": 4, "model": 2}), logical_axis_rules=[("batchless", None)]
+    )
+    state = strategy.init(create, jax.random.key(0))
+    assert state["kernel"].value.sharding.spec == P(None, "model")
