@@ -1,7 +1,9 @@
 """Flax sharding annotations and logical axis rules, resolved to a strategy's mesh.
 
 A flax model says how its variables split with names: `nnx.with_partitioning(init,
-("embed", "mlp"))` or `nnx.Param(..., out_sharding=...)`. The names are either
+("embed", "mlp"))` or `nnx.Param(..., out_sharding=...)` in NNX, and the boxes
+`nn.with_logical_partitioning` / `nn.with_partitioning` make in linen
+(`nn.LogicallyPartitioned`, `nn.Partitioned`). The names are either
 mesh axes or logical names that `logical_axis_rules` map to mesh axes (flax
 linen's and MaxText's convention): `[("mlp", "model"), ("embed", None)]`.
 """
@@ -14,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
+from flax.core import meta as flax_meta
 from flax.core import spmd as flax_spmd
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import Mesh, PartitionSpec
@@ -21,17 +24,30 @@ from jax.sharding import Mesh, PartitionSpec
 from spmd.errors import ConfigurationError, message, received
 
 __all__ = [
+    "REST",
     "Annotation",
     "LogicalRules",
     "annotation",
     "annotations",
+    "check_mapped",
     "check_rules",
+    "is_box",
     "flax_context",
     "to_spec",
 ]
 
 # (logical name, mesh axis | tuple of mesh axes | None), first rule for a name wins.
 LogicalRules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+# The logical name of the rule `(REST, None)`: every name no other rule maps is
+# replicated (as MaxText's configs leave `layers`, `kv` or `relpos_buckets` unsharded).
+REST = "*"
+
+
+def is_box(x: Any) -> bool:
+    """Whether `x` carries a leaf's annotation: an NNX Variable or a linen `nn.Partitioned`
+    (`nn.LogicallyPartitioned` is one)."""
+    return isinstance(x, nnx.Variable | flax_meta.Partitioned)
 
 
 def _axes(target: Any) -> tuple[str, ...]:
@@ -63,6 +79,17 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
                     '("embed", None).',
                 )
             )
+        if rule[0] == REST and targets:
+            raise ConfigurationError(
+                message(
+                    "The rule (REST, None) replicates every logical name no other rule maps; "
+                    "REST cannot map to mesh axes (every dimension so named would split over "
+                    "them).",
+                    received(rule=tuple(rule)),
+                    "write (spmd.logical.REST, None), and a rule of its own for each name "
+                    "to shard.",
+                )
+            )
         if len(set(targets)) != len(targets):
             raise ConfigurationError(
                 message(
@@ -89,22 +116,27 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
 
 
 def annotation(variable: Any) -> tuple | None:
-    """The sharding names a flax Variable was annotated with, or None.
+    """The sharding names a flax Variable or linen box was annotated with, or None.
 
     Reads `out_sharding` (what `nnx.with_partitioning` and `Param(out_sharding=...)`
     set, and what `nnx.bridge` makes of linen's `with_partitioning` and
-    `with_logical_partitioning`); names the Variable's own `sharding_rules` map
-    are mapped first.
+    `with_logical_partitioning`), or a linen box's `names` (what
+    `nn.get_partition_spec` reads); names the Variable's own `sharding_rules`
+    (a `nn.LogicallyPartitioned`'s own `rules`) map are mapped first.
     """
-    if not isinstance(variable, nnx.Variable):
+    if isinstance(variable, flax_meta.Partitioned):
+        names, local = variable.names, getattr(variable, "rules", None)
+    elif isinstance(variable, nnx.Variable):
+        metadata = variable.get_metadata()
+        names = metadata.get("out_sharding") or metadata.get("sharding_names")
+        local = metadata.get("sharding_rules")
+    else:
         return None
-    metadata = variable.get_metadata()
-    names = metadata.get("out_sharding") or metadata.get("sharding_names")
     if not names:
         return None
     if isinstance(names, jax.sharding.NamedSharding):
         names = names.spec
-    local = dict(metadata.get("sharding_rules") or ())  # the Variable's own logical rules
+    local = dict(local or ())  # the Variable's own logical rules
     return tuple(local.get(n, n) if isinstance(n, str) else n for n in names)
 
 
@@ -123,8 +155,8 @@ class Annotation(NamedTuple):
 def annotations(tree: Any) -> list[Annotation | None]:
     """One annotation (or None) per array leaf of `tree`, in `jax.tree.leaves` order."""
     out: list[Annotation | None] = []
-    for item in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        if not isinstance(item, nnx.Variable):
+    for item in jax.tree.leaves(tree, is_leaf=is_box):
+        if not is_box(item):
             out.append(None)
             continue
         names = annotation(item)
@@ -147,7 +179,8 @@ def to_spec(
 
     Each name maps by the first rule for it whose mesh axes this leaf does not
     already use; a name equal to a mesh axis maps to that axis; any other name
-    is replicated if `replicate_unmapped`, else an error.
+    is replicated if `replicate_unmapped` or the rules hold `(REST, None)`,
+    else an error.
 
     Raises:
       ConfigurationError: a name is neither mapped nor a mesh axis (and not replicated).
@@ -181,7 +214,7 @@ def _map_name(name, rules, mesh, used, replicate_unmapped, names, path) -> list[
                 )
             )
         return [name]
-    if replicate_unmapped:
+    if replicate_unmapped or any(alias == REST for alias, _ in rules):
         return []
     raise ConfigurationError(
         message(
@@ -206,5 +239,51 @@ def flax_context(rules: LogicalRules) -> Iterator[None]:
     Variables are created unplaced (the strategy places them by its layout),
     and `nn.with_logical_constraint`-style calls see the strategy's rules.
     """
-    with nnx.use_eager_sharding(False), flax_spmd.logical_axis_rules(tuple(rules)):
+    flax_rules = tuple(rule for rule in rules if rule[0] != REST)  # flax replicates the rest
+    with nnx.use_eager_sharding(False), flax_spmd.logical_axis_rules(flax_rules):
         yield
+
+
+def _unmapped(names: tuple, rules: LogicalRules, mesh: Mesh) -> list[str]:
+    mapped = {alias for alias, _ in rules}
+    return [
+        name
+        for entry in names
+        for name in _axes(entry)
+        if name not in mapped and name not in mesh.shape
+    ]
+
+
+def check_mapped(noted: Sequence[tuple[str, tuple]], rules: LogicalRules, mesh: Mesh) -> None:
+    """Checks that every name of every annotation is mapped by `rules` or is a mesh axis.
+
+    Args:
+      noted: (path, annotation names) pairs.
+
+    Raises:
+      ConfigurationError: names no rule maps, each listed once with one path that has it.
+    """
+    if any(alias == REST for alias, _ in rules):
+        return
+    first: dict[str, str] = {}
+    for path, names in noted:
+        for name in _unmapped(names, rules, mesh):
+            first.setdefault(name, path)
+    if not first:
+        return
+    listed = ", ".join(f"'{name}' (at '{path}')" for name, path in first.items())
+    suggestion = ", ".join(f"('{name}', None)" for name in first)
+    raise ConfigurationError(
+        message(
+            f"Every logical name of the state's annotations is a mesh axis or mapped by the "
+            f"strategy's logical_axis_rules; these are not: {listed}.",
+            received(
+                unmapped=tuple(first),
+                logical_axis_rules=tuple(rules),
+                mesh_axes=tuple(mesh.shape),
+            ),
+            f"add a rule for each to logical_axis_rules (e.g. {suggestion}, or one naming a "
+            "mesh axis), or end the rules with (spmd.logical.REST, None) to replicate every "
+            "name they do not map.",
+        )
+    )

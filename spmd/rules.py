@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from spmd.errors import ConfigurationError, message, received
-from spmd.logical import Annotation, LogicalRules, annotations, to_spec
+from spmd.logical import Annotation, LogicalRules, annotations, check_mapped, to_spec
 from spmd.validate import positive_int
 
 __all__ = [
@@ -246,7 +246,8 @@ def resolve_specs(
     `0/layers/0/kernel` and `opt_state/0/mu/layers/0/kernel`.
 
     Args:
-      tree: a pytree of arrays or `ShapeDtypeStruct`s (NNX Variables carry annotations).
+      tree: a pytree of arrays or `ShapeDtypeStruct`s (NNX Variables and linen
+        `nn.Partitioned` / `nn.LogicallyPartitioned` boxes carry annotations).
       rules: ordered (regex, spec) pairs; the first that matches wins.
       mesh: the mesh the specs refer to.
       strict: if True, a leaf no rule matches and no annotation covers is an error.
@@ -254,7 +255,8 @@ def resolve_specs(
       is_leaf: passed on to the pytree flattening.
       logical_axis_rules: (logical name, mesh axes) pairs for annotations.
       replicate_unmapped: annotation names neither mapped nor mesh axes are
-        replicated; if False they are an error.
+        replicated; if False they are an error (one listing them all), unless
+        the logical rules hold `(spmd.logical.REST, None)`.
 
     Returns:
       A pytree of `PartitionSpec`, the structure of `tree`.
@@ -309,14 +311,21 @@ def _resolve(tree, rules, mesh, strict, shard_axes, is_leaf, logical_rules, repl
     compiled = [(re.compile(pattern), pattern, spec) for pattern, spec in rules]
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     notes = annotations(tree) if is_leaf is None else [None] * len(leaves)
+    paths = [path_str(key_path) for key_path, _ in leaves]
+    notes = [
+        note if note is not None and _fits_rank(path, leaf, note) else None
+        for path, (_, leaf), note in zip(paths, leaves, notes, strict=True)
+    ]
+    if not replicate_unmapped:  # every unmapped name at once, not one per run
+        pairs = [(path, note.names) for path, note in zip(paths, notes, strict=True) if note]
+        check_mapped(pairs, logical_rules, mesh)
     specs, sources = [], []
-    for (key_path, leaf), note in zip(leaves, notes, strict=True):
-        path = path_str(key_path)
+    for path, (_, leaf), note in zip(paths, leaves, notes, strict=True):
         pattern, rule = next(
             ((p, spec) for regex, p, spec in compiled if _matches(regex, path)), (None, _UNMATCHED)
         )
         annotated = noted = None
-        if note is not None and _fits_rank(path, leaf, note):
+        if note is not None:
             annotated = note.names
             noted = to_spec(
                 annotated, logical_rules, mesh, replicate_unmapped=replicate_unmapped, path=path
@@ -357,7 +366,8 @@ def _fits_rank(path: str, leaf: Any, note: Annotation) -> bool:
             "(one name per dimension at most).",
             received(path=path, annotation=note.names, shape=tuple(leaf.shape)),
             "write the annotation for this leaf's shape, e.g. "
-            f"nnx.with_partitioning(init, {note.names[:rank]}).",
+            f"nnx.with_partitioning(init, {note.names[:rank]}) (or "
+            "nn.with_logical_partitioning in linen).",
         )
     )
 

@@ -21,7 +21,7 @@ from spmd.data.dataset import (
 from spmd.errors import BatchError, ConfigurationError, ScopeError, message, received
 from spmd.explain import explain
 from spmd.logical import LogicalRules, check_rules, flax_context
-from spmd.rules import Rule, is_key, resolve_sources, resolve_specs
+from spmd.rules import Rule, is_key, path_str, resolve_sources, resolve_specs
 from spmd.strategy import nnx_state, per_replica, step_checks
 from spmd.strategy.checks import (
     check_batch_axis,
@@ -80,9 +80,11 @@ class Strategy:
       strict: if True, a state leaf that no rule or annotation covers is an error.
       name: shown in reprs and by `spmd env`.
       logical_axis_rules: (logical name, mesh axes or None) pairs that map the
-        names of flax annotations (`nnx.with_partitioning`) to mesh axes; a
-        name equal to a mesh axis maps to it. A name neither mapped nor a mesh
-        axis is an error (the named strategies replicate it instead).
+        names of flax annotations (`nnx.with_partitioning`, linen's
+        `nn.with_logical_partitioning` boxes) to mesh axes; a name equal to a
+        mesh axis maps to it. Names neither mapped nor mesh axes are an error
+        listing them all (the named strategies replicate them instead); a rule
+        `(spmd.logical.REST, None)` replicates every name the others do not map.
 
     Example:
       >>> strategy = spmd.Strategy(
@@ -257,6 +259,8 @@ class Strategy:
 
         Args:
           create_fn: builds the state (a pytree, or flax NNX objects) from `args`.
+            Flax linen boxes in it (`nn.LogicallyPartitioned`) are kept and
+            lay their leaves out.
           *args: passed to `create_fn` (e.g. a PRNG key), traced.
           **kwargs: passed to `create_fn` as Python values, fixed at trace time.
 
@@ -270,7 +274,7 @@ class Strategy:
             return pure
 
         with self.context():
-            abstract = jax.eval_shape(pure_create, *args)
+            abstract = self._trace_create(pure_create, args)
             out = jax.jit(pure_create, out_shardings=self.state_sharding(abstract))(*args)
         return nnx_state.merge(graph["def"], out)
 
@@ -288,13 +292,42 @@ class Strategy:
             return pure
 
         with self.context():
-            abstract = jax.eval_shape(pure_create, *args)
+            abstract = self._trace_create(pure_create, args)
         placed = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract,
             self.state_sharding(abstract),
         )
         return nnx_state.merge(graph["def"], placed)
+
+    def _trace_create(self, pure_create: Callable[..., Any], args: tuple) -> Any:
+        """The abstract state `pure_create` makes; checks no layout its boxes asked for is lost.
+
+        Raises:
+          ConfigurationError: a state leaf comes straight out of a sharding
+            constraint that shards it (`create_fn` unboxed flax linen boxes
+            itself, `nn.meta.unbox`), and no rule or annotation lays it out.
+        """
+        closed, abstract = jax.make_jaxpr(pure_create, return_shape=True)(*args)
+        asked = _constrained_outputs(closed.jaxpr)
+        if not asked:
+            return abstract
+        flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
+        layouts = jax.tree.leaves(self.state_spec(abstract, sources=True))
+        for index, spec in asked.items():
+            if layouts[index].source == "default":
+                raise ConfigurationError(
+                    message(
+                        "A state leaf is laid out by a rule or a flax annotation; this one "
+                        "comes out of create_fn through a sharding constraint (what "
+                        "nn.meta.unbox applies to a linen box it unboxes), which spmd cannot "
+                        "read, so it would come out replicated.",
+                        received(leaf=path_str(flat[index][0]), unboxed_constraint=spec),
+                        "return the boxed state from create_fn (spmd keeps the boxes, and "
+                        "flax's apply reads through them), or add a rule for the path.",
+                    )
+                )
+        return abstract
 
     # -- batches --------------------------------------------------------------
 
@@ -596,6 +629,18 @@ def _ragged_batch_message(data: Any, axis: int, names: Sequence[str] | None, siz
         f"make {' and '.join(shown) if len(shown) <= 2 else ', '.join(shown)} the same length; "
         "pass arrays that are not batches by keyword, where they are replicated.",
     )
+
+
+def _constrained_outputs(jaxpr: Any) -> dict[int, PartitionSpec]:
+    """Outputs of a traced function that come straight out of a sharding constraint that
+    shards something (what `nn.meta.unbox` of a linen box applies), by output index."""
+    specs = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            spec = getattr(eqn.params["sharding"], "spec", PartitionSpec())
+            if any(entry is not None for entry in spec):
+                specs[id(eqn.outvars[0])] = spec
+    return {i: specs[id(v)] for i, v in enumerate(jaxpr.outvars) if id(v) in specs}
 
 
 def _round_up(n: int, multiple: int) -> int:
