@@ -59,6 +59,8 @@ if TYPE_CHECKING:
     from spmd.strategy.strategies import OneDeviceStrategy as OneDeviceStrategy
     from spmd.strategy.strategies import ParameterServerStrategy as ParameterServerStrategy
     from spmd.strategy.strategies import TPUStrategy as TPUStrategy
+    from spmd.topologies import Topology as Topology
+    from spmd.topologies import topology as topology
     from spmd.trainer.trainer import NonFiniteLossError as NonFiniteLossError
     from spmd.trainer.trainer import Trainer as Trainer
 
@@ -101,6 +103,7 @@ __all__ = [
     "Step",
     "Strategy",
     "TPUStrategy",
+    "Topology",
     "Trainer",
     "callbacks",
     "cluster",
@@ -115,6 +118,7 @@ __all__ = [
     "make_mesh",
     "partitioners",
     "scale_regularization_loss",
+    "topology",
 ]
 
 # Where each public name lives: the module `spmd.X` imports on first use.
@@ -168,6 +172,8 @@ _WHERE = {
     "Step": "spmd.strategy.base",
     "Strategy": "spmd.strategy.base",
     "TPUStrategy": "spmd.strategy.strategies",
+    "topology": "spmd.topologies",
+    "Topology": "spmd.topologies",
     "Trainer": "spmd.trainer.trainer",
 }
 

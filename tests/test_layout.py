@@ -50,6 +50,7 @@ PUBLIC = [
     "Step",
     "Strategy",
     "TPUStrategy",
+    "Topology",
     "Trainer",
     "callbacks",
     "cluster",
@@ -64,6 +65,7 @@ PUBLIC = [
     "make_mesh",
     "partitioners",
     "scale_regularization_loss",
+    "topology",
 ]
 
 
