@@ -20,7 +20,17 @@ from typing import Any
 
 from spmd.errors import ConfigurationError, message, received
 
-__all__ = ["CHIPS", "Chip", "Topology", "check_runnable", "chip_of", "compile_only", "topology"]
+__all__ = [
+    "CHIPS",
+    "Chip",
+    "Topology",
+    "check_runnable",
+    "chip_of",
+    "compile_only",
+    "compiler_hbm",
+    "hbm_refusal",
+    "topology",
+]
 
 _GB = 1e9
 _GIB = 1 << 30
@@ -338,3 +348,63 @@ def check_runnable(strategy: Any, what: str) -> None:
                 "a strategy built on its devices (spmd.TPUStrategy()).",
             )
         )
+
+
+_SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_REQUIRED = (
+    re.compile(r"required for HLO temporaries \(" + _SIZE + r"\) exceeds available HBM"),
+    re.compile(r"Used " + _SIZE + r" of [\d.]+\s*[KMGT]?i?B? hbm"),
+)
+_AVAILABLE = (
+    re.compile(r"exceeds available HBM \(" + _SIZE + r"\)"),
+    re.compile(r"Used [\d.]+\s*[KMGT]?i?B? of " + _SIZE + r" hbm"),
+)
+
+
+def _size(match: re.Match) -> int:
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def hbm_refusal(error: BaseException) -> int | None:
+    """The bytes the TPU compiler says a program needs, if `error` is its out-of-HBM refusal."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    for pattern in _REQUIRED:
+        if match := pattern.search(text):
+            return _size(match)
+    return None
+
+
+_HBM: dict[str, int] = {}
+
+
+def compiler_hbm(device: Any) -> int:
+    """The HBM one TPU device has for a program, as the TPU compiler counts it.
+
+    Read once per device kind from the compiler's own refusal of a program
+    larger than any chip (v5e: 15.75 GiB, v5p: 95.74 GiB); the published
+    figure (`Chip.hbm_bytes`) where the compiler does not say.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    kind = str(device.device_kind)
+    if kind not in _HBM:
+        chip = chip_of(device)
+        fallback = chip.hbm_bytes // chip.cores_per_chip if chip else 0
+        mesh = Mesh(np.array([device]), ("one",))
+        too_big = jax.jit(
+            lambda: jnp.zeros((1 << 42,), jnp.int8),
+            out_shardings=NamedSharding(mesh, PartitionSpec()),
+        )
+        try:
+            too_big.lower().compile()
+            _HBM[kind] = fallback
+        except Exception as e:
+            found = [m for p in _AVAILABLE if (m := p.search(str(e)))]
+            _HBM[kind] = _size(found[0]) if found else fallback
+    return _HBM[kind]

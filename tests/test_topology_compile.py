@@ -119,3 +119,109 @@ def test_a_shape_the_compiler_refuses_is_a_clear_error():
         spmd.topology("v5e:3x5")
     with pytest.raises(spmd.ConfigurationError, match="slices"):
         spmd.topology("v5e:2x2", slices=0)
+
+
+def _scanned(layers):
+    def create(key):
+        return {"w": jax.random.normal(key, (layers, 512, 512))}
+
+    def train(state, x):
+        def loss(p):
+            def body(h, w):
+                return jnp.tanh(h @ w), None
+
+            h, _ = jax.lax.scan(body, x, p["w"])
+            return (h**2).mean()
+
+        grads = jax.grad(loss)(state)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), {"loss": loss(state)}
+
+    return create, train
+
+
+def _fsdp(topo, slices=1):
+    mesh = spmd.make_mesh({"data": slices, "fsdp": -1}, devices=topo)
+    return spmd.Strategy(
+        mesh, rules=[(".*w", jax.sharding.PartitionSpec(None, "fsdp"))], batch_axes=("data", "fsdp")
+    )
+
+
+def test_explain_on_a_topology_reports_hbm_traffic_and_a_roofline():
+    create, train = _scanned(4)
+    strategy = _fsdp(spmd.topology("v5p-8"))
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+    assert e.chip == "v5p" and 95 << 30 < e.hbm_capacity < 96 << 30  # the compiler's figure
+    assert e.fits and e.hbm_headroom == e.hbm_capacity - e.peak_bytes - e.code_bytes
+    assert e.code_bytes > 0 and e.argument_bytes >= 4 * 512 * 128 * 4  # the compiler's figures
+    links = {t.link for t in e.traffic}
+    assert links == {"ICI"}  # one slice: nothing crosses the data-center network
+    gathers = [t for t in e.traffic if t.kind == "all-gather"]
+    assert gathers and gathers[0].wire_bytes > 0
+    r = e.roofline
+    assert r.chip.name == "v5p" and r.dcn_s == 0
+    assert r.compute_s == pytest.approx(r.flops / 459e12)
+    assert e.step_seconds == pytest.approx(max(r.compute_s, r.memory_s) + r.ici_s)
+    text = str(e)
+    assert "fits" in text and "over ICI" in text and "estimated step" in text
+
+
+def test_a_loop_collective_counts_once_per_iteration():
+    counts = {}
+    for layers in (2, 8):
+        create, train = _scanned(layers)
+        strategy = _fsdp(spmd.topology("v5p-8"))
+        state = strategy.abstract_state(create, jax.random.key(0))
+        e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+        counts[layers] = sum(t.count for t in e.traffic)
+    assert counts[8] > counts[2]
+
+
+def test_two_slices_send_over_dcn():
+    create, train = _scanned(2)
+    strategy = _fsdp(spmd.topology("v5e-4", slices=2), slices=2)
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+    dcn = [t for t in e.traffic if t.link == "DCN"]
+    assert dcn and dcn[0].kind == "all-reduce" and dcn[0].wire_bytes > 0
+    assert e.roofline.dcn_s == pytest.approx(e.roofline.dcn_bytes / (2 * 100e9 / 64))
+
+
+def test_a_state_over_hbm_does_not_fit_and_says_by_how_much():
+    def create(key):
+        return {"w": jnp.zeros((5, 1 << 30), jnp.float32)}  # 20 GiB, replicated
+
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(lambda s, x: (s, {"n": x.sum()}), state, jnp.zeros((8, 4)))
+    assert e.fits is False and e.hbm_required > 20 << 30 and e.hbm_headroom < -(4 << 30)
+    assert "DOES NOT FIT: over by" in str(e)
+
+
+def test_explain_on_cpu_devices_has_no_chip_fields():
+    strategy = spmd.MirroredStrategy()
+    create, train = _scanned(2)
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+    assert (e.chip, e.hbm_capacity, e.fits, e.roofline, e.traffic) == (None, None, None, None, ())
+    assert "HBM" not in str(e)
+
+
+def test_the_compilers_out_of_hbm_messages_are_read():
+    from spmd.topologies import hbm_refusal
+
+    assert (
+        hbm_refusal(
+            RuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                "temporaries (32.00G) exceeds available HBM (15.75G)."
+            )
+        )
+        == 32 << 30
+    )
+    assert hbm_refusal(
+        RuntimeError(
+            "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm."
+        )
+    ) == int(20.5 * (1 << 30))
+    assert hbm_refusal(RuntimeError("INVALID_ARGUMENT: something else")) is None
