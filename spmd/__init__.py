@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from spmd.explain import Collective as Collective
     from spmd.explain import Explanation as Explanation
     from spmd.mesh import make_mesh as make_mesh
+    from spmd.planning import auto_strategy as auto_strategy
     from spmd.strategy.base import Step as Step
     from spmd.strategy.base import Strategy as Strategy
     from spmd.strategy.base import get_strategy as get_strategy
@@ -105,6 +106,7 @@ __all__ = [
     "TPUStrategy",
     "Topology",
     "Trainer",
+    "auto_strategy",
     "callbacks",
     "cluster",
     "compute_average_loss",
@@ -124,6 +126,7 @@ __all__ = [
 # Where each public name lives: the module `spmd.X` imports on first use.
 _WHERE = {
     "AutoShardPolicy": "spmd.data.dataset",
+    "auto_strategy": "spmd.planning",
     "BatchError": "spmd.errors",
     "callbacks": "spmd.callbacks",
     "CentralStorageStrategy": "spmd.strategy.strategies",

@@ -302,6 +302,11 @@ def _describe(name: str, jax_name: str, slices: int) -> Any:
                 'pip install "spmd[tpu-compile]" (or "jax[tpu]" at the installed jax version).',
             )
         ) from e
+    import os
+
+    # Compiling takes no TPU: let every process that compiles load libtpu at once
+    # (it otherwise takes a machine-wide lock meant for processes that drive chips).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:
@@ -311,10 +316,15 @@ def _describe(name: str, jax_name: str, slices: int) -> Any:
     except Exception as e:  # the TPU compiler refuses the shape
         raise ConfigurationError(
             message(
-                "The TPU compiler knows this topology's shape.",
+                "The TPU compiler (libtpu) describes this topology.",
                 received(topology=name, as_jax_names_it=jax_name, slices=slices, error=str(e)),
-                "use a shape Cloud TPU offers for that generation (its docs list them), "
-                "e.g. v5p:4x4x8 or v5e:16x16.",
+                "use a shape Cloud TPU offers for that generation (its docs list them), e.g. "
+                "v5p:4x4x8 or v5e:16x16"
+                + (
+                    "; another process holds libtpu's lock: set ALLOW_MULTIPLE_LIBTPU_LOAD=1."
+                    if "lockfile" in str(e)
+                    else "."
+                ),
             )
         ) from e
 

@@ -52,6 +52,7 @@ PUBLIC = [
     "TPUStrategy",
     "Topology",
     "Trainer",
+    "auto_strategy",
     "callbacks",
     "cluster",
     "compute_average_loss",

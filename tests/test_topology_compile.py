@@ -115,7 +115,7 @@ def test_a_topology_strategy_refuses_to_run():
 
 
 def test_a_shape_the_compiler_refuses_is_a_clear_error():
-    with pytest.raises(spmd.ConfigurationError, match="knows this topology"):
+    with pytest.raises(spmd.ConfigurationError, match="describes this topology"):
         spmd.topology("v5e:3x5")
     with pytest.raises(spmd.ConfigurationError, match="slices"):
         spmd.topology("v5e:2x2", slices=0)
