@@ -411,6 +411,9 @@ def auto_strategy(
     return plan.best.strategy, plan
 
 
+_USER_ERRORS = (AttributeError, NameError, ImportError, KeyError, IndexError, SyntaxError)
+
+
 def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
     try:
         strategy = build()
@@ -421,6 +424,8 @@ def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
             warnings.simplefilter("ignore")
             state = strategy.abstract_state(create_fn, *args)
             e = strategy.explain(fn, state, *batch)
+    except _USER_ERRORS:  # a bug in the model or step: every candidate would hide it
+        raise
     except Exception as err:
         return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
     if e.fits is False:
