@@ -119,6 +119,19 @@ def _norm(x, scale):
 QUERY_BLOCK = 512
 
 
+def _batch_split(h):
+    """Keeps activations split by batch over the data axes, as MaxText's logical constraints do.
+
+    Without it XLA may split a layer's activations along the width (where the
+    FSDP weights are split) and hold the whole batch on every chip.
+    """
+    names = jax.sharding.get_abstract_mesh().axis_names
+    axes = tuple(a for a in ("data", "fsdp") if a in names)
+    if not axes:
+        return h
+    return jax.lax.with_sharding_constraint(h, jax.sharding.PartitionSpec(axes))
+
+
 def _attention(q, k, v):
     """Causal attention a block of queries at a time, each block recomputed in the backward pass.
 
@@ -163,10 +176,10 @@ def step_fn(config: Config):
         h = h + out
         x = _norm(h, p["norm2"])
         h = h + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
-        return h, None
+        return _batch_split(h), None
 
     def loss_fn(params, tokens):
-        h = params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]]
+        h = _batch_split(params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]])
         h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), h, params["layers"])
         h = _norm(h, params["final_norm"].astype(jnp.bfloat16))
         logits = (h @ params["head"].astype(jnp.bfloat16)).astype(jnp.float32)
