@@ -2,7 +2,6 @@
 
     python -m bench.plan_maxtext v5p     # llama2-7b, v5p-512, per_device_batch_size=4, seq 4096
     python -m bench.plan_maxtext v5e     # llama2-7b, 2 x v5e-256, per_device_batch_size=4, seq 2048
-    python -m bench.plan_maxtext 16b     # MaxText's v5e 16B config on 1 x v5e-256 (its README: 61.10% MFU)
 
 The model is Llama 2's shape (MaxText's `model_name=llama2-7b`): vocabulary
 32000, width 4096, 32 layers of 32 heads of 128, SwiGLU MLP of 11008, RMS
@@ -60,17 +59,12 @@ class Config:
 
 
 LLAMA2_7B = Config()
-# MaxText's MaxText/configs/v5e/16b.sh: emb 6144, 48 heads, mlp 24576, 16 layers, seq 2048, batch 6.
-MAXTEXT_16B = Config(
-    width=6144, heads=48, mlp=24576, layers=16, seq=2048, per_device_batch=6, remat="full"
-)
 
 TARGETS = {
     # MaxText/configs/v5p/llama2_7b.sh: "4M token global batch size on 1 x v5p-512".
     "v5p": ("v5p-512", 1, LLAMA2_7B),
     # MaxText/configs/v5e/llama2_7b.sh: "any number of v5e-256 slices" (its AOT example: 2).
     "v5e": ("v5e-256", 2, Config(seq=2048, remat="save_qkv_proj")),
-    "16b": ("v5e-256", 1, MAXTEXT_16B),
 }
 
 

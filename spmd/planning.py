@@ -117,6 +117,11 @@ class Plan:
         lines[0] += f"{len(self.dropped)} dropped"
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
         lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
+        if any(c.strategy is not None and c.strategy.placement == "host" for c in self.ranked):
+            lines.append(
+                "state in host memory: moving the state between host and device each step is "
+                "not in the estimate"
+            )
         if self.dropped:
             lines.append("dropped:")
             lines += [f"  {c.name} ({_mesh(c.strategy)}): {c.dropped}" for c in self.dropped]

@@ -48,6 +48,17 @@ def test_chip_table_cites_its_source():
         assert chip.peak_flops > 1e14 and chip.hbm_bytes > 8e9 and chip.hbm_bandwidth > 5e11
 
 
+def test_without_the_tpu_compiler_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    from spmd import topologies
+
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
+    monkeypatch.setattr(topologies, "_CACHE", {})
+    with pytest.raises(spmd.ConfigurationError, match="tpu-compile"):
+        spmd.topology("v5e-4")
+
+
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
 
 
