@@ -205,7 +205,11 @@ def plan(target: str) -> dict:
     )
     seconds = time.perf_counter() - start
     print(table)
-    fsdp = next(c for c in table.candidates if c.name.startswith(f"FSDP over {per_slice}"))
+    fsdp = next(
+        c
+        for c in table.candidates
+        if c.name.startswith(f"FSDP over {per_slice}") and "host memory" not in c.name
+    )
     dp = next(c for c in table.candidates if c.name == "data parallel")
     n = config.parameters()
     expected_state = 12 * n / per_slice  # float32 weights and two AdamW moments, split per slice
