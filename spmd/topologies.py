@@ -333,8 +333,17 @@ def compile_only(devices: Sequence[Any]) -> bool:
     """Whether some of `devices` are not this process's to run on (an abstract topology's)."""
     import jax
 
-    live = set(jax.devices())
-    return any(d not in live for d in devices)
+    live: dict[str, set] = {}
+    for device in devices:
+        platform = getattr(device, "platform", None)
+        if platform not in live:
+            try:  # this process's devices of that platform, whichever backend is the default
+                live[platform] = set(jax.devices(platform))
+            except RuntimeError:  # no such backend here: a topology's abstract devices
+                live[platform] = set()
+        if device not in live[platform]:
+            return True
+    return False
 
 
 def check_runnable(strategy: Any, what: str) -> None:
