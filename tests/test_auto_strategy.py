@@ -35,6 +35,7 @@ def _step(state, x):
 X = jax.ShapeDtypeStruct((64, 256), jnp.float32)
 
 
+@pytest.mark.slow
 def test_on_cpu_devices_every_layout_is_ranked_and_the_best_runs():
     best, plan = spmd.auto_strategy(_create, _step, X, only=["data parallel", "FSDP over 8"])
     names = [c.name for c in plan.ranked]
@@ -56,6 +57,7 @@ def test_on_cpu_devices_every_layout_is_ranked_and_the_best_runs():
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
 
 
+@pytest.mark.slow
 def test_on_a_topology_what_does_not_fit_is_dropped_with_the_reason():
     def create(key):  # 8 GiB of float32 weights and 16 GiB of Adam's moments: replicated, no fit
         return _create(key, width=1 << 22)
@@ -72,6 +74,7 @@ def test_on_a_topology_what_does_not_fit_is_dropped_with_the_reason():
     assert "dropped:" in str(plan) and "does not fit" in str(plan)
 
 
+@pytest.mark.slow
 def test_two_slices_offer_hsdp_and_host_offload():
     best, plan = spmd.auto_strategy(_create, _step, X, "v5e-4", slices=2)
     names = [c.name for c in plan.candidates]
@@ -84,6 +87,22 @@ def test_two_slices_offer_hsdp_and_host_offload():
     assert hsdp.dropped is None and hsdp.roofline.dcn_bytes > 0
 
 
+def test_a_small_model_on_a_small_slice_is_ranked_in_seconds():
+    def create(key):
+        return {"w": jax.random.normal(key, (256, 256))}
+
+    def train(state, x):
+        grads = jax.grad(lambda p: ((x @ p["w"]) ** 2).mean())(state)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), {}
+
+    best, plan = spmd.auto_strategy(
+        create, train, (X,), spmd.topology("v5e:2x2"), only=["data parallel", "FSDP over 2"]
+    )
+    assert sorted(c.name for c in plan.ranked) == ["FSDP over 2", "data parallel"]
+    assert all(c.roofline.chip.name == "v5e" and c.step_seconds > 0 for c in plan.ranked)
+    assert best is plan.best.strategy and best.mesh.devices.flat[0].platform == "tpu"
+
+
 def test_nothing_fits_is_an_error_holding_the_table():
     def create(key):
         return {"w": jnp.zeros((40, 1 << 30), jnp.float32)}  # 160 GiB: not on 4 v5e chips
@@ -93,6 +112,7 @@ def test_nothing_fits_is_an_error_holding_the_table():
     assert "does not fit" in str(info.value)
 
 
+@pytest.mark.slow
 def test_spmd_plan_prints_the_table_for_a_users_module(tmp_path):
     (tmp_path / "mymodel.py").write_text(
         textwrap.dedent(
