@@ -108,7 +108,7 @@ class Plan:
                     _mesh(c.strategy),
                     _human(c.memory_bytes or 0),
                     "-" if e.hbm_headroom is None else _human(e.hbm_headroom),
-                    f"{r.step_s * 1e3:,.3f} ms",
+                    _seconds(r.step_s),
                     r.bound,
                 )
             )
@@ -126,6 +126,10 @@ class Plan:
             lines.append("dropped:")
             lines += [f"  {c.name} ({_mesh(c.strategy)}): {c.dropped}" for c in self.dropped]
         return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:,.3f} ms" if t >= 1e-3 else f"{t * 1e6:,.2f} µs"
 
 
 def _mesh(strategy: Strategy | None) -> str:

@@ -223,6 +223,12 @@ def _add_plan(subparsers: Subparsers) -> None:
     )
     p.add_argument("--slices", type=positive_int, default=1, help="how many slices (DCN)")
     p.add_argument(
+        "--cpu-devices",
+        type=positive_int,
+        metavar="N",
+        help="with --target cpu: simulate N CPU devices (jax_num_cpu_devices)",
+    )
+    p.add_argument(
         "--only", action="append", metavar="TEXT", help="keep the layouts whose names contain TEXT"
     )
     p.add_argument("entry", metavar="MODULE:FUNCTION", help="where the model's pieces come from")
@@ -231,6 +237,10 @@ def _add_plan(subparsers: Subparsers) -> None:
 
 def _run_plan(args: argparse.Namespace) -> int:
     """Runs `spmd plan`."""
+    if args.cpu_devices:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     from spmd.planning import auto_strategy, load_entry
 
     create_fn, step, batch, create_args = load_entry(args.entry)
