@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from spmd.explain import Collective as Collective
     from spmd.explain import Explanation as Explanation
     from spmd.mesh import make_mesh as make_mesh
+    from spmd.planning import auto_strategy as auto_strategy
     from spmd.strategy.base import Step as Step
     from spmd.strategy.base import Strategy as Strategy
     from spmd.strategy.base import get_strategy as get_strategy
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
     from spmd.strategy.strategies import OneDeviceStrategy as OneDeviceStrategy
     from spmd.strategy.strategies import ParameterServerStrategy as ParameterServerStrategy
     from spmd.strategy.strategies import TPUStrategy as TPUStrategy
+    from spmd.topologies import Topology as Topology
+    from spmd.topologies import topology as topology
     from spmd.trainer.sidecar import SidecarEvaluator as SidecarEvaluator
     from spmd.trainer.trainer import NonFiniteLossError as NonFiniteLossError
     from spmd.trainer.trainer import Trainer as Trainer
@@ -111,7 +114,9 @@ __all__ = [
     "Step",
     "Strategy",
     "TPUStrategy",
+    "Topology",
     "Trainer",
+    "auto_strategy",
     "callbacks",
     "cluster",
     "compute_average_loss",
@@ -125,11 +130,13 @@ __all__ = [
     "make_mesh",
     "partitioners",
     "scale_regularization_loss",
+    "topology",
 ]
 
 # Where each public name lives: the module `spmd.X` imports on first use.
 _WHERE = {
     "AutoShardPolicy": "spmd.data.dataset",
+    "auto_strategy": "spmd.planning",
     "BatchError": "spmd.errors",
     "callbacks": "spmd.callbacks",
     "CentralStorageStrategy": "spmd.strategy.strategies",
@@ -183,6 +190,8 @@ _WHERE = {
     "Step": "spmd.strategy.base",
     "Strategy": "spmd.strategy.base",
     "TPUStrategy": "spmd.strategy.strategies",
+    "topology": "spmd.topologies",
+    "Topology": "spmd.topologies",
     "Trainer": "spmd.trainer.trainer",
 }
 

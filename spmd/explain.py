@@ -21,7 +21,7 @@ __all__ = ["Collective", "Explanation", "explain", "explain_traced", "parse_coll
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(
-    r"=\s*(?P<type>\(.*?\)|[\w\[\],{}:]+)\s+(?P<op>"
+    r"=\s*(?P<type>\(.*?\)|[\w\[\],{}:()]+)\s+(?P<op>"
     + "|".join(COLLECTIVES)
     + r")(?P<start>-start)?\("
 )
@@ -65,7 +65,7 @@ def parse_collectives(hlo_text: str) -> dict[str, Collective]:
         match = _OP.search(line)
         if not match:
             continue
-        result = match["type"]
+        result = re.sub(r"\{[^{}]*\}", "", match["type"])  # layouts: TPU's hold "(8,128)"
         if match["start"] and result.startswith("("):
             result = result[1:-1].split("),")[-1] if ")," in result else result.rsplit(", ", 1)[-1]
         counts = found.setdefault(match["op"], [0, 0])
@@ -111,6 +111,19 @@ class Explanation:
         fused kernels (a cuDNN attention) do not. The numerator of MFU.
       collectives: kind -> `Collective` (count, bytes).
       hlo: the optimized HLO text, for a closer look.
+      chip: on TPU devices (real or an `spmd.topology`), the chip's name
+        ("v5p"); None elsewhere, and so are the fields below.
+      hbm_capacity: on TPU, the HBM one device has for a program, as the TPU
+        compiler counts it (v5e: 15.75 GiB of its 16 GB).
+      hbm_required: on TPU, when the compiler refuses the program for want
+        of HBM, the bytes it says the program needs (the other memory
+        fields are then 0: there is no compiled program to read).
+      code_bytes: on TPU, the compiled program's code, which HBM holds too.
+      traffic: on TPU, the collectives by kind and link (ICI inside a slice,
+        DCN between slices) with the bytes each device sends
+        (`spmd.roofline.Traffic`), loops counted per iteration.
+      roofline: on TPU, the estimated step time and its terms
+        (`spmd.roofline.Roofline`; the model is in docs/planning.md).
     """
 
     strategy: str
@@ -125,11 +138,38 @@ class Explanation:
     collectives: Mapping[str, Collective] = field(default_factory=dict)
     hlo: str = field(default="", repr=False)
     matmul_flops: float = 0.0
+    chip: str | None = None
+    hbm_capacity: int | None = None
+    hbm_required: int | None = None
+    code_bytes: int = 0
+    traffic: tuple = ()
+    roofline: Any = None
 
     @property
     def peak_bytes(self) -> int:
         """An upper bound of the device memory the step needs, per device."""
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def fits(self) -> bool | None:
+        """On TPU, whether peak plus code fits the device's HBM; None where unknown."""
+        if self.hbm_capacity is None:
+            return None
+        return self.hbm_required is None and self.peak_bytes + self.code_bytes <= self.hbm_capacity
+
+    @property
+    def hbm_headroom(self) -> int | None:
+        """On TPU, HBM left over (negative: over by that much); None where unknown."""
+        if self.hbm_capacity is None:
+            return None
+        if self.hbm_required is not None:
+            return self.hbm_capacity - self.hbm_required
+        return self.hbm_capacity - self.peak_bytes - self.code_bytes
+
+    @property
+    def step_seconds(self) -> float | None:
+        """On TPU, the roofline's estimated step time; None elsewhere."""
+        return None if self.roofline is None else self.roofline.step_s
 
     def __str__(self) -> str:
         rows = [
@@ -147,10 +187,38 @@ class Explanation:
         ]
         if not self.collectives:
             rows.append(("collectives", "none"))
+        if self.chip is not None:
+            rows += _chip_rows(self)
         width = max(len(name) for name, _ in rows)
         lines = [f"{self.strategy}, per device:"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
         return "\n".join(lines)
+
+
+def _chip_rows(e: Explanation) -> list[tuple[str, str]]:
+    """The rows a TPU adds: HBM against capacity, traffic by link, the roofline."""
+    headroom = e.hbm_headroom or 0
+    verdict = "fits" if e.fits else f"DOES NOT FIT: over by {_human(-headroom)}"
+    rows = [
+        (f"HBM of one {e.chip} device", _human(e.hbm_capacity or 0)),
+        (
+            "peak + code" if e.hbm_required is None else "the compiler needs",
+            f"{_human(e.peak_bytes + e.code_bytes if e.hbm_required is None else e.hbm_required)}"
+            f" ({verdict})",
+        ),
+    ]
+    rows += [
+        (f"{t.kind} x{t.count} over {t.link}", f"{_human(t.wire_bytes)} sent") for t in e.traffic
+    ]
+    r = e.roofline
+    if r is not None:
+        dcn = "" if r.dcn_known else " (no published DCN figure: left out)"
+        rows += [
+            ("compute / HBM time", f"{r.compute_s * 1e3:,.3f} ms / {r.memory_s * 1e3:,.3f} ms"),
+            ("ICI / DCN time", f"{r.ici_s * 1e3:,.3f} ms / {r.dcn_s * 1e3:,.3f} ms{dcn}"),
+            ("estimated step", f"{r.step_s * 1e3:,.3f} ms ({r.bound}-bound)"),
+        ]
+    return rows
 
 
 def _human(n: float) -> str:
@@ -185,23 +253,48 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
         ),
         data,
     )
-    return explain_traced(repr(strategy), traced, sized, batches)
+    return explain_traced(
+        repr(strategy), traced, sized, batches, list(strategy.mesh.devices.flat)
+    )
 
 
-def explain_traced(name: str, traced: jax.stages.Traced, state: Any, batches: Any) -> Explanation:
+def explain_traced(
+    name: str,
+    traced: jax.stages.Traced,
+    state: Any,
+    batches: Any,
+    devices: list | None = None,
+) -> Explanation:
     """Compiles a traced program and reports its cost per device.
 
     Args:
       name: what the report calls the program (a strategy's repr).
       traced: the `jax.stages.Traced` program.
       state, batches: its state and batch, as `ShapeDtypeStruct`s with shardings.
+      devices: the devices it runs on; on TPU devices the report adds the chip's
+        HBM, the traffic by link and the roofline.
     """
-    compiled = traced.lower().compile()
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
+    try:
+        compiled = traced.lower().compile()
+    except Exception as e:  # the TPU compiler refuses a program over HBM
+        from spmd.topologies import hbm_refusal
+
+        required = hbm_refusal(e)
+        if required is None:
+            raise
+        compiled = None
+    if compiled is None:
+        memory, cost, hlo = None, {}, ""
+    else:
+        memory = compiled.memory_analysis()
+        cost = compiled.cost_analysis() or {}
+        hlo = compiled.as_text()
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
-    hlo = compiled.as_text()
+    traced_flops = matmul_flops(traced.jaxpr)
+    tpu = _tpu_fields(devices or [], hlo, cost, memory, traced_flops)
+    if compiled is None:
+        tpu |= {"hbm_required": required, "roofline": None, "traffic": ()}
     return Explanation(
         strategy=name,
         state_bytes=_per_device_bytes(state, "device"),
@@ -214,8 +307,34 @@ def explain_traced(name: str, traced: jax.stages.Traced, state: Any, batches: An
         flops=float(cost.get("flops", 0.0)),
         collectives=parse_collectives(hlo),
         hlo=hlo,
-        matmul_flops=matmul_flops(traced.jaxpr),
+        matmul_flops=traced_flops,
+        **tpu,
     )
+
+
+def _tpu_fields(devices: list, hlo: str, cost: Mapping, memory: Any, traced_flops: float):
+    """On TPU devices: the chip, its HBM, the traffic by link and the roofline."""
+    from spmd.roofline import estimate, traffic
+    from spmd.topologies import chip_of, compiler_hbm
+
+    if not devices:
+        return {}
+    chip = chip_of(devices[0])
+    if chip is None:
+        return {}
+    capacity = compiler_hbm(devices[0])
+    found = re.search(r"num_partitions=(\d+)", hlo)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    flows = traffic(hlo, int(found[1]) if found else len(devices) // slices, slices)
+    flops = max(float(cost.get("flops", 0.0)), traced_flops / len(devices))
+    share = chip.cores_per_chip
+    return {
+        "chip": chip.name,
+        "hbm_capacity": capacity,
+        "code_bytes": int(getattr(memory, "generated_code_size_in_bytes", 0)),
+        "traffic": flows,
+        "roofline": estimate(chip, flops, float(cost.get("bytes accessed", 0.0)), flows, share),
+    }
 
 
 def _dtype(x: Any) -> Any:

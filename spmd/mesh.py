@@ -130,9 +130,11 @@ def _tpu_device_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndar
     from jax.experimental import mesh_utils
 
     num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    if num_slices > 1 and shape[0] % num_slices == 0:
-        dcn = (num_slices,) + (1,) * (len(shape) - 1)
-        ici = (shape[0] // num_slices,) + tuple(shape[1:])
+    # The slices go on the outermost axis they divide (the first, unless it is too small).
+    outer = next((i for i, s in enumerate(shape) if s % num_slices == 0), None)
+    if num_slices > 1 and outer is not None:
+        dcn = tuple(num_slices if i == outer else 1 for i in range(len(shape)))
+        ici = tuple(s // d for s, d in zip(shape, dcn, strict=True))
         return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
     return mesh_utils.create_device_mesh(shape, devices=devices)
 

@@ -55,7 +55,9 @@ PUBLIC = [
     "Step",
     "Strategy",
     "TPUStrategy",
+    "Topology",
     "Trainer",
+    "auto_strategy",
     "callbacks",
     "cluster",
     "compute_average_loss",
@@ -69,6 +71,7 @@ PUBLIC = [
     "make_mesh",
     "partitioners",
     "scale_regularization_loss",
+    "topology",
 ]
 
 

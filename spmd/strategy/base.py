@@ -39,6 +39,7 @@ from spmd.strategy.replica import (
 )
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT, Step
 from spmd.strategy.step_layout import put_leaf
+from spmd.topologies import check_runnable
 
 if TYPE_CHECKING:
     from spmd.data.dataset import DistributedDataset, InputContext, InputOptions, NumpyDataset
@@ -247,6 +248,7 @@ class Strategy:
 
     def put(self, tree: Any) -> Any:
         """Places an existing state per the rules. NNX objects are updated in place."""
+        check_runnable(self, "put")
         pure = nnx_state.pure(tree)
         placed = jax.tree.map(put_leaf, pure, self.state_sharding(pure))
         return nnx_state.replace(tree, placed)
@@ -267,6 +269,7 @@ class Strategy:
         Returns:
           The state, placed per the strategy's rules.
         """
+        check_runnable(self, "init")
         graph = {}
 
         def pure_create(*a):

@@ -34,6 +34,7 @@ from spmd.strategy.step_records import Traced as _Traced
 from spmd.strategy.step_records import any_deleted as _any_deleted
 from spmd.strategy.step_records import hot as _hot
 from spmd.strategy.step_records import signature as _signature
+from spmd.topologies import check_runnable
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
@@ -98,6 +99,7 @@ class Step:
 
     def _call(self, state: Any, data: tuple, kwargs: dict) -> Any:
         """A call off the fast path: split, check, find or build the program, run it."""
+        check_runnable(self.strategy, "Calling a step")
         graphdef, pure, dynamic, program, fresh = self._program(state, data, kwargs)
         binding = None if graphdef is None else nnx_state.Binding(state, pure)
         if fresh:

@@ -121,6 +121,7 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
     communication_options: CommunicationOptions | None = None,
     *,
     logical_axis_rules: LogicalRules = (),
+    topology: Sequence[Any] | None = None,
 ) -> Strategy:
     """Synchronous data parallelism over every device of every process.
 
@@ -132,6 +133,9 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
       communication_options: which all-reduce to use (see `CommunicationOptions`).
       logical_axis_rules: maps flax annotation names to mesh axes;
         names it leaves unmapped are replicated.
+      topology: an `spmd.topology(...)` to compile for instead of this job's
+        devices: its hosts and their chips make the mesh (the strategy
+        compiles and explains steps; it cannot run them).
 
     Raises:
       ConfigurationError: processes have different device counts, or NCCL is
@@ -139,6 +143,16 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
     """
     check_initialized_under_launcher()
     options = communication_options or CommunicationOptions()
+    if topology is not None:
+        devices = resolve_devices(topology)
+        hosts = len({d.process_index for d in devices})
+        mesh = make_mesh({"host": hosts, "replica": len(devices) // hosts}, devices)
+        return _named(
+            mesh,
+            logical_axis_rules,
+            batch_axes=("host", "replica"),
+            name="MultiWorkerMirroredStrategy",
+        )
     platform = jax.devices()[0].platform
     if options.implementation == CommunicationImplementation.NCCL and platform != "gpu":
         raise ConfigurationError(
@@ -183,7 +197,10 @@ def _check_cpu_collectives(implementation: CommunicationImplementation, platform
 
 
 def TPUStrategy(  # noqa: N802
-    devices: Sequence[Any] | None = None, *, logical_axis_rules: LogicalRules = ()
+    devices: Sequence[Any] | None = None,
+    *,
+    logical_axis_rules: LogicalRules = (),
+    topology: Sequence[Any] | None = None,
 ) -> Strategy:
     """Synchronous data parallelism over TPU cores, laid out in topology order.
 
@@ -193,11 +210,24 @@ def TPUStrategy(  # noqa: N802
       devices: TPU devices; every TPU device of every process by default.
       logical_axis_rules: maps flax annotation names to mesh axes;
         names it leaves unmapped are replicated.
+      topology: an `spmd.topology("v5p-256")` to compile for without a TPU:
+        the strategy lays out its mesh, computes abstract states and compiles
+        and explains steps, but cannot run them.
 
     Raises:
-      ConfigurationError: there are no TPU devices.
+      ConfigurationError: there are no TPU devices, or both devices and
+        topology are given.
     """
     check_initialized_under_launcher()
+    if topology is not None and devices is not None:
+        raise ConfigurationError(
+            message(
+                "TPUStrategy takes devices or a topology, not both.",
+                received(devices=devices, topology=topology),
+                "pass topology=spmd.topology(...) alone to compile for a slice you do not have.",
+            )
+        )
+    devices = topology if topology is not None else devices
     devices = jax.devices() if devices is None else resolve_devices(devices)
     platforms = sorted({getattr(d, "platform", "?") for d in devices})
     if platforms != ["tpu"]:
@@ -266,6 +296,9 @@ def ParameterServerStrategy(  # noqa: N802
     logical_axis_rules: LogicalRules = (),
 ) -> Strategy:
     """Variables sharded over the replicas by a partitioner, trained synchronously.
+
+    `devices` may be an `spmd.topology(...)`: the strategy then compiles and
+    explains steps for that TPU slice without running them.
 
     tf.distribute's parameter servers hold shards of large variables; here the
     shards live on the workers' own devices (ZeRO-3 / FSDP) and XLA gathers a

@@ -1,0 +1,256 @@
+"""A MaxText-shaped decoder compiled for the TPU slices MaxText's own configs name, no TPU needed.
+
+    python -m bench.plan_maxtext v5p     # llama2-7b, v5p-512, per_device_batch_size=4, seq 4096
+    python -m bench.plan_maxtext v5e     # llama2-7b, 2 x v5e-256, per_device_batch_size=4, seq 2048
+
+The model is Llama 2's shape (MaxText's `model_name=llama2-7b`): vocabulary
+32000, width 4096, 32 layers of 32 heads of 128, SwiGLU MLP of 11008, RMS
+norms, untied embedding and head; float32 weights and AdamW moments, bfloat16
+activations, layers scanned with rematerialisation (MaxText's `scan_layers`
+and `remat_policy`). The state is abstract: nothing is ever allocated. The
+run prints `spmd.auto_strategy`'s table for the layouts MaxText's configs use
+(FSDP over every chip; data parallel over the slices) beside plain data
+parallel, and checks:
+
+- data parallel does not fit (7B float32 weights plus AdamW's two moments are
+  80.9 GB before gradients, over a v5p's 95.74 GiB once gradients and
+  activations join; far over a v5e's 15.75 GiB);
+- FSDP over every chip fits, as MaxText runs it, and its per-chip state is the
+  parameter count x 12 bytes / chips (the compiler's figure, checked against
+  the published parameter count, 6.74 B).
+
+Run it on an otherwise idle machine: each compile for 256 or 512 devices takes
+minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.ad_checkpoint import checkpoint_name
+
+import spmd
+
+
+@dataclass(frozen=True)
+class Config:
+    """A decoder's shape (MaxText's names in comments)."""
+
+    vocab: int = 32000  # vocab_size
+    width: int = 4096  # base_emb_dim
+    heads: int = 32  # base_num_query_heads (= kv heads for llama2-7b)
+    head_dim: int = 128  # head_dim
+    mlp: int = 11008  # base_mlp_dim
+    layers: int = 32  # base_num_decoder_layers
+    seq: int = 4096  # max_target_length
+    per_device_batch: int = 4  # per_device_batch_size
+    remat: str = "minimal"  # remat_policy
+
+    def parameters(self) -> int:
+        """Parameters: embedding, head, per layer q/k/v/o, gate/up/down and two norms, final norm."""
+        per_layer = 4 * self.width * self.heads * self.head_dim + 3 * self.width * self.mlp
+        return 2 * self.vocab * self.width + self.layers * (per_layer + 2 * self.width) + self.width
+
+
+LLAMA2_7B = Config()
+
+TARGETS = {
+    # MaxText/configs/v5p/llama2_7b.sh: "4M token global batch size on 1 x v5p-512".
+    "v5p": ("v5p-512", 1, LLAMA2_7B),
+    # MaxText/configs/v5e/llama2_7b.sh: "any number of v5e-256 slices" (its AOT example: 2).
+    "v5e": ("v5e-256", 2, Config(seq=2048, remat="save_qkv_proj")),
+}
+
+
+def optimizer():
+    """MaxText's default: AdamW."""
+    return optax.adamw(1e-4, b1=0.9, b2=0.95, weight_decay=0.1)
+
+
+def create_fn(config: Config):
+    """The `create_fn` of the decoder: float32 parameters and AdamW's state."""
+
+    def create(key):
+        c = config
+        keys = iter(jax.random.split(key, 12))
+
+        def w(*shape):
+            return jax.random.normal(next(keys), shape, jnp.float32) * 0.02
+
+        qkv = c.heads * c.head_dim
+        params = {
+            "embed": w(c.vocab, c.width),
+            "layers": {
+                "q": w(c.layers, c.width, qkv),
+                "k": w(c.layers, c.width, qkv),
+                "v": w(c.layers, c.width, qkv),
+                "o": w(c.layers, qkv, c.width),
+                "gate": w(c.layers, c.width, c.mlp),
+                "up": w(c.layers, c.width, c.mlp),
+                "down": w(c.layers, c.mlp, c.width),
+                "norm1": jnp.ones((c.layers, c.width)),
+                "norm2": jnp.ones((c.layers, c.width)),
+            },
+            "final_norm": jnp.ones((c.width,)),
+            "head": w(c.width, c.vocab),
+        }
+        return {"params": params, "opt": optimizer().init(params)}
+
+    return create
+
+
+def _norm(x, scale):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt((x32**2).mean(-1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
+
+
+QUERY_BLOCK = 512
+
+
+def _batch_split(h):
+    """Keeps activations split by batch over the data axes, as MaxText's logical constraints do.
+
+    Without it XLA may split a layer's activations along the width (where the
+    FSDP weights are split) and hold the whole batch on every chip.
+    """
+    names = jax.sharding.get_abstract_mesh().axis_names
+    axes = tuple(a for a in ("data", "fsdp") if a in names)
+    if not axes:
+        return h
+    return jax.lax.with_sharding_constraint(h, jax.sharding.PartitionSpec(axes))
+
+
+def _attention(q, k, v):
+    """Causal attention a block of queries at a time, each block recomputed in the backward pass.
+
+    MaxText runs a flash ("splash") attention kernel on TPU, which never holds
+    the sequence x sequence scores; blocks of queries keep this model's
+    memory of the same order (a block's scores, not the whole matrix).
+    """
+    b, s, h, d = q.shape
+    block = min(QUERY_BLOCK, s)
+    blocks = q.reshape(b, s // block, block, h, d).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(args):
+        qi, i = args
+        scores = jnp.einsum("bqhd,bkhd->bhqk", qi, k) / jnp.sqrt(d).astype(q.dtype)
+        causal = (i * block + jnp.arange(block))[:, None] >= jnp.arange(s)[None, :]
+        scores = jnp.where(causal, scores.astype(jnp.float32), -1e30)
+        attn = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", attn, v)
+
+    out = jax.lax.map(one, (blocks, jnp.arange(s // block)))
+    return out.swapaxes(0, 1).reshape(b, s, h, d)
+
+
+def step_fn(config: Config):
+    """The train step: next-token cross entropy, AdamW."""
+    c = config
+    policy = {
+        "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv"),
+        "full": jax.checkpoint_policies.nothing_saveable,
+    }[c.remat]
+
+    def layer(h, p):
+        p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
+        b, s, _ = h.shape
+        x = _norm(h, p["norm1"])
+        q = checkpoint_name(x @ p["q"], "qkv").reshape(b, s, c.heads, -1)
+        k = checkpoint_name(x @ p["k"], "qkv").reshape(b, s, c.heads, -1)
+        v = checkpoint_name(x @ p["v"], "qkv").reshape(b, s, c.heads, -1)
+        out = _attention(q, k, v).reshape(b, s, -1) @ p["o"]
+        h = h + out
+        x = _norm(h, p["norm2"])
+        h = h + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+        return _batch_split(h), None
+
+    def loss_fn(params, tokens):
+        h = _batch_split(params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]])
+        h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), h, params["layers"])
+        h = _norm(h, params["final_norm"].astype(jnp.bfloat16))
+        logits = (h @ params["head"].astype(jnp.bfloat16)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    def step(state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens)
+        updates, opt = optimizer().update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"params": params, "opt": opt}, {"loss": loss}
+
+    return step
+
+
+def plan(target: str) -> dict:
+    """Compiles MaxText's layout and plain data parallel for a target; returns the checks."""
+    name, slices, config = TARGETS[target]
+    topo = spmd.topology(name, slices=slices)
+    batch = config.per_device_batch * len(topo)
+    tokens = jax.ShapeDtypeStruct((batch, config.seq + 1), jnp.int32)
+    per_slice = len(topo) // slices
+    start = time.perf_counter()
+    _, table = spmd.auto_strategy(
+        create_fn(config),
+        step_fn(config),
+        (tokens,),
+        topo,
+        only=["data parallel", f"FSDP over {per_slice}"],
+    )
+    seconds = time.perf_counter() - start
+    print(table)
+    fsdp = next(
+        c
+        for c in table.candidates
+        if c.name.startswith(f"FSDP over {per_slice}") and "host memory" not in c.name
+    )
+    dp = next(c for c in table.candidates if c.name == "data parallel")
+    n = config.parameters()
+    expected_state = 12 * n / per_slice  # float32 weights and two AdamW moments, split per slice
+    e = fsdp.explanation
+    tokens_per_step = batch * config.seq
+    model_flops = 6 * n * tokens_per_step  # the usual 6N per token (attention left out)
+    result = {
+        "target": f"{name} x {slices}" if slices > 1 else name,
+        "parameters": n,
+        "compile_and_rank_s": round(seconds, 1),
+        "data_parallel_fits": dp.dropped is None,
+        "data_parallel_dropped": dp.dropped,
+        "fsdp_fits": fsdp.dropped is None,
+        "fsdp_state_bytes_per_chip": e.state_bytes if e else None,
+        "expected_state_bytes_per_chip": expected_state,
+        "fsdp_memory_bytes_per_chip": fsdp.memory_bytes,
+        "hbm_capacity": e.hbm_capacity if e else None,
+    }
+    if fsdp.roofline is not None:
+        step_s = fsdp.roofline.step_s
+        result |= {
+            "estimated_step_s": step_s,
+            "bound": fsdp.roofline.bound,
+            "implied_mfu": model_flops / len(topo) / step_s / topo.chip.peak_flops,
+        }
+    return result
+
+
+def main(argv: list[str]) -> int:
+    targets = argv or ["v5p"]
+    results = [plan(t) for t in targets]
+    print(json.dumps(results, indent=2, default=str))
+    ok = all(
+        not r["data_parallel_fits"]
+        and r["fsdp_fits"]
+        and abs(r["fsdp_state_bytes_per_chip"] / r["expected_state_bytes_per_chip"] - 1) < 0.01
+        for r in results
+    )
+    print("checks:", "pass" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

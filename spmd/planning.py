@@ -1,0 +1,519 @@
+"""`spmd.auto_strategy`: compile candidate layouts for a target, drop what does not fit, rank the rest.
+
+Every candidate is a `Strategy` over the target's devices (this process's, or
+an `spmd.topology` compiled for without a TPU). Each is compiled for the step
+and its abstract state (nothing is allocated), judged by the compiler's memory
+analysis against the device's HBM, and ranked by the roofline's estimated step
+time (`spmd.roofline`; on CPU and GPU devices with figures measured on this
+machine, see `measured_chip`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from spmd.errors import ConfigurationError, message, received
+from spmd.explain import Explanation, _human
+from spmd.mesh import make_mesh
+from spmd.roofline import Roofline, estimate
+from spmd.rules import path_str
+from spmd.strategy import nnx_state
+from spmd.strategy.base import Step, Strategy
+from spmd.topologies import Chip, Topology, chip_of, topology
+
+__all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "load_entry", "measured_chip"]
+
+MIN_SHARDED_ELEMENTS = 1 << 14  # smaller leaves stay replicated: splitting them costs more
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout `auto_strategy` tried.
+
+    Attributes:
+      name: what it is ("data parallel", "FSDP over 8", "FSDP 16 x TP 4", ...).
+      strategy: the `Strategy` (None where it could not be built).
+      explanation: the compiled program's `Explanation` (None where it did
+        not compile).
+      roofline: the estimated step time and its terms (None where dropped).
+      dropped: why it was dropped ("does not fit: ...", "does not compile:
+        ..."), or None for a ranked candidate.
+    """
+
+    name: str
+    strategy: Strategy | None
+    explanation: Explanation | None = field(default=None, repr=False)
+    roofline: Roofline | None = None
+    dropped: str | None = None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The estimated step time; None where dropped."""
+        return None if self.roofline is None else self.roofline.step_s
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Per-device bytes the program needs (peak + code, or what the compiler asked for)."""
+        e = self.explanation
+        if e is None:
+            return None
+        if e.hbm_required is not None:
+            return e.hbm_required
+        return e.peak_bytes + e.code_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate, the ranked ones first (fastest estimate first), then the dropped.
+
+    `print()` it for a table; `plan.best` is the first ranked candidate.
+    """
+
+    target: str
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def ranked(self) -> tuple[Candidate, ...]:
+        """The candidates that fit, fastest estimated step first."""
+        return tuple(c for c in self.candidates if c.dropped is None)
+
+    @property
+    def dropped(self) -> tuple[Candidate, ...]:
+        """The candidates that do not fit or did not compile."""
+        return tuple(c for c in self.candidates if c.dropped is not None)
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest candidate that fits, or None."""
+        return self.ranked[0] if self.ranked else None
+
+    def __str__(self) -> str:
+        header = ("#", "layout", "mesh", "memory/device", "headroom", "step (est.)", "bound")
+        rows = []
+        for i, c in enumerate(self.ranked, 1):
+            e, r = c.explanation, c.roofline
+            rows.append(
+                (
+                    str(i),
+                    c.name,
+                    _mesh(c.strategy),
+                    _human(c.memory_bytes or 0),
+                    "-" if e.hbm_headroom is None else _human(e.hbm_headroom),
+                    _seconds(r.step_s),
+                    r.bound,
+                )
+            )
+        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
+        lines = [f"auto_strategy for {self.target}: {len(self.ranked)} ranked, "]
+        lines[0] += f"{len(self.dropped)} dropped"
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+        lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
+        if any(c.strategy is not None and c.strategy.placement == "host" for c in self.ranked):
+            lines.append(
+                "state in host memory: moving the state between host and device each step is "
+                "not in the estimate"
+            )
+        if self.dropped:
+            lines.append("dropped:")
+            lines += [f"  {c.name} ({_mesh(c.strategy)}): {c.dropped}" for c in self.dropped]
+        return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:,.3f} ms" if t >= 1e-3 else f"{t * 1e6:,.2f} µs"
+
+
+def _mesh(strategy: Strategy | None) -> str:
+    if strategy is None:
+        return "-"
+    return " x ".join(f"{k}={v}" for k, v in strategy.mesh.shape.items())
+
+
+# ------------------------------------------------------------------ the figures of a CPU or GPU
+
+
+_MEASURED: dict[str, Chip] = {}
+
+
+def measured_chip(device: Any) -> Chip:
+    """A roofline `Chip` for a CPU or GPU device, measured once on this machine.
+
+    Peak FLOP/s from a float32 matrix product, HBM (memory) bandwidth from an
+    array copy, both on `device`; the link between devices is taken to be the
+    memory bandwidth (simulated CPU devices and one host's GPUs copy through
+    memory or NVLink). Simulated CPU devices share the host's cores, which
+    the roofline accounts for (`Roofline.devices_per_chip`).
+    """
+    key = f"{device.platform}:{device.device_kind}"
+    if key not in _MEASURED:
+        import jax.numpy as jnp
+
+        n = 1024
+        a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+        matmul = jax.jit(lambda x: x @ x)
+        matmul(a).block_until_ready()
+        start, reps = time.perf_counter(), 5
+        for _ in range(reps):
+            matmul(a).block_until_ready()
+        flops = 2 * n**3 * reps / (time.perf_counter() - start)
+        big = jax.device_put(jnp.ones((1 << 24,), jnp.float32), device)
+        copy = jax.jit(lambda x: x + 1)
+        copy(big).block_until_ready()
+        start = time.perf_counter()
+        for _ in range(reps):
+            copy(big).block_until_ready()
+        bandwidth = 2 * big.nbytes * reps / (time.perf_counter() - start)
+        _MEASURED[key] = Chip(
+            name=device.platform,
+            device_kind=str(device.device_kind),
+            peak_flops=flops,
+            hbm_bytes=0,
+            hbm_bandwidth=bandwidth,
+            ici_bandwidth=bandwidth,
+            dcn_bandwidth=None,
+            cores_per_chip=1,
+            dims=1,
+            source="measured on this machine (a 1024x1024 float32 product; a 64 MiB copy)",
+        )
+    return _MEASURED[key]
+
+
+# ------------------------------------------------------------------ candidates
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(2, n + 1) if n % k == 0]
+
+
+def _fsdp_spec(shape: Sequence[int], axis: str, size: int, taken: PartitionSpec | None = None):
+    """The leaf's spec with its largest free dimension that `size` divides split over `axis`."""
+    entries = list(taken or ()) + [None] * (len(shape) - len(taken or ()))
+    if math.prod(shape) < MIN_SHARDED_ELEMENTS:
+        return PartitionSpec(*entries)
+    free = [i for i, e in enumerate(entries) if e is None and shape[i] % size == 0]
+    if free:
+        dim = max(free, key=lambda i: shape[i])
+        entries[dim] = axis
+    return PartitionSpec(*entries)
+
+
+def _tp_spec(shape: Sequence[int], axis: str, size: int) -> PartitionSpec:
+    """A matrix's last dimension over `axis` (column-parallel), where `size` divides it."""
+    if len(shape) < 2 or math.prod(shape) < MIN_SHARDED_ELEMENTS or shape[-1] % size:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * (len(shape) - 1)), axis)
+
+
+def _rules(leaves, fsdp: int = 1, tp: int = 1):
+    rules = []
+    for path, leaf in leaves:
+        shape = tuple(getattr(leaf, "shape", ()))
+        spec = _tp_spec(shape, "model", tp) if tp > 1 else PartitionSpec()
+        if fsdp > 1:
+            spec = _fsdp_spec(shape, "fsdp", fsdp, spec)
+        if any(e is not None for e in spec):
+            rules.append(("^" + _escape(path) + "$", spec))
+    return rules
+
+
+def _escape(path: str) -> str:
+    return re.escape(path)
+
+
+def candidates(
+    state_leaves: Sequence[tuple[str, Any]],
+    devices: Sequence[Any],
+    slices: int = 1,
+    host_memory: bool = False,
+) -> list[tuple[str, Callable[[], Strategy]]]:
+    """The layouts `auto_strategy` tries for these state leaves on these devices.
+
+    Data parallel; FSDP over every k dividing the devices (the rest data
+    parallel: HSDP when the data axis crosses slices); tensor parallel over
+    2, 4, 8 (each matrix's last dimension split: column-parallel, no
+    Megatron pairing inferred); FSDP x TP with FSDP over every device the
+    TP axis leaves inside a slice; and, where the devices have host memory,
+    the widest FSDP with the state kept in host memory between steps.
+
+    Returns:
+      (name, a function building the `Strategy`) pairs.
+    """
+    n = len(devices)
+    per_slice = n // slices
+    out: list[tuple[str, Callable[[], Strategy]]] = []
+
+    def strategy(axes, rules, batch_axes, placement="device"):
+        def build():
+            mesh = make_mesh(axes, devices)
+            return Strategy(mesh, rules=rules, batch_axes=batch_axes, placement=placement)
+
+        return build
+
+    out.append(("data parallel", strategy({"data": n}, [], ("data",))))
+    for k in _divisors(per_slice) + ([n] if slices > 1 else []):
+        data = n // k
+        name = f"FSDP over {k}" + (
+            f" (HSDP: data {data} over DCN)" if slices > 1 and k == per_slice else ""
+        )
+        out.append(
+            (
+                name,
+                strategy({"data": data, "fsdp": k}, _rules(state_leaves, fsdp=k), ("data", "fsdp")),
+            )
+        )
+    for m in (2, 4, 8):
+        if per_slice % m:
+            continue
+        out.append(
+            (
+                f"TP over {m}",
+                strategy({"data": n // m, "model": m}, _rules(state_leaves, tp=m), ("data",)),
+            )
+        )
+        k = per_slice // m
+        if k > 1:
+            out.append(
+                (
+                    f"FSDP {k} x TP {m}",
+                    strategy(
+                        {"data": slices, "fsdp": k, "model": m},
+                        _rules(state_leaves, fsdp=k, tp=m),
+                        ("data", "fsdp"),
+                    ),
+                )
+            )
+    if host_memory:
+        k = per_slice
+        out.append(
+            (
+                f"FSDP over {k}, state in host memory",
+                strategy(
+                    {"data": n // k, "fsdp": k},
+                    _rules(state_leaves, fsdp=k),
+                    ("data", "fsdp"),
+                    placement="host",
+                ),
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------ auto_strategy
+
+
+def _target(devices_or_topology: Any, slices: int) -> tuple[list[Any], str, int]:
+    if devices_or_topology is None:
+        devices = jax.devices()
+        return devices, f"this process's {len(devices)} {devices[0].platform} devices", 1
+    if isinstance(devices_or_topology, str):
+        devices_or_topology = topology(devices_or_topology, slices=slices)
+    if isinstance(devices_or_topology, Topology):
+        t = devices_or_topology
+        name = t.name + (f" x {t.slices} slices" if t.slices > 1 else "")
+        return list(t.devices), f"{name} ({t.chips} {t.chip.name} chips)", t.slices
+    devices = list(devices_or_topology)
+    if not devices or not all(hasattr(d, "platform") for d in devices):
+        raise ConfigurationError(
+            message(
+                "auto_strategy's target is a topology name, an spmd.topology(...), or a list of "
+                "jax.Devices.",
+                received(target=devices_or_topology),
+                'pass e.g. "v5p-256", spmd.topology("v5e:16x16", slices=2) or jax.devices().',
+            )
+        )
+    n_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    return devices, f"{len(devices)} {devices[0].platform} devices", n_slices
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
+
+
+def auto_strategy(
+    create_fn: Callable[..., Any],
+    step: Callable[..., Any] | Step,
+    batch: Any,
+    devices_or_topology: Any = None,
+    *,
+    args: Sequence[Any] | None = None,
+    slices: int = 1,
+    only: Sequence[str] | None = None,
+    extra: dict[str, Strategy] | None = None,
+) -> tuple[Strategy, Plan]:
+    """Compiles candidate layouts for a target, drops those that do not fit, ranks the rest.
+
+    Nothing is allocated or run: each candidate's state is abstract
+    (`strategy.abstract_state`) and its step is compiled with
+    `strategy.explain`. On TPU (a real slice or an `spmd.topology`) a
+    candidate the compiler refuses for want of HBM, or whose program needs
+    more than a device's HBM, is dropped, and the rest are ranked by the
+    roofline's step time from Cloud TPU's published figures. On CPU and GPU
+    devices every candidate that compiles is ranked, by the same roofline
+    with this machine's measured figures (`measured_chip`).
+
+    Args:
+      create_fn: builds the train state from `args` (as for `strategy.init`).
+      step: the train step `(state, *batch) -> (state, metrics)`, a function
+        or a `Step` (its function is used).
+      batch: the step's data arguments after the state: a tuple of arrays or
+        `jax.ShapeDtypeStruct`s of the global batch (one array alone is a
+        tuple of one).
+      devices_or_topology: a topology name ("v5p-256"), an `spmd.topology`,
+        a list of devices, or None for this process's devices.
+      args: `create_fn`'s arguments; `(jax.random.key(0),)` by default.
+      slices: with a topology name, how many slices.
+      only: keep the candidates whose names contain one of these strings
+        (e.g. `["FSDP"]`); all of them by default.
+      extra: more candidates to compare, name -> `Strategy` on the same
+        devices (e.g. a tuned tensor-parallel layout).
+
+    Returns:
+      (the best `Strategy`, the `Plan`: every candidate with its estimate or
+      why it was dropped; `print()` it for a table).
+
+    Raises:
+      ConfigurationError: the target is not understood, or no candidate fits
+        (the message holds the table).
+
+    Example:
+      >>> best, plan = spmd.auto_strategy(create, train_step, (tokens,), "v5p-256")
+      >>> print(plan)
+    """
+    devices, target, n_slices = _target(devices_or_topology, slices)
+    args = (jax.random.key(0),) if args is None else tuple(args)
+    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+    fn = step.fn if isinstance(step, Step) else step
+    plain = Strategy(make_mesh({"data": len(devices)}, devices))
+    abstract = nnx_state.pure(plain.abstract_state(create_fn, *args))
+    leaves = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    host = any(m.kind == "pinned_host" for m in devices[0].addressable_memories())
+    host = host and devices[0].platform == "tpu"
+    built = candidates(leaves, devices, n_slices, host_memory=host)
+    built += [(name, (lambda s=s: s)) for name, s in (extra or {}).items()]
+    if only:
+        built = [(name, b) for name, b in built if any(o in name for o in only)]
+    chip = chip_of(devices[0])
+    results = []
+    for name, build in built:
+        results.append(_try(name, build, create_fn, fn, batch, args, chip, len(devices)))
+    ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
+    plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
+    if plan.best is None:
+        raise ConfigurationError(
+            message(
+                "At least one layout fits the target.",
+                received(target=target, plan="\n" + str(plan)),
+                "use a larger slice (or more slices), a smaller batch, remat "
+                "(jax.checkpoint) in the model, or a smaller model.",
+            )
+        )
+    return plan.best.strategy, plan
+
+
+_USER_ERRORS = (AttributeError, NameError, ImportError, KeyError, IndexError, SyntaxError)
+
+
+def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
+    try:
+        strategy = build()
+    except Exception as e:  # a layout this mesh cannot make
+        return Candidate(name, None, dropped=f"cannot be built: {_first_line(e)}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = strategy.abstract_state(create_fn, *args)
+            e = strategy.explain(fn, state, *batch)
+    except _USER_ERRORS:  # a bug in the model or step: every candidate would hide it
+        raise
+    except Exception as err:
+        return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
+    if e.fits is False:
+        over = _human(-(e.hbm_headroom or 0))
+        return Candidate(
+            name,
+            strategy,
+            e,
+            dropped=f"does not fit: needs {_human(Candidate(name, strategy, e).memory_bytes)} "
+            f"of {_human(e.hbm_capacity)} HBM (over by {over})",
+        )
+    roofline = e.roofline
+    if roofline is None:  # CPU or GPU: this machine's measured figures
+        device = strategy.mesh.devices.flat[0]
+        sharing = len(jax.local_devices()) if device.platform == "cpu" else 1
+        flops = max(e.flops, e.matmul_flops / n_devices)
+        from spmd.roofline import traffic
+
+        flows = traffic(e.hlo, n_devices)
+        roofline = estimate(measured_chip(device), flops, _accessed(e), flows, sharing)
+    return Candidate(name, strategy, e, roofline)
+
+
+def _accessed(e: Explanation) -> float:
+    """HBM bytes a step reads and writes at least: its arguments, outputs and temporaries."""
+    return float(e.argument_bytes + e.output_bytes + e.temp_bytes)
+
+
+def load_entry(entry: str) -> tuple[Any, Any, Any, Any]:
+    """`module:function` -> (create_fn, step, batch, args) from what the function returns.
+
+    The function returns a dict with `create_fn`, `step`, `batch` (and
+    optionally `args`), or the tuple `(create_fn, step, batch[, args])`. The
+    module is imported with the current directory on `sys.path`.
+
+    Raises:
+      ConfigurationError: the entry is not `module:function`, does not import,
+        or returns something else.
+    """
+    import importlib
+    import os
+    import sys
+
+    fix = (
+        "pass MODULE:FUNCTION, e.g. train:plan_inputs, where train.py defines plan_inputs() "
+        "returning dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),))."
+    )
+    module_name, _, function_name = entry.partition(":")
+    if not module_name or not function_name.isidentifier():
+        raise ConfigurationError(
+            message("The entry point is MODULE:FUNCTION.", received(entry=entry), fix)
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigurationError(
+            message("The entry point's module imports.", received(entry=entry, error=str(e)), fix)
+        ) from e
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise ConfigurationError(
+            message(
+                f"{module_name} defines a function {function_name}().",
+                received(entry=entry, found=function),
+                fix,
+            )
+        )
+    pieces = function()
+    if isinstance(pieces, dict) and {"create_fn", "step", "batch"} <= set(pieces):
+        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args")
+    if isinstance(pieces, tuple) and len(pieces) in (3, 4):
+        return (*pieces, None) if len(pieces) == 3 else pieces
+    raise ConfigurationError(
+        message(
+            f"{entry}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
+            "tuple (create_fn, step, batch[, args]).",
+            received(entry=entry, returned=type(pieces).__name__),
+            fix,
+        )
+    )

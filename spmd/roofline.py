@@ -1,0 +1,305 @@
+"""A compiled step's traffic over ICI and DCN, and its step time on a stated roofline.
+
+The roofline (per device, one step):
+
+    compute = FLOPs / peak FLOP/s            memory = HBM bytes accessed / HBM bandwidth
+    ici     = ICI wire bytes / ICI bandwidth  dcn    = DCN wire bytes / DCN bandwidth
+    step    = max(compute, memory) + ici + dcn
+
+Compute and HBM traffic overlap; collectives are counted as not overlapping
+them, so the estimate leans long where XLA hides a collective behind compute.
+FLOPs are the larger of XLA's estimate and the step's matrix-product FLOPs
+(`spmd.flops`, which counts a scanned layer once per iteration; XLA's estimate
+counts a loop body once). Wire bytes are what a ring algorithm sends per
+device: an all-reduce of N bytes over g devices sends 2(g-1)/g N, an
+all-gather to N bytes (g-1)/g N, a reduce-scatter to N bytes (g-1) N, an
+all-to-all of N bytes (g-1)/g N, a collective-permute N. A collective in a
+loop counts once per iteration (the trip count read from the loop's
+condition). On several slices XLA compiles one slice's program, and the part
+of a collective that crosses slices becomes a data-center-network transfer
+(a "megascale" send): those are the DCN bytes, over the slices as the group.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from spmd.topologies import Chip
+
+__all__ = ["Roofline", "Traffic", "estimate", "traffic"]
+
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s(?P<op>"
+    + "|".join(_KINDS)
+    + r"|send)(?P<start>-start)?\("
+)
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLS = re.compile(
+    r"\b(?P<how>calls|body|condition|to_apply|branch_computations|called_computations)="
+    r"(?P<names>\{[^}]*\}|%[\w.\-]+)"
+)
+_SHAPE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
+_BITS = {"pred": 8}
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<dims>[\d,]+)\]<=")
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(?P<kind>\w+)"')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="(?P<key>[^"]+)"')
+_CHANNEL = re.compile(r"\bchannel_id=(?P<id>\d+)")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of collective over one link, per device and step.
+
+    Attributes:
+      kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all" or
+        "collective-permute".
+      link: "ICI" (inside a slice, or inside a host for CPU and GPU devices)
+        or "DCN" (between slices).
+      count: how many run per step (a loop's once per iteration).
+      bytes: the bytes they produce on each device, summed.
+      wire_bytes: the bytes each device sends for them (ring algorithms).
+    """
+
+    kind: str
+    link: str
+    count: int
+    bytes: int
+    wire_bytes: float
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """An estimated step time, per device, and the figures it comes from.
+
+    Attributes:
+      chip: whose figures (`spmd.topologies.Chip`; for CPU devices, measured).
+      devices_per_chip: devices sharing one chip's figures (v4 shows its two
+        TensorCores as two devices; simulated CPU devices share the host).
+      flops, hbm_bytes, ici_bytes, dcn_bytes: the step's work per device.
+      compute_s, memory_s, ici_s, dcn_s: each over its bandwidth.
+      dcn_known: False where the chip has no published DCN figure (then
+        `dcn_s` is 0 and the estimate leaves DCN out).
+    """
+
+    chip: Chip
+    devices_per_chip: int
+    flops: float
+    hbm_bytes: float
+    ici_bytes: float
+    dcn_bytes: float
+    compute_s: float
+    memory_s: float
+    ici_s: float
+    dcn_s: float
+    dcn_known: bool = True
+
+    @property
+    def step_s(self) -> float:
+        """max(compute, memory) + ici + dcn, in seconds."""
+        return max(self.compute_s, self.memory_s) + self.ici_s + self.dcn_s
+
+    @property
+    def bound(self) -> str:
+        """The largest term: "compute", "memory", "ICI" or "DCN"."""
+        terms = {"compute": self.compute_s, "memory": self.memory_s}
+        terms |= {"ICI": self.ici_s, "DCN": self.dcn_s}
+        return max(terms, key=terms.get)
+
+
+def _bytes(text: str) -> int:
+    total = 0
+    for match in _SHAPE.finditer(re.sub(r"\{[^{}]*\}", "", text)):
+        dtype = match["dtype"]
+        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype) or 8)
+        total += math.prod(int(d) for d in match["dims"].split(",") if d) * bits // 8
+    return total
+
+
+def _result(type_text: str, start: bool) -> str:
+    """The result's type of a collective (an async start's tuple: its last element)."""
+    text = type_text
+    while re.search(r"\{[^{}]*\}", text):
+        text = re.sub(r"\{[^{}]*\}", "", text)
+    text = re.sub(r"/\*[^*]*\*/", "", text).strip()
+    if start and text.startswith("("):
+        depth, parts, current = 0, [], ""
+        for ch in text[1:-1]:
+            depth += ch == "("
+            depth -= ch == ")"
+            if ch == "," and depth == 0:
+                parts.append(current)
+                current = ""
+            else:
+                current += ch
+        parts.append(current)
+        return parts[-1]
+    return text
+
+
+def _first(type_text: str) -> str:
+    """A send's payload: the first element of its (payload, context, token) tuple."""
+    match = _SHAPE.search(type_text)
+    return match.group(0) if match else ""
+
+
+def _group_size(line: str, default: int) -> int:
+    if match := _GROUPS_LIST.search(line):
+        return max(1, len([x for x in match["first"].split(",") if x]))
+    if match := _GROUPS_IOTA.search(line):
+        dims = [int(d) for d in match["dims"].split(",")]
+        return dims[-1] if dims else default
+    return default
+
+
+def _wire(kind: str, nbytes: int, group: int) -> float:
+    if group <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2 * (group - 1) / group * nbytes
+    if kind == "reduce-scatter":
+        return (group - 1) * nbytes
+    if kind == "collective-permute":
+        return float(nbytes)
+    return (group - 1) / group * nbytes  # all-gather, all-to-all
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    entry = None
+    for line in hlo.splitlines():
+        if current is None:
+            match = _HEADER.match(line)
+            if match:
+                current = found.setdefault(match["name"], [])
+                if line.startswith("ENTRY"):
+                    entry = match["name"]
+        elif line.startswith("}"):
+            current = None
+        else:
+            current.append(line)
+    if entry is not None:
+        found["__entry__"] = [entry]
+    return found
+
+
+def _trip_count(condition: list[str]) -> int:
+    """A counted loop's trip count: the constant its condition compares the counter to."""
+    text = "\n".join(condition)
+    if "direction=LT" not in text:
+        return 1
+    constants = [int(c) for c in re.findall(r"\bconstant\((\d+)\)", text)]
+    return max(constants) if len(constants) == 1 else 1
+
+
+def _multipliers(comps: dict[str, list[str]]) -> dict[str, int]:
+    """How many times each computation runs per step: loop bodies by their trip counts."""
+    entry = comps.get("__entry__", [None])[0]
+    if entry is None:
+        return {}
+    runs = {entry: 1}
+    queue = [entry]
+    while queue:
+        name = queue.pop()
+        for line in comps.get(name, ()):
+            trips = 1
+            if " while(" in line and (cond := re.search(r"condition=%([\w.\-]+)", line)):
+                trips = _trip_count(comps.get(cond[1], []))
+            for match in _CALLS.finditer(line):
+                if match["how"] == "to_apply":
+                    continue
+                times = runs[name] * (trips if match["how"] == "body" else 1)
+                for child in re.findall(r"%([\w.\-]+)", match["names"]):
+                    if runs.get(child, 0) < times:
+                        runs[child] = times
+                        queue.append(child)
+    return runs
+
+
+def traffic(hlo: str, num_partitions: int, slices: int = 1) -> tuple[Traffic, ...]:
+    """The collectives of an optimized HLO module, by kind and link, per device and step.
+
+    A collective split over several computations (an async start and done)
+    counts once, by its channel; a DCN transfer once, by its rendezvous.
+    """
+    comps = _computations(hlo)
+    runs = _multipliers(comps)
+    seen: dict[tuple[str, str], tuple] = {}
+    for comp, lines in comps.items():
+        if comp == "__entry__":
+            continue
+        times = runs.get(comp, 1)
+        for line in lines:
+            match = _INSTR.match(line)
+            if not match:
+                continue
+            if match["op"] == "send":
+                mega = _MEGASCALE.search(line)
+                if not mega:
+                    continue
+                kind = mega["kind"].lower().replace("_", "-")
+                kind = kind if kind in _KINDS else "collective-permute"
+                key = ("DCN", (_RENDEZVOUS.search(line) or match)[0])
+                nbytes = _bytes(_first(match["type"]))
+                wire = _wire(kind, nbytes, slices)
+                link = "DCN"
+            else:
+                kind = match["op"]
+                channel = _CHANNEL.search(line)
+                key = ("ICI", channel["id"] if channel else f"{comp}/{match['name']}")
+                nbytes = _bytes(_result(match["type"], bool(match["start"])))
+                wire = _wire(kind, nbytes, _group_size(line, num_partitions))
+                link = "ICI"
+            previous = seen.get(key)
+            if previous is None or previous[2] < times:
+                seen[key] = (kind, link, times, nbytes, wire)
+    totals: dict[tuple[str, str], list[float]] = {}
+    for kind, link, times, nbytes, wire in seen.values():
+        row = totals.setdefault((kind, link), [0, 0, 0.0])
+        row[0] += times
+        row[1] += times * nbytes
+        row[2] += times * wire
+    return tuple(
+        Traffic(kind, link, int(c), int(b), float(w))
+        for (kind, link), (c, b, w) in sorted(totals.items())
+    )
+
+
+def estimate(
+    chip: Chip,
+    flops: float,
+    hbm_bytes: float,
+    flows: tuple[Traffic, ...],
+    devices_per_chip: int = 1,
+) -> Roofline:
+    """The roofline's step time for one device's work on `chip` (see the module's docstring)."""
+    share = max(1, devices_per_chip)
+    ici = sum(t.wire_bytes for t in flows if t.link == "ICI")
+    dcn = sum(t.wire_bytes for t in flows if t.link == "DCN")
+    dcn_known = chip.dcn_bandwidth is not None
+    return Roofline(
+        chip=chip,
+        devices_per_chip=share,
+        flops=flops,
+        hbm_bytes=hbm_bytes,
+        ici_bytes=ici,
+        dcn_bytes=dcn,
+        compute_s=flops / (chip.peak_flops / share),
+        memory_s=hbm_bytes / (chip.hbm_bandwidth / share),
+        ici_s=ici / chip.ici_bandwidth,
+        dcn_s=dcn / chip.dcn_bandwidth if dcn_known else 0.0,
+        dcn_known=dcn_known or dcn == 0,
+    )
+
+
+def by_link(flows: tuple[Traffic, ...]) -> Mapping[str, float]:
+    """Wire bytes per device and step, by link."""
+    out: dict[str, float] = {}
+    for t in flows:
+        out[t.link] = out.get(t.link, 0.0) + t.wire_bytes
+    return out

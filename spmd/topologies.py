@@ -1,0 +1,429 @@
+"""TPU slices this process does not have: their abstract devices, for compiling without a TPU.
+
+`spmd.topology("v5p-256")` asks JAX's TPU compiler (the `libtpu` package, the
+`tpu-compile` extra) for the devices of a slice as Cloud TPU names it. A
+strategy built on them lays out a mesh, computes abstract states and compiles
+steps for that slice (`strategy.explain`); it cannot run
+them, and says so.
+
+Each chip's published figures (peak bf16 FLOP/s, HBM capacity and bandwidth,
+ICI and DCN bandwidth) are in `CHIPS`, with the Cloud TPU page each comes from.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spmd.errors import ConfigurationError, message, received
+
+__all__ = [
+    "CHIPS",
+    "Chip",
+    "Topology",
+    "check_runnable",
+    "chip_of",
+    "compile_only",
+    "compiler_hbm",
+    "hbm_refusal",
+    "topology",
+]
+
+_GB = 1e9
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One TPU generation's published per-chip figures, the roofline's constants.
+
+    Attributes:
+      name: Cloud TPU's name of the generation ("v5p", "v5e", ...).
+      device_kind: what `jax.Device.device_kind` says for it.
+      peak_flops: peak bf16 FLOP/s of one chip.
+      hbm_bytes: HBM capacity of one chip, in bytes.
+      hbm_bandwidth: HBM bytes/s of one chip.
+      ici_bandwidth: inter-chip interconnect bytes/s of one chip, one direction.
+      dcn_bandwidth: data-center network bytes/s per chip (between slices),
+        or None where Cloud TPU publishes no figure.
+      cores_per_chip: TensorCores per chip that JAX's topology shows as devices.
+      dims: 3 for a 3-D torus (v4, v5p: the -N name counts TensorCores, two per
+        chip), 2 for a 2-D torus (v5e, v6e: the -N name counts chips).
+      source: where the figures are published.
+    """
+
+    name: str
+    device_kind: str
+    peak_flops: float
+    hbm_bytes: int
+    hbm_bandwidth: float
+    ici_bandwidth: float
+    dcn_bandwidth: float | None
+    cores_per_chip: int
+    dims: int
+    source: str
+
+
+# Figures from Cloud TPU's public system-architecture pages (see docs/planning.md).
+CHIPS: dict[str, Chip] = {
+    "v4": Chip(
+        name="v4",
+        device_kind="TPU v4",
+        peak_flops=275e12,
+        hbm_bytes=32 * _GIB,
+        hbm_bandwidth=1200 * _GB,
+        # Not published per chip: the pod's all-reduce bandwidth (1.1 PB/s) over its 4096 chips.
+        ici_bandwidth=1.1e15 / 4096,
+        dcn_bandwidth=None,
+        cores_per_chip=2,
+        dims=3,
+        source="https://cloud.google.com/tpu/docs/v4 (ICI: the pod's all-reduce bandwidth "
+        "over its 4096 chips)",
+    ),
+    "v5e": Chip(
+        name="v5e",
+        device_kind="TPU v5 lite",
+        peak_flops=197e12,
+        hbm_bytes=16 * _GB,
+        hbm_bandwidth=819 * _GB,
+        ici_bandwidth=1600e9 / 8,  # 1600 Gbps
+        dcn_bandwidth=2 * 100e9 / 8 / 8,  # 2 x 100 Gbps NICs per host of 8 chips
+        cores_per_chip=1,
+        dims=2,
+        source="https://cloud.google.com/tpu/docs/v5e and https://cloud.google.com/tpu/docs/v6e "
+        "(its v5e column: NICs per host, over 8 chips)",
+    ),
+    "v5p": Chip(
+        name="v5p",
+        device_kind="TPU v5",
+        peak_flops=459e12,
+        hbm_bytes=95 * _GIB,
+        hbm_bandwidth=2765 * _GB,
+        ici_bandwidth=4800e9 / 8,  # 4800 Gbps
+        dcn_bandwidth=50e9 / 8,  # 50 Gbps per chip
+        cores_per_chip=1,
+        dims=3,
+        source="https://cloud.google.com/tpu/docs/v5p",
+    ),
+    "v6e": Chip(
+        name="v6e",
+        device_kind="TPU v6 lite",
+        peak_flops=918e12,
+        hbm_bytes=32 * _GB,
+        hbm_bandwidth=1640 * _GB,
+        ici_bandwidth=3584e9 / 8,  # 3584 Gbps
+        dcn_bandwidth=4 * 200e9 / 8 / 8,  # 4 x 200 Gbps NICs per host of 8 chips
+        cores_per_chip=1,
+        dims=2,
+        source="https://cloud.google.com/tpu/docs/v6e (DCN: NICs per host, over 8 chips)",
+    ),
+}
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p", "trillium": "v6e"}
+FORMS = (
+    '"v5p-256" (v4/v5p: -N counts TensorCores, two per chip: 128 chips)',
+    '"v5e-16", "v5litepod-16", "v6e-64" (-N counts chips)',
+    '"v5p:4x4x8", "v5e:16x16", "v6e:8x8", "v4:2x2x1" (the chips\' torus shape)',
+)
+
+
+def chip_of(device: Any) -> Chip | None:
+    """The `Chip` of a TPU device (real or abstract), None for any other device."""
+    if getattr(device, "platform", None) != "tpu":
+        return None
+    kind = str(getattr(device, "device_kind", ""))
+    for chip in CHIPS.values():
+        if kind == chip.device_kind:
+            return chip
+    for chip in CHIPS.values():  # e.g. "TPU v5p" where a runtime spells it so
+        if kind.lower().endswith(chip.name):
+            return chip
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class Topology(Sequence):
+    """The abstract devices of a TPU slice (or of several), to compile for without a TPU.
+
+    A sequence of devices: pass it wherever a strategy or `make_mesh` takes
+    devices. Strategies built on it compile steps (`strategy.explain`,
+    `step.lower`) and compute abstract states, but cannot place or run anything.
+
+    Attributes:
+      name: the name it was asked for, as given.
+      chip: the generation's published figures (`Chip`).
+      shape: the chips' torus shape in one slice, e.g. (4, 4, 8).
+      slices: how many slices, joined over the data-center network (DCN).
+      devices: the abstract `jax.Device`s, slice by slice.
+    """
+
+    name: str
+    chip: Chip
+    shape: tuple[int, ...]
+    slices: int
+    devices: tuple[Any, ...]
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self.devices[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.devices)
+
+    @property
+    def chips(self) -> int:
+        """Chips over every slice."""
+        return math.prod(self.shape) * self.slices
+
+    @property
+    def jax_name(self) -> str:
+        """The name `jax.experimental.topologies.get_topology_desc` takes, e.g. "v5p:4x4x8"."""
+        return f"{self.chip.name}:{'x'.join(map(str, self.shape))}"
+
+    def __repr__(self) -> str:
+        slices = f", slices={self.slices}" if self.slices > 1 else ""
+        return (
+            f"Topology({self.name!r}: {self.jax_name}{slices}, {self.chips} chips, "
+            f"{len(self.devices)} devices)"
+        )
+
+
+def _bad_name(name: Any, why: str) -> ConfigurationError:
+    return ConfigurationError(
+        message(
+            f"A TPU topology is named as Cloud TPU names it ({why}); accepted forms: "
+            + "; ".join(FORMS)
+            + f". Generations: {sorted(CHIPS)}.",
+            received(name=name),
+            'pass e.g. spmd.topology("v5p-256") or spmd.topology("v5e:16x16", slices=2).',
+        )
+    )
+
+
+def _torus(chips: int, dims: int) -> tuple[int, ...] | None:
+    """Cloud TPU's default shape for `chips` chips: the smallest dimension doubled, last first.
+
+    3-D: 4 chips 2x2x1, 8 2x2x2, 16 2x2x4, 32 2x4x4, 64 4x4x4, 128 4x4x8, ...
+    2-D: 1 1x1, 4 2x2, 8 2x4, 16 4x4, 32 4x8, 64 8x8, 128 8x16, 256 16x16.
+    """
+    if dims == 2 and chips in (1, 2):
+        return (1, chips)
+    shape = [2, 2, 1] if dims == 3 else [2, 2]
+    while math.prod(shape) < chips:
+        smallest = min(shape)
+        i = max(j for j, s in enumerate(shape) if s == smallest)
+        shape[i] *= 2
+    return tuple(shape) if math.prod(shape) == chips else None
+
+
+def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
+    """A Cloud TPU accelerator or topology name as (chip, torus shape of one slice).
+
+    Raises:
+      ConfigurationError: the name is none of the accepted forms (listed).
+    """
+    if not isinstance(name, str):
+        raise _bad_name(name, "a string")
+    text = name.strip().lower()
+    match = re.fullmatch(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)", text)
+    if not match:
+        raise _bad_name(name, "generation, then -N or :AxBxC")
+    generation, sep, size = match.groups()
+    chip = CHIPS.get(_ALIASES.get(generation, generation))
+    if chip is None:
+        raise _bad_name(name, f"unknown generation {generation!r}")
+    if "x" in size or sep == ":":
+        shape = tuple(int(s) for s in size.split("x"))
+        if len(shape) != chip.dims or min(shape) < 1:
+            raise _bad_name(name, f"{chip.name} slices have {chip.dims} dimensions")
+        return chip, shape
+    count = int(size)
+    per_chip = 2 if chip.dims == 3 else 1  # v4/v5p names count TensorCores
+    if count < 1 or count % per_chip:
+        raise _bad_name(name, f"{chip.name}-N counts TensorCores, an even number")
+    shape = _torus(count // per_chip, chip.dims)
+    if shape is None:
+        raise _bad_name(
+            name, f"{count // per_chip} chips is no standard {chip.name} slice; give its shape"
+        )
+    return chip, shape
+
+
+_CACHE: dict[tuple[str, int], Any] = {}
+
+
+def topology(name: str, slices: int = 1) -> Topology:
+    """The abstract devices of a Cloud TPU slice, to compile for on any machine.
+
+    Needs the TPU compiler (`pip install "spmd[tpu-compile]"`, which installs
+    `libtpu` at the version jax pins); no TPU.
+
+    Args:
+      name: as Cloud TPU names it: "v5p-256" (v4 and v5p count TensorCores,
+        two per chip: 128 chips), "v5e-16" / "v5litepod-16" / "v6e-64" (chips),
+        or the torus shape "v5p:4x4x8", "v5e:16x16".
+      slices: how many such slices, joined over the data-center network (a
+        multi-slice job); a mesh on them puts the slices outermost.
+
+    Returns:
+      A `Topology`: a sequence of abstract devices with the chip's figures.
+
+    Raises:
+      ConfigurationError: the name is not one of the accepted forms, slices is
+        not a positive integer, or the TPU compiler is not installed.
+
+    Example:
+      >>> strategy = spmd.TPUStrategy(topology=spmd.topology("v5p-256"))
+    """
+    from spmd.validate import positive_int
+
+    positive_int(slices, "slices", fix="pass slices=1 for one slice, 2 for two, ...")
+    chip, shape = parse(name)
+    jax_name = f"{chip.name}:{'x'.join(map(str, shape))}"
+    key = (jax_name, int(slices))
+    if key not in _CACHE:
+        _CACHE[key] = _describe(name, jax_name, int(slices))
+    return Topology(name, chip, shape, int(slices), tuple(_CACHE[key].devices))
+
+
+def _describe(name: str, jax_name: str, slices: int) -> Any:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError as e:
+        raise ConfigurationError(
+            message(
+                "Compiling for a TPU topology needs the TPU compiler, the `libtpu` package "
+                "(no TPU is needed).",
+                received(topology=name, missing="libtpu"),
+                'pip install "spmd[tpu-compile]" (or "jax[tpu]" at the installed jax version).',
+            )
+        ) from e
+    import os
+
+    # Compiling takes no TPU: let every process that compiles load libtpu at once
+    # (it otherwise takes a machine-wide lock meant for processes that drive chips).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(
+            topology_name=jax_name, platform="tpu", num_slices=slices
+        )
+    except Exception as e:  # the TPU compiler refuses the shape
+        raise ConfigurationError(
+            message(
+                "The TPU compiler (libtpu) describes this topology.",
+                received(topology=name, as_jax_names_it=jax_name, slices=slices, error=str(e)),
+                "use a shape Cloud TPU offers for that generation (its docs list them), e.g. "
+                "v5p:4x4x8 or v5e:16x16"
+                + (
+                    "; another process holds libtpu's lock: set ALLOW_MULTIPLE_LIBTPU_LOAD=1."
+                    if "lockfile" in str(e)
+                    else "."
+                ),
+            )
+        ) from e
+
+
+def compile_only(devices: Sequence[Any]) -> bool:
+    """Whether some of `devices` are not this process's to run on (an abstract topology's)."""
+    import jax
+
+    live: dict[str, set] = {}
+    for device in devices:
+        platform = getattr(device, "platform", None)
+        if platform not in live:
+            try:  # this process's devices of that platform, whichever backend is the default
+                live[platform] = set(jax.devices(platform))
+            except RuntimeError:  # no such backend here: a topology's abstract devices
+                live[platform] = set()
+        if device not in live[platform]:
+            return True
+    return False
+
+
+def check_runnable(strategy: Any, what: str) -> None:
+    """Raises if `strategy` is built on an abstract topology: it compiles, it cannot run.
+
+    Cached on the strategy, so the check costs a dict lookup after the first.
+    """
+    cache = strategy.__dict__
+    if "_compile_only" not in cache:
+        cache["_compile_only"] = compile_only(list(strategy.mesh.devices.flat))
+    if cache["_compile_only"]:
+        from spmd.errors import ConfigurationError as Error
+
+        raise Error(
+            message(
+                f"{what} needs devices this process has; this strategy is built on an abstract "
+                "TPU topology, which compiles but cannot run.",
+                received(strategy=repr(strategy), what=what),
+                "use strategy.abstract_state(...) for the state and strategy.explain(...) or "
+                "step.lower(...).compile() for the program; run on the TPU slice itself with "
+                "a strategy built on its devices (spmd.TPUStrategy()).",
+            )
+        )
+
+
+_SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_REQUIRED = (
+    re.compile(r"required for HLO temporaries \(" + _SIZE + r"\) exceeds available HBM"),
+    re.compile(r"Used " + _SIZE + r" of [\d.]+\s*[KMGT]?i?B? hbm"),
+)
+_AVAILABLE = (
+    re.compile(r"exceeds available HBM \(" + _SIZE + r"\)"),
+    re.compile(r"Used [\d.]+\s*[KMGT]?i?B? of " + _SIZE + r" hbm"),
+)
+
+
+def _size(match: re.Match) -> int:
+    return int(float(match[1]) * _UNITS[match[2]])
+
+
+def hbm_refusal(error: BaseException) -> int | None:
+    """The bytes the TPU compiler says a program needs, if `error` is its out-of-HBM refusal."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    for pattern in _REQUIRED:
+        if match := pattern.search(text):
+            return _size(match)
+    return None
+
+
+_HBM: dict[str, int] = {}
+
+
+def compiler_hbm(device: Any) -> int:
+    """The HBM one TPU device has for a program, as the TPU compiler counts it.
+
+    Read once per device kind from the compiler's own refusal of a program
+    larger than any chip (v5e: 15.75 GiB, v5p: 95.74 GiB); the published
+    figure (`Chip.hbm_bytes`) where the compiler does not say.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    kind = str(device.device_kind)
+    if kind not in _HBM:
+        chip = chip_of(device)
+        fallback = chip.hbm_bytes // chip.cores_per_chip if chip else 0
+        mesh = Mesh(np.array([device]), ("one",))
+        too_big = jax.jit(
+            lambda: jnp.zeros((1 << 42,), jnp.int8),
+            out_shardings=NamedSharding(mesh, PartitionSpec()),
+        )
+        try:
+            too_big.lower().compile()
+            _HBM[kind] = fallback
+        except Exception as e:
+            found = [m for p in _AVAILABLE if (m := p.search(str(e)))]
+            _HBM[kind] = _size(found[0]) if found else fallback
+    return _HBM[kind]

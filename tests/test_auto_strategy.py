@@ -1,0 +1,161 @@
+"""spmd.auto_strategy and `spmd plan`: candidates compiled, the unfit dropped, the rest ranked."""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import spmd
+
+pytestmark = pytest.mark.cpu_mesh
+
+
+def _create(key, width=1024):
+    k1, k2 = jax.random.split(key)
+    params = {
+        "w1": jax.random.normal(k1, (256, width)) * 0.02,
+        "w2": jax.random.normal(k2, (width, 256)) * 0.02,
+    }
+    return {"params": params, "opt": optax.adam(1e-3).init(params)}
+
+
+def _step(state, x):
+    def loss(p):
+        return ((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2).mean()
+
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    updates, opt = optax.adam(1e-3).update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+
+X = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+
+
+@pytest.mark.slow
+def test_on_cpu_devices_every_layout_is_ranked_and_the_best_runs():
+    best, plan = spmd.auto_strategy(_create, _step, X, only=["data parallel", "FSDP over 8"])
+    names = [c.name for c in plan.ranked]
+    assert sorted(names) == ["FSDP over 8", "data parallel"] and not plan.dropped
+    assert plan.best.strategy is best
+    times = [c.step_seconds for c in plan.ranked]
+    assert times == sorted(times) and all(t > 0 for t in times)
+    fsdp = next(c for c in plan.ranked if c.name == "FSDP over 8")
+    dp = next(c for c in plan.ranked if c.name == "data parallel")
+    assert fsdp.explanation.state_bytes < dp.explanation.state_bytes  # the compiler's layout
+    # The chosen strategy is a real one: it runs the step.
+    state = best.init(_create, jax.random.key(0))
+    state, metrics = best.step(_step)(state, jnp.ones((64, 256)))
+    assert jnp.isfinite(metrics["loss"])
+    text = str(plan)
+    assert "data parallel" in text and "FSDP over 8" in text and "step (est.)" in text
+
+
+libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
+
+
+@pytest.mark.slow
+def test_on_a_topology_what_does_not_fit_is_dropped_with_the_reason():
+    def create(key):  # 8 GiB of float32 weights and 16 GiB of Adam's moments: replicated, no fit
+        return _create(key, width=1 << 22)
+
+    best, plan = spmd.auto_strategy(
+        create, _step, X, "v5e-16", only=["data parallel", "FSDP over 16"]
+    )
+    dp = next(c for c in plan.candidates if c.name == "data parallel")
+    assert dp.dropped.startswith("does not fit: needs") and "over by" in dp.dropped
+    ranked = {c.name: c for c in plan.ranked}
+    assert set(ranked) == {"FSDP over 16", "FSDP over 16, state in host memory"}
+    assert all(c.explanation.fits for c in plan.ranked)
+    assert dict(best.mesh.shape) == {"data": 1, "fsdp": 16}
+    assert "dropped:" in str(plan) and "does not fit" in str(plan)
+
+
+@pytest.mark.slow
+def test_two_slices_offer_hsdp_and_host_offload():
+    best, plan = spmd.auto_strategy(_create, _step, X, "v5e-4", slices=2)
+    names = [c.name for c in plan.candidates]
+    assert "FSDP over 4 (HSDP: data 2 over DCN)" in names
+    across = next(c for c in plan.candidates if c.name == "FSDP over 8")
+    assert across.dropped is None  # the FSDP axis itself crosses slices (data=1 is too small)
+    assert {d.slice_index for d in across.strategy.mesh.devices[0, :4]} == {0}
+    assert "FSDP over 4, state in host memory" in names
+    hsdp = next(c for c in plan.candidates if c.name.startswith("FSDP over 4 (HSDP"))
+    assert hsdp.dropped is None and hsdp.roofline.dcn_bytes > 0
+
+
+def test_a_small_model_on_a_small_slice_is_ranked_in_seconds():
+    def create(key):
+        return {"w": jax.random.normal(key, (256, 256))}
+
+    def train(state, x):
+        grads = jax.grad(lambda p: ((x @ p["w"]) ** 2).mean())(state)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), {}
+
+    best, plan = spmd.auto_strategy(
+        create, train, (X,), spmd.topology("v5e:2x2"), only=["data parallel", "FSDP over 2"]
+    )
+    assert sorted(c.name for c in plan.ranked) == ["FSDP over 2", "data parallel"]
+    assert all(c.roofline.chip.name == "v5e" and c.step_seconds > 0 for c in plan.ranked)
+    assert best is plan.best.strategy and best.mesh.devices.flat[0].platform == "tpu"
+
+
+def test_nothing_fits_is_an_error_holding_the_table():
+    def create(key):
+        return {"w": jnp.zeros((40, 1 << 30), jnp.float32)}  # 160 GiB: not on 4 v5e chips
+
+    with pytest.raises(spmd.ConfigurationError, match="At least one layout fits") as info:
+        spmd.auto_strategy(create, lambda s, x: (s, {}), X, "v5e:2x2", only=["FSDP over 4"])
+    assert "does not fit" in str(info.value)
+
+
+@pytest.mark.slow
+def test_spmd_plan_prints_the_table_for_a_users_module(tmp_path):
+    (tmp_path / "mymodel.py").write_text(
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp
+
+            def create(key):
+                return {"w": jax.random.normal(key, (512, 512))}
+
+            def step(state, x):
+                g = jax.grad(lambda p: ((x @ p["w"]) ** 2).mean())(state)
+                return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), {}
+
+            def plan_inputs():
+                return dict(create_fn=create, step=step,
+                            batch=(jax.ShapeDtypeStruct((32, 512), jnp.float32),))
+            """
+        )
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spmd",
+            "plan",
+            "--target",
+            "v5e-4",
+            "--only",
+            "FSDP",
+            "mymodel:plan_inputs",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "auto_strategy for v5e-4" in run.stdout and "FSDP over 4" in run.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "spmd", "plan", "mymodel"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 1 and "MODULE:FUNCTION" in bad.stderr

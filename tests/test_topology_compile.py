@@ -1,0 +1,238 @@
+"""spmd.topology: Cloud TPU names parsed, abstract slices built, strategies on them compile only."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spmd
+from spmd.topologies import CHIPS, parse
+
+pytestmark = pytest.mark.cpu_mesh
+
+
+@pytest.mark.parametrize(
+    ("name", "chip", "shape"),
+    [
+        ("v5p-8", "v5p", (2, 2, 1)),
+        ("v5p-256", "v5p", (4, 4, 8)),  # v5p names count TensorCores: 128 chips
+        ("v5p-1024", "v5p", (8, 8, 8)),
+        ("v4-32", "v4", (2, 2, 4)),
+        ("v5litepod-16", "v5e", (4, 4)),
+        ("v5e-256", "v5e", (16, 16)),
+        ("v5e-8", "v5e", (2, 4)),
+        ("v6e-64", "v6e", (8, 8)),
+        ("v6e-1", "v6e", (1, 1)),
+        ("v5e:16x16", "v5e", (16, 16)),
+        ("V5P:4x4x8", "v5p", (4, 4, 8)),
+        ("v5litepod:2x2", "v5e", (2, 2)),
+    ],
+)
+def test_cloud_tpu_names_map_to_torus_shapes(name, chip, shape):
+    got_chip, got_shape = parse(name)
+    assert (got_chip.name, got_shape) == (chip, shape)
+
+
+@pytest.mark.parametrize(
+    "name", ["v5p-255", "v5p", "v7x-8", "v5e:2x2x2", "v5p:4x4", "tpu", "", 256, "v5p-12"]
+)
+def test_bad_names_list_the_accepted_forms(name):
+    with pytest.raises(spmd.ConfigurationError, match="v5litepod-16") as info:
+        parse(name)
+    assert "Received" in str(info.value) and "To fix" in str(info.value)
+
+
+def test_chip_table_cites_its_source():
+    for chip in CHIPS.values():
+        assert chip.source.startswith("https://cloud.google.com/tpu/docs/")
+        assert chip.peak_flops > 1e14 and chip.hbm_bytes > 8e9 and chip.hbm_bandwidth > 5e11
+
+
+def test_without_the_tpu_compiler_the_error_says_what_to_install(monkeypatch):
+    import sys
+
+    from spmd import topologies
+
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
+    monkeypatch.setattr(topologies, "_CACHE", {})
+    with pytest.raises(spmd.ConfigurationError, match="tpu-compile"):
+        spmd.topology("v5e-4")
+
+
+libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
+
+
+def _create(key):
+    return {"w": jax.random.normal(key, (256, 512)), "b": jnp.zeros((512,))}
+
+
+def _train(state, x):
+    def loss(p):
+        return ((x @ p["w"] + p["b"]) ** 2).mean()
+
+    grads = jax.grad(loss)(state)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), {"loss": loss(state)}
+
+
+def test_topology_gives_abstract_devices_of_the_slice():
+    topo = spmd.topology("v5p-16")
+    assert (topo.chip.name, topo.shape, topo.chips, len(topo)) == ("v5p", (2, 2, 2), 8, 8)
+    assert {d.platform for d in topo} == {"tpu"}
+    assert all(d not in jax.devices() for d in topo)
+    two = spmd.topology("v5e-4", slices=2)
+    assert len(two) == 8 and two.slices == 2
+    assert sorted({d.slice_index for d in two}) == [0, 1]
+
+
+def test_strategies_on_a_topology_lay_out_slices_outermost():
+    two = spmd.topology("v5e-4", slices=2)
+    tpu = spmd.TPUStrategy(topology=two)
+    assert dict(tpu.mesh.shape) == {"host": 2, "replica": 4}
+    for row, devices in enumerate(tpu.mesh.devices):
+        assert {d.slice_index for d in devices} == {row}
+    mesh = spmd.make_mesh({"data": -1, "model": 2}, devices=two)
+    assert {d.slice_index for d in mesh.devices[:2].flat} == {0}  # DCN is the outer axis
+    mwms = spmd.MultiWorkerMirroredStrategy(topology=spmd.topology("v5e-16"))
+    assert dict(mwms.mesh.shape) == {"host": 4, "replica": 4}
+    ps = spmd.ParameterServerStrategy(
+        spmd.partitioners.FixedShardsPartitioner(8), devices=spmd.topology("v5p-16")
+    )
+    state = ps.abstract_state(_create, jax.random.key(0))
+    assert state["w"].sharding.shard_shape((256, 512)) == (32, 512)
+
+
+def test_a_topology_strategy_compiles_with_the_tpu_compiler():
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
+    step = strategy.step(_train)
+    state = strategy.abstract_state(_create, jax.random.key(0))
+    lowered, _ = step.lower(state, jax.ShapeDtypeStruct((32, 256), jnp.float32))
+    compiled = lowered.compile()
+    assert "TPU" in compiled.as_text() or "T(8,128)" in compiled.as_text()  # TPU tiled layouts
+    assert compiled.memory_analysis().argument_size_in_bytes >= 256 * 512 * 4
+
+
+def test_a_topology_strategy_refuses_to_run():
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
+    step = strategy.step(_train)
+    with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology"):
+        strategy.init(_create, jax.random.key(0))
+    with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology"):
+        strategy.put({"w": np.zeros((4, 4), np.float32)})
+    state = strategy.abstract_state(_create, jax.random.key(0))
+    with pytest.raises(spmd.ConfigurationError, match="Calling a step"):
+        step(state, np.zeros((32, 256), np.float32))
+    with pytest.raises(spmd.ConfigurationError, match="not both"):
+        spmd.TPUStrategy(jax.devices(), topology=spmd.topology("v5e:2x2"))
+
+
+def test_a_shape_the_compiler_refuses_is_a_clear_error():
+    with pytest.raises(spmd.ConfigurationError, match="describes this topology"):
+        spmd.topology("v5e:3x5")
+    with pytest.raises(spmd.ConfigurationError, match="slices"):
+        spmd.topology("v5e:2x2", slices=0)
+
+
+def _scanned(layers):
+    def create(key):
+        return {"w": jax.random.normal(key, (layers, 512, 512))}
+
+    def train(state, x):
+        def loss(p):
+            def body(h, w):
+                return jnp.tanh(h @ w), None
+
+            h, _ = jax.lax.scan(body, x, p["w"])
+            return (h**2).mean()
+
+        grads = jax.grad(loss)(state)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), {"loss": loss(state)}
+
+    return create, train
+
+
+def _fsdp(topo, slices=1):
+    mesh = spmd.make_mesh({"data": slices, "fsdp": -1}, devices=topo)
+    return spmd.Strategy(
+        mesh, rules=[(".*w", jax.sharding.PartitionSpec(None, "fsdp"))], batch_axes=("data", "fsdp")
+    )
+
+
+def test_explain_on_a_topology_reports_hbm_traffic_and_a_roofline():
+    create, train = _scanned(4)
+    strategy = _fsdp(spmd.topology("v5p-8"))
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+    assert e.chip == "v5p" and 95 << 30 < e.hbm_capacity < 96 << 30  # the compiler's figure
+    assert e.fits and e.hbm_headroom == e.hbm_capacity - e.peak_bytes - e.code_bytes
+    assert e.code_bytes > 0 and e.argument_bytes >= 4 * 512 * 128 * 4  # the compiler's figures
+    links = {t.link for t in e.traffic}
+    assert links == {"ICI"}  # one slice: nothing crosses the data-center network
+    gathers = [t for t in e.traffic if t.kind == "all-gather"]
+    assert gathers and gathers[0].wire_bytes > 0
+    r = e.roofline
+    assert r.chip.name == "v5p" and r.dcn_s == 0
+    assert r.compute_s == pytest.approx(r.flops / 459e12)
+    assert e.step_seconds == pytest.approx(max(r.compute_s, r.memory_s) + r.ici_s)
+    text = str(e)
+    assert "fits" in text and "over ICI" in text and "estimated step" in text
+
+
+def test_a_loop_collective_counts_once_per_iteration():
+    counts = {}
+    for layers in (2, 8):
+        create, train = _scanned(layers)
+        strategy = _fsdp(spmd.topology("v5p-8"))
+        state = strategy.abstract_state(create, jax.random.key(0))
+        e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+        counts[layers] = sum(t.count for t in e.traffic)
+    assert counts[8] > counts[2]
+
+
+def test_two_slices_send_over_dcn():
+    create, train = _scanned(2)
+    strategy = _fsdp(spmd.topology("v5e-4", slices=2), slices=2)
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+    dcn = [t for t in e.traffic if t.link == "DCN"]
+    assert dcn and dcn[0].kind == "all-reduce" and dcn[0].wire_bytes > 0
+    assert e.roofline.dcn_s == pytest.approx(e.roofline.dcn_bytes / (2 * 100e9 / 64))
+
+
+def test_a_state_over_hbm_does_not_fit_and_says_by_how_much():
+    def create(key):
+        return {"w": jnp.zeros((5, 1 << 30), jnp.float32)}  # 20 GiB, replicated
+
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(lambda s, x: (s, {"n": x.sum()}), state, jnp.zeros((8, 4)))
+    assert e.fits is False and e.hbm_required > 20 << 30 and e.hbm_headroom < -(4 << 30)
+    assert "DOES NOT FIT: over by" in str(e)
+
+
+def test_explain_on_cpu_devices_has_no_chip_fields():
+    strategy = spmd.MirroredStrategy()
+    create, train = _scanned(2)
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
+    assert (e.chip, e.hbm_capacity, e.fits, e.roofline, e.traffic) == (None, None, None, None, ())
+    assert "HBM" not in str(e)
+
+
+def test_the_compilers_out_of_hbm_messages_are_read():
+    from spmd.topologies import hbm_refusal
+
+    assert (
+        hbm_refusal(
+            RuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                "temporaries (32.00G) exceeds available HBM (15.75G)."
+            )
+        )
+        == 32 << 30
+    )
+    assert hbm_refusal(
+        RuntimeError(
+            "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.50G of 15.75G hbm."
+        )
+    ) == int(20.5 * (1 << 30))
+    assert hbm_refusal(RuntimeError("INVALID_ARGUMENT: something else")) is None
