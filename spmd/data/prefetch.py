@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from spmd.clusters.agreement import Agreement
+from spmd.clusters.agreement import Stopped as _Stopped
 from spmd.clusters.jax_state import coordination_client
 from spmd.errors import BatchError, message, received
 
@@ -29,21 +31,12 @@ _JOIN_S = 10.0  # how long close() waits for the producer thread to end
 _SERIALS = itertools.count()
 
 
-class _Stopped(Exception):
-    """The consumer closed the iterator while the producer was waiting."""
-
-
-class HostCheck:
+class HostCheck(Agreement):
     """Checks, batch by batch, that every process has a batch and that they match.
 
-    Each process posts a one-line record per batch to the key-value store of
-    JAX's coordination service (no device collective, so it can run in a
-    background thread beside the steps). Process 0 reads them all (one
-    directory read when they are there), compares them and posts a verdict,
-    which every other process reads: about 2N requests per batch over N
-    processes, not N^2. A missing batch, a different shape, or another
-    process's failure becomes a `BatchError` on every process instead of a
-    hang in the next collective.
+    Each process posts a one-line record per batch (`Agreement`): a missing
+    batch, a different shape, or another process's failure becomes a
+    `BatchError` on every process instead of a hang in the next collective.
     """
 
     def __init__(
@@ -57,11 +50,8 @@ class HostCheck:
     ):
         """The check of one pipeline run: this process's index among `count` (JAX's by
         default) and the run's `serial` (the next of this process's by default)."""
-        self._client = client
-        self._timeout = timeout
-        self._prefix = f"spmd/input/{next(_SERIALS) if serial is None else serial}"
-        self._process = jax.process_index() if process is None else process
-        self._count = jax.process_count() if count is None else count
+        serial = next(_SERIALS) if serial is None else serial
+        super().__init__(client, timeout, f"spmd/input/{serial}", process=process, count=count)
 
     @classmethod
     def create(cls, timeout: float) -> HostCheck | None:
@@ -74,91 +64,25 @@ class HostCheck:
             return None
         return cls(client, timeout)
 
-    def agree(self, step: int, record: dict, stop: threading.Event) -> None:
-        """Posts this process's record for `step` and checks it against every process's.
+    def compare(self, records: list[dict], index: int) -> None:
+        _compare(records, index)
 
-        Args:
-          step: the batch index within this pipeline run.
-          record: {"shape": str} for a batch, {"end": True} at the end of the
-            data, {"error": str} when producing the batch failed.
-          stop: set when the consumer closes the iterator.
+    def missing_message(self, process: int, index: int) -> str:
+        return message(
+            f"Every process reaches each batch of an input pipeline within "
+            f"host_timeout={self._timeout:g} s.",
+            received(missing_process=process, batch_index=index),
+            "create the same distributed datasets and iterators in the same "
+            "order on every process; raise InputOptions(host_timeout=...) if "
+            "a process is slow to produce its first batch.",
+        )
 
-        Raises:
-          BatchError: the processes disagree, one failed, or one did not post
-            within the timeout.
-        """
-        self.post(step, record)
-        if self._process:
-            verdict = self._get(f"{self._prefix}/{step}/verdict", 0, step, stop, _VERDICT_GRACE)
-            if verdict:
-                raise BatchError(verdict)
-            return
-        try:
-            records = self._records(step, stop)
-            if step:  # everyone posted `step`, so has read the verdict of `step - 1`
-                self._client.key_value_delete(f"{self._prefix}/{step - 1}")
-            _compare(records, step)
-        except BatchError as error:
-            self._verdict(step, str(error))
-            raise
-        self._verdict(step, "")
-
-    def post(self, step: int, record: dict) -> None:
-        """Posts this process's record for `step` without waiting for the others.
-
-        A failure posted by process 0, which gives the verdicts, is the verdict.
-        """
-        self._client.key_value_set(f"{self._prefix}/{step}/{self._process}", json.dumps(record))
-        if self._process == 0 and "error" in record:
-            failed = message(
-                "Every process produces each batch of its input pipeline.",
-                received(batch_index=step, failed={0: record["error"]}),
-                "read the failing process's error above (each process reports its own).",
-            )
-            self._verdict(step, failed)
-
-    def _verdict(self, step: int, error: str) -> None:
-        """Process 0 posts the outcome of `step`: "" when every process agrees, else the error."""
-        self._client.key_value_set(f"{self._prefix}/{step}/verdict", json.dumps(error))
-
-    def _records(self, step: int, stop: threading.Event) -> list[dict]:
-        """Every process's record for `step` (process 0): a directory read, then a
-        blocking read of each record still missing, then the directory again."""
-        key, records = f"{self._prefix}/{step}", {}
-        while True:
-            for name, value in self._client.key_value_dir_get(f"{key}/"):
-                process = name.rsplit("/", 1)[-1]
-                if process.isdigit():
-                    records[int(process)] = json.loads(value)
-            missing = next((p for p in range(self._count) if p not in records), None)
-            if missing is None:
-                return [records[p] for p in range(self._count)]
-            records[missing] = self._get(f"{key}/{missing}", missing, step, stop)
-
-    def _get(self, key: str, process: int, step: int, stop: threading.Event, grace: float = 0.0):
-        deadline = time.monotonic() + self._timeout + grace
-        while True:
-            try:
-                return json.loads(self._client.blocking_key_value_get(key, int(_POLL_S * 1000)))
-            except Exception:  # the client raises on its timeout; poll again
-                if stop.is_set():
-                    raise _Stopped() from None
-                if time.monotonic() > deadline:
-                    raise BatchError(
-                        message(
-                            f"Every process reaches each batch of an input pipeline within "
-                            f"host_timeout={self._timeout:g} s.",
-                            received(missing_process=process, batch_index=step),
-                            "create the same distributed datasets and iterators in the same "
-                            "order on every process; raise InputOptions(host_timeout=...) if "
-                            "a process is slow to produce its first batch.",
-                        )
-                    ) from None
-
-
-# A process other than 0 waits this much longer than host_timeout for process 0's
-# verdict, so that process 0's own timeout (naming the missing process) reaches it.
-_VERDICT_GRACE = 5.0
+    def failed_message(self, index: int, failed: dict[int, str]) -> str:
+        return message(
+            "Every process produces each batch of its input pipeline.",
+            received(batch_index=index, failed=failed),
+            "read the failing process's error above (each process reports its own).",
+        )
 
 
 def _compare(records: list[dict], step: int) -> None:

@@ -67,6 +67,7 @@ class Step:
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
         self._hot: _Hot | None = None
+        self._agreed: set = set()  # batch signatures every process has agreed on
         self._tag = object()  # names this step's flax update context
         functools.update_wrapper(self, fn)
 
@@ -112,8 +113,22 @@ class Step:
         if not fresh:  # arrays on one device or in another memory: where the program takes them
             pure = placed(pure, program.state_shardings)
         leaves, data_def = jax.tree.flatten(data)
+        if _multiprocess():
+            self._agree_on(data, data_def, leaves)
         static = self._static_of(kwargs) if not dynamic else None
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
+
+    def _agree_on(self, data: tuple, data_def: Any, leaves: list) -> None:
+        """With several processes, each new batch signature is checked with every other
+        process before its first call (`step_checks.agree_on_batch`); calls with a
+        signature already agreed on cost a set lookup."""
+        key = (data_def, _signature(leaves))
+        if key in self._agreed:
+            return
+        checks.agree_on_batch(self.fn, data)
+        if len(self._agreed) >= STEP_CACHE_SIZE:
+            self._agreed.clear()
+        self._agreed.add(key)
 
     def _run_plain(self, hot: _Hot, state: Any, data: tuple) -> Any:
         """The fast path of a pytree state on one process, inlined: the state the last

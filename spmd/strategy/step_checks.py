@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from spmd.clusters.agreement import Agreement
+from spmd.clusters.jax_state import coordination_client
 from spmd.errors import BatchError, ConfigurationError, message, received
 from spmd.rules import path_str
 from spmd.strategy import nnx_state
@@ -20,7 +23,7 @@ from spmd.strategy import nnx_state
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["check_arguments", "register", "static_key"]
+__all__ = ["agree_on_batch", "check_arguments", "data_names", "register", "static_key"]
 
 # The last strategy built on each mesh, to say which one placed a state.
 _BY_MESH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -30,6 +33,73 @@ NNX_OUTSIDE_STATE = (
     "A step updates the NNX objects (nnx.Module, nnx.Optimizer) of its state, its "
     "first argument, only; one passed anywhere else would silently not be updated."
 )
+
+
+# How long a process waits for the others to reach a step with a new batch signature.
+AGREE_TIMEOUT_S = 300.0
+# Each new batch signature of any step takes the next number, in the same order on
+# every process (their steps run the same programs in the same order).
+_AGREEMENTS = itertools.count()
+
+
+class _BatchSignatures(Agreement):
+    """Every process passes a step batches of one signature: shapes, dtypes, structure."""
+
+    def compare(self, records: list[dict], index: int) -> None:
+        if len({r["batch"] for r in records}) > 1:
+            raise BatchError(
+                message(
+                    "Every process passes a step the same global batch signature (shapes, "
+                    "dtypes, structure): each process's arrays are the global batch, of which "
+                    "it keeps its own rows, and the step runs on all processes together.",
+                    received(per_process={p: r["batch"] for p, r in enumerate(records)}),
+                    "give every process the same global batch size and dtypes, or feed the "
+                    "step from strategy.distribute_dataset(...) / "
+                    "strategy.distribute_datasets_from_function(...), which split one global "
+                    "batch and check every batch across processes.",
+                )
+            )
+
+    def missing_message(self, process: int, index: int) -> str:
+        return message(
+            f"Every process calls a step with each new batch signature within "
+            f"{self._timeout:g} s of the others.",
+            received(missing_process=process),
+            "call the step the same number of times, with the same batch shapes, on every "
+            "process; a process that changed its batch shape alone is the one to look at.",
+        )
+
+
+def agree_on_batch(fn: Any, data: tuple) -> None:
+    """Checks with every other process that they call a step with this batch signature.
+
+    Called once per new signature of a step (its steady state costs nothing).
+
+    Raises:
+      BatchError: the processes' signatures differ, or one did not reach the step
+        within `AGREE_TIMEOUT_S`.
+    """
+    client = coordination_client()
+    if client is None:
+        return
+    leaves, treedef = jax.tree.flatten(data)
+    names = data_names(fn, len(data)) or [f"argument {i}" for i in range(len(data))]
+    described = ", ".join(
+        f"{name}: {_describe(entry)}" for name, entry in zip(names, data, strict=False)
+    )
+    record = {"batch": f"{described} ({len(leaves)} arrays, {treedef})"}
+    check = _BatchSignatures(client, AGREE_TIMEOUT_S, f"spmd/step/{next(_AGREEMENTS)}")
+    check.agree(0, record)
+
+
+def _describe(entry: Any) -> str:
+    """An argument's arrays as dtype[shape], a pytree's in its own structure."""
+    shapes = [f"{np.result_type(x).name}{list(np.shape(x))}" for x in jax.tree.leaves(entry)]
+    return (
+        shapes[0]
+        if len(shapes) == 1 and not isinstance(entry, dict | list | tuple)
+        else ("{" + ", ".join(shapes) + "}")
+    )
 
 
 def register(strategy: Strategy) -> None:
