@@ -30,6 +30,7 @@ from spmd.strategy.checks import (
     check_rule,
     check_rules_list,
     static_names,
+    warn_if_one_process_of_many,
 )
 from spmd.strategy.replica import (
     ReduceOp,
@@ -141,6 +142,7 @@ class Strategy:
             )
         if self.placement == "host":
             check_host_memory(self.mesh)
+        warn_if_one_process_of_many(self.mesh, self.name)
 
     # -- what the strategy is -------------------------------------------------
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from spmd.errors import ConfigurationError, message, received
@@ -17,7 +19,17 @@ __all__ = [
     "check_rule",
     "check_rules_list",
     "static_names",
+    "warn_if_one_process_of_many",
 ]
+
+ONE_PROCESS_OF_MANY = (
+    "This strategy's mesh holds only process {me}'s {n} device(s), but {count} processes "
+    "joined this job: each process trains on its own, with its own state and no all-reduce "
+    "between them (a strategy over local devices, as tf.distribute's MirroredStrategy in "
+    "each worker). To train one model over every process, use "
+    "spmd.MultiWorkerMirroredStrategy() (or a mesh of jax.devices(), not "
+    "jax.local_devices())."
+)
 
 
 def check_rules_list(rules: Any) -> tuple[tuple[str, Any], ...]:
@@ -133,4 +145,17 @@ def check_host_memory(mesh: Mesh) -> None:
                 received(platform=device.platform, memory_kinds=sorted(kinds)),
                 "use placement='device' (e.g. MirroredStrategy) on this backend.",
             )
+        )
+
+
+def warn_if_one_process_of_many(mesh: Mesh, name: str | None) -> None:
+    """Warns when a strategy spans only this process's devices in a job of several."""
+    if name == "DefaultStrategy" or jax.process_count() == 1:
+        return
+    me = jax.process_index()
+    devices = list(mesh.devices.flat)
+    if all(getattr(d, "process_index", me) == me for d in devices):
+        warnings.warn(
+            ONE_PROCESS_OF_MANY.format(me=me, n=len(devices), count=jax.process_count()),
+            stacklevel=4,
         )
