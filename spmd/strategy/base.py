@@ -272,12 +272,7 @@ class Strategy:
           The state, placed per the strategy's rules.
         """
         check_runnable(self, "init")
-        graph = {}
-
-        def pure_create(*a):
-            graph["def"], pure = nnx_state.split(create_fn(*a, **kwargs))
-            return pure
-
+        graph, pure_create = _pure_create(create_fn, kwargs)
         with self.context():
             abstract = self._trace_create(pure_create, args)
             out = jax.jit(pure_create, out_shardings=self.state_sharding(abstract))(*args)
@@ -290,12 +285,7 @@ class Strategy:
         or to read a strategy's layout before paying for it. NNX objects come
         back as abstract NNX objects.
         """
-        graph = {}
-
-        def pure_create(*a):
-            graph["def"], pure = nnx_state.split(create_fn(*a, **kwargs))
-            return pure
-
+        graph, pure_create = _pure_create(create_fn, kwargs)
         with self.context():
             abstract = self._trace_create(pure_create, args)
         placed = jax.tree.map(
@@ -646,6 +636,17 @@ def _constrained_outputs(jaxpr: Any) -> dict[int, PartitionSpec]:
             if any(entry is not None for entry in spec):
                 specs[id(eqn.outvars[0])] = spec
     return {i: specs[id(v)] for i, v in enumerate(jaxpr.outvars) if id(v) in specs}
+
+
+def _pure_create(create_fn: Callable[..., Any], kwargs: dict) -> tuple[dict, Callable]:
+    """`create_fn` as a function of arrays only; its NNX graph, once traced, in graph["def"]."""
+    graph: dict = {}
+
+    def pure_create(*args: Any) -> Any:
+        graph["def"], pure = nnx_state.split(create_fn(*args, **kwargs))
+        return pure
+
+    return graph, pure_create
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -26,13 +26,16 @@ from spmd.strategy.step_layout import (
     put_leaf,
     to_memory,
 )
+from spmd.strategy.step_records import IS_DELETED as _IS_DELETED
 from spmd.strategy.step_records import Call as _Call
 from spmd.strategy.step_records import Hot as _Hot
 from spmd.strategy.step_records import Outcome as _Outcome
 from spmd.strategy.step_records import Program as _Program
 from spmd.strategy.step_records import Traced as _Traced
 from spmd.strategy.step_records import any_deleted as _any_deleted
+from spmd.strategy.step_records import flatten as _flatten
 from spmd.strategy.step_records import hot as _hot
+from spmd.strategy.step_records import multiprocess as _multiprocess
 from spmd.strategy.step_records import signature as _signature
 from spmd.topologies import check_runnable
 
@@ -445,16 +448,9 @@ def _done(out: Any) -> jax.Array | None:
     return None if jax.tree.leaves(out) else jnp.zeros((), jnp.int8)
 
 
-_flatten = jax.tree_util.tree_flatten
-_IS_DELETED = operator.methodcaller("is_deleted")
 _MISS = object()  # the fast path does not apply: take the checked one
 _HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects (bounded)
 _HAS_GRAPH_SIZE = 256
-
-
-@functools.cache
-def _multiprocess() -> bool:
-    return jax.process_count() > 1
 
 
 def _graph_key(graphdef: Any) -> Any:

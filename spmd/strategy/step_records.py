@@ -119,7 +119,7 @@ class Hot:
         # A pytree state rebuilt from the program's leaves, no keyword arguments, one
         # process: the Step's inlined fast path (`Step._run_plain`) applies.
         self.plain = (
-            binding is None and static == () and flat_state is state_leaves and not _multiprocess()
+            binding is None and static == () and flat_state is state_leaves and not multiprocess()
         )
 
     def holds(self, state: Any) -> bool:
@@ -133,7 +133,7 @@ class Hot:
             return self.binding.matches(state)
         if state is not self.state:
             return False
-        leaves, treedef = _flatten(state)
+        leaves, treedef = flatten(state)
         return treedef == self.state_def and all(map(operator.is_, leaves, self.flat_state))
 
 
@@ -152,7 +152,7 @@ def hot(
     elif next_state is not call.state:  # rebuilt from these leaves: no flatten needed
         flat_state = new_leaves
     else:
-        flat_state, state_def = _flatten(next_state)
+        flat_state, state_def = flatten(next_state)
         if not all(map(operator.is_, flat_state, call.pure)):
             return None
     return Hot(
@@ -168,11 +168,12 @@ def hot(
     )
 
 
-_flatten = jax.tree_util.tree_flatten
+flatten = jax.tree_util.tree_flatten  # bound once: the fast paths call it every step
 
 
 @functools.cache
-def _multiprocess() -> bool:
+def multiprocess() -> bool:
+    """Whether this job has several processes (fixed once JAX has started)."""
     return jax.process_count() > 1
 
 
@@ -191,10 +192,10 @@ def signature(leaves: list) -> tuple:
 
 def any_deleted(leaves: list) -> bool:
     """Whether an array of `leaves` (jax.Arrays) was deleted: donated to another call since."""
-    return any(map(_IS_DELETED, leaves))
+    return any(map(IS_DELETED, leaves))
 
 
-_IS_DELETED = operator.methodcaller("is_deleted")
+IS_DELETED = operator.methodcaller("is_deleted")
 
 
 def arrays(tree: Any) -> list:
