@@ -44,12 +44,32 @@ if TYPE_CHECKING:
 
 __all__ = ["CPU_MAX_IN_FLIGHT", "Step"]
 
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")
+_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+) is not found in mesh")
+CPU_MAX_IN_FLIGHT = 4  # steps queued on the CPU backend before the oldest is waited for
+STEP_CACHE_SIZE = 32  # programs one Step keeps (per state structure, data ranks, statics)
+_HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects (bounded)
+_HAS_GRAPH_SIZE = 256
+
 
 class Step:
     """A train step compiled with its strategy's shardings; see `Strategy.step`.
 
     One compiled program per state structure and data shapes; `cache_size()`
     says how many exist, so tests can check that a loop compiles once.
+
+    A call takes one of three paths, cheapest first:
+
+    1. `_run_plain`, one process and a pytree state: the state is the one the
+       last call returned (the same leaf objects, none deleted) and the batch
+       has the same form; nothing is checked again, the program runs.
+    2. The hot path (`self._hot`): the same, for an NNX state (split once and
+       reused while only the step has touched it) or several processes, or
+       static keyword arguments; still no checks.
+    3. `_call`: anything else. Split the state, check every argument
+       (`step_checks`), with several processes agree on a new batch signature,
+       find or compile the program (`_program`, `_compile`), place the state,
+       run, and remember what the next call needs for paths 1 and 2 (`_run`).
     """
 
     def __init__(
@@ -334,6 +354,16 @@ class Step:
         return (not nnx_state_) if self.donate is None else bool(self.donate)
 
     def _compile(self, graphdef, pure, data, kwargs, static) -> _Program:
+        """Builds the jitted program for one state structure, data form and statics.
+
+        The program is `jax.jit` of `traced_step` with the strategy's shardings
+        for the state (its flat list of arrays) and the batch, the state donated
+        unless the step says otherwise. `traced_step` calls the user's function
+        (merging and splitting NNX objects around it), constrains the metrics
+        replicated and the new state to its layout (and memory kind), and records
+        in `_Outcome` what the trace found: what the function returns, the new
+        state's structure, and whether an NNX graph changed.
+        """
         strategy = self.strategy
         state_sharding = strategy.state_sharding(pure)
         on_host = strategy.placement == "host"
@@ -344,7 +374,7 @@ class Step:
         fn, tag, donate = self.fn, self._tag, self.donates(graphdef is not None)
 
         @strategy.context(traced=True)
-        def step(pure_state, data, kwargs):
+        def traced_step(pure_state, data, kwargs):
             traced.traces += 1
             if on_host:
                 pure_state = to_memory(pure_state, state_sharding, "device")
@@ -382,17 +412,13 @@ class Step:
         # The state travels as its flat list of arrays: jit flattens a list in a
         # fraction of a nested pytree's time, and the fast path has the leaves.
         compiled = jax.jit(
-            nnx_state.flat(step, state_sharding),
+            nnx_state.flat(traced_step, state_sharding),
             in_shardings=(jax.tree.leaves(state_sharding), data_sharding, kwargs_sharding),
             donate_argnums=(0,) if donate else (),
         )
         return _Program(
             compiled, jax.tree.leaves(data_sharding), jax.tree.leaves(state_sharding), traced
         )
-
-
-_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")
-_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+) is not found in mesh")
 
 
 def _call(strategy: Strategy, fn: Callable, state: Any, data: tuple, kwargs: dict, static: dict):
@@ -435,10 +461,6 @@ def _call(strategy: Strategy, fn: Callable, state: Any, data: tuple, kwargs: dic
         ) from error
 
 
-CPU_MAX_IN_FLIGHT = 4  # steps queued on the CPU backend before the oldest is waited for
-STEP_CACHE_SIZE = 32  # programs one Step keeps (per state structure, data ranks, statics)
-
-
 def _done(out: Any) -> jax.Array | None:
     """A handle on 'this call finished' for a step that returns no metrics, else None.
 
@@ -449,8 +471,6 @@ def _done(out: Any) -> jax.Array | None:
 
 
 _MISS = object()  # the fast path does not apply: take the checked one
-_HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects (bounded)
-_HAS_GRAPH_SIZE = 256
 
 
 def _graph_key(graphdef: Any) -> Any:
