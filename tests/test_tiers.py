@@ -1,6 +1,7 @@
 """The test tiers: `-m "not slow"` leaves out every slow kind of test, and per-file progress."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import conftest  # tests/conftest.py, as pytest imports it
@@ -60,10 +61,19 @@ def test_modules_that_only_reexport_need_no_test():
     assert "__init__.py" in modules
 
 
-def test_a_module_no_test_ran_is_reported(tmp_path):
+def test_a_module_no_test_ran_is_reported_with_a_failing_verdict(tmp_path, capsys):
     tiers = _tiers()
     record = {"tests/test_a.py::test_x": ["mesh.py"], "tests/test_b.py::test_y": []}
     assert tiers.unrun(record, ["mesh.py", "rules.py"]) == ["rules.py"]
     path = tmp_path / "ran.json"
     path.write_text('{"t": ["mesh.py"]}')
     assert tiers.main([str(path)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: FAIL: ")
+
+
+def test_a_record_running_every_module_has_an_ok_verdict(tmp_path, capsys):
+    tiers = _tiers()
+    path = tmp_path / "ran.json"
+    path.write_text(json.dumps({"t": tiers.runnable()}))
+    assert tiers.main([str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: OK: ")

@@ -43,10 +43,15 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     record = json.loads(Path(argv[0]).read_text())
-    missing = unrun(record, runnable())
-    print(f"{len(record)} tests recorded; {len(runnable()) - len(missing)} modules run")
+    modules = runnable()
+    missing = unrun(record, modules)
+    print(f"{len(record)} tests recorded; {len(modules) - len(missing)} of {len(modules)} modules run")
     for name in missing:
         print(f"not run by any recorded test: spmd/{name}")
+    if missing:
+        print(f"verdict: FAIL: {len(missing)} module(s) of spmd/ run by no test of this tier")
+    else:
+        print("verdict: OK: every module of spmd/ with code is run by a test of this tier")
     return 1 if missing else 0
 
 
