@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 from spmd.clusters.distributed import EXIT_TIMEOUT, distributed_state, join
 from spmd.clusters.gloo import check_interface, gloo_address, use_gloo_address
@@ -220,6 +221,9 @@ def initialize(
       interface: the network interface gloo uses, e.g. "eth0" (default:
         SPMD_GLOO_INTERFACE, else the local address that routes to the
         coordinator, never the hostname's address, which is often loopback).
+      hang_timeout: seconds a process may go without a step before every
+        process ends naming it (default: SPMD_HANG_TIMEOUT, else the larger of
+        300 s and 10x the slowest recent step; see docs/multihost.md).
 
     With several processes, a process that fails (an uncaught exception, or
     reaching its end alone) tells the others through the coordination
@@ -246,6 +250,20 @@ def initialize(
       (0, 1)
     """
     global _INFO
+    _check_cpu_collectives(cpu_collectives)
+    interface = check_interface(interface)
+    args = (coordinator_address, num_processes, process_id, local_device_count)
+    if _INFO is not None and all(a is None for a in args):
+        return _INFO
+    info = resolve(*args[:3], local_device_count=local_device_count)
+    if _INFO is not None:
+        return _same_as_before(_INFO, info)
+    timeouts = (initialization_timeout, heartbeat_timeout, exit_timeout, _hang(hang_timeout))
+    _INFO = _set_up(info, cpu_collectives, timeouts, interface)
+    return _INFO
+
+
+def _check_cpu_collectives(cpu_collectives: Any) -> None:
     if cpu_collectives not in ("gloo", "mpi"):
         raise ClusterError(
             message(
@@ -254,28 +272,26 @@ def initialize(
                 'leave it at "gloo" unless your job runs under an MPI launcher.',
             )
         )
-    interface = check_interface(interface)
-    args = (coordinator_address, num_processes, process_id, local_device_count)
-    if _INFO is not None and all(a is None for a in args):
-        return _INFO
-    info = resolve(*args[:3], local_device_count=local_device_count)
-    if _INFO is not None:
-        if _INFO.same_cluster(info):
-            return _INFO
-        raise InitializationError(
-            message(
-                "spmd.initialize() was already called and resolved a different cluster.",
-                received(first=_INFO, now=info),
-                "call spmd.initialize() once, at the start of the program, with one description.",
-            )
+
+
+def _same_as_before(first: ClusterInfo, now: ClusterInfo) -> ClusterInfo:
+    """A second `initialize()` returns the first's ClusterInfo if it resolves the same cluster."""
+    if first.same_cluster(now):
+        return first
+    raise InitializationError(
+        message(
+            "spmd.initialize() was already called and resolved a different cluster.",
+            received(first=first, now=now),
+            "call spmd.initialize() once, at the start of the program, with one description.",
         )
+    )
+
+
+def _hang(hang_timeout: Any) -> Any:
+    """`hang_timeout` checked; None takes SPMD_HANG_TIMEOUT where it is set."""
     if hang_timeout is None and os.environ.get(ENV_HANG_TIMEOUT):
-        hang = check_hang_timeout(os.environ[ENV_HANG_TIMEOUT], ENV_HANG_TIMEOUT)
-    else:
-        hang = check_hang_timeout(hang_timeout)
-    timeouts = (initialization_timeout, heartbeat_timeout, exit_timeout, hang)
-    _INFO = _set_up(info, cpu_collectives, timeouts, interface)
-    return _INFO
+        return check_hang_timeout(os.environ[ENV_HANG_TIMEOUT], ENV_HANG_TIMEOUT)
+    return check_hang_timeout(hang_timeout)
 
 
 def cluster() -> ClusterInfo:
