@@ -121,7 +121,7 @@ def test_a_peer_that_never_starts_is_an_initialization_error():
 
 
 def test_the_coordinator_listens_on_loopback_only():
-    results = run_processes([sys.executable, str(WORKER), "listen"], 2, timeout=60)
+    results = run_processes([sys.executable, str(WORKER), "listen"], 2, timeout=150)
     [line] = [line for line in results[0].stdout.splitlines() if line.startswith("LISTEN")]
     addresses = [decode(a) for a in line.split()[1:]]
     assert addresses and all(a.is_loopback for a in addresses), addresses
