@@ -204,7 +204,7 @@ def test_outer_optimizer_lr_one_plain_sgd_is_averaging():
     assert not np.allclose(before["out"]["kernel"][0], before["out"]["kernel"][1])
 
 
-def test_hostile_states_say_what_to_do():
+def test_unusable_states_say_what_to_do():
     strategy = spmd.DiLoCo(islands=2, sync_every=2)
     step = strategy.step(make_step())
     state = strategy.init(create, jax.random.key(0))

@@ -1,4 +1,4 @@
-"""Hostile review of the step's flat state, metrics as the in-flight handle and the fast path.
+"""The step's flat state, metrics as the in-flight handle, and its fast path.
 
 Each program runs as a user would write it and is checked per step against an
 oracle: the same function, data and seed under plain `jax.jit` on one device.

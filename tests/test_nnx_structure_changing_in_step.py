@@ -1,4 +1,4 @@
-"""Hostile review of NNX state whose structure changes inside the step (sow's growing
+"""NNX state whose structure changes inside the step (sow's growing
 tuple, a Variable changing dtype or shape, a Variable removed), against nnx.jit."""
 
 import warnings

@@ -1,6 +1,6 @@
 """One process of a port of a MaxText-style grain loader and a tf.data loop, crashed mid-epoch.
 
-Usage: python hostile_loaders_worker.py crash|resume OUT_DIR
+Usage: python loader_resume_worker.py crash|resume OUT_DIR
 
 `crash` reads 2 batches of each loader, saves a checkpoint with the
 iterator's position, reads one batch more and dies (os._exit) without

@@ -1,4 +1,4 @@
-"""A hostile user's elastic resume, the single-process parts: a job's mesh changes size.
+"""Elastic resume in one process: a job's mesh changes size between runs.
 
 One process with 8 simulated devices stands in for processes that come and go:
 a job trained on 4 devices resumes on 2 (a host lost for good), and the result
@@ -15,7 +15,7 @@ import pytest
 import spmd
 
 ROOT = Path(__file__).resolve().parents[1]
-FIT_WORKER = Path(__file__).with_name("hostile_elastic_fit_worker.py")
+FIT_WORKER = Path(__file__).with_name("elastic_fit_worker.py")
 
 
 def _fit(devices: int, backup: Path, out: Path, kill_at: int, per_execution: int):

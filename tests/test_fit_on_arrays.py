@@ -1,4 +1,4 @@
-"""Hostile review of Trainer.fit on arrays after the fed path's rewrite.
+"""Trainer.fit on numpy arrays, against a one-device SGD loop.
 
 An unshuffled full batch of a NumpyDataset is now a copied slice (a gather
 otherwise). Every run is checked against a plain `jax.jit` SGD loop on one

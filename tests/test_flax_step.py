@@ -1,4 +1,4 @@
-"""Edges of the flax integration (issue 13): what a flax user expects of a step.
+"""The flax integration: what a flax user expects of a step.
 
 Each test states the expectation: the numbers of the same program under
 `nnx.jit` on one device, the model updated as `nnx.jit` updates it, or a

@@ -1,4 +1,4 @@
-"""A hostile user's `spmd launch --min-processes`: which process fails, and how.
+"""`spmd launch --min-processes`: which process fails, and how, and what the job does.
 
 Each job is resume_worker.py with --failing P and --hang:
 MultiWorkerMirroredStrategy over 2 devices a process, a global batch

@@ -1,4 +1,4 @@
-"""`spmd launch` under hostile faults: no worker nor its child is left, the first failure is named.
+"""`spmd launch` under faults: no worker nor its child is left, the first failure is named.
 
 Real processes, real signals, loopback only (issue 11 items 5, 6 and 9). Every
 wait is bounded and every process started is killed at the end.

@@ -1,6 +1,6 @@
 """Trainer.fit with Dropout, BackupAndRestore and steps_per_execution, on the first D devices.
 
-Usage: python hostile_elastic_fit_worker.py DEVICES BACKUP_DIR OUT.npz KILL_AT STEPS_PER_EXECUTION
+Usage: python elastic_fit_worker.py DEVICES BACKUP_DIR OUT.npz KILL_AT STEPS_PER_EXECUTION
 
 With KILL_AT >= 0 the process kills itself (SIGKILL) once `trainer.iterations`
 reaches it: a host lost mid-epoch. A later run on another device count resumes

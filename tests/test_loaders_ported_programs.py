@@ -5,7 +5,7 @@ to_iter_dataset, a DataLoader with an IndexSampler) and the tf.distribute
 "Distributed input" guide's pipelines (repeat, steps_per_epoch, dataset
 functions), checked against one-device oracles; then bad input. A test marked
 xfail(strict) states the correct behaviour of something that is wrong today.
-Over 2 processes, and a resume after a crash: tests/multiprocess/test_hostile_loaders.py.
+Over 2 processes, and a resume after a crash: tests/multiprocess/test_loaders_ported_programs.py.
 """
 
 import itertools

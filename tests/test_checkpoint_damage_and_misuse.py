@@ -1,4 +1,4 @@
-"""Damaged checkpoints and misuse an unlucky operator meets (a hostile review of issue 11).
+"""Damaged checkpoints and misuse an unlucky operator meets, and what each one gets.
 
 Each test damages real files (or runs real processes) and asserts what the
 guarantees in docs/checkpoints.md and docs/multihost.md promise: damage is

@@ -1,4 +1,4 @@
-"""Hostile input to the fed paths' fast code: host transfers, the step's fast path, the
+"""Odd input to the fed paths' fast code: host transfers, the step's fast path, the
 Trainer's hooks and NaN flag, each against a one-device oracle or Keras' semantics."""
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Hostile review of the single-process fed path: batches that change between steps.
+"""The single-process fed path: batches that change between steps.
 
 Every batch is flattened once, its leaves copied, checked in one pass and
 placed by a plan cached per (structure, shapes, dtypes). Each test feeds a

@@ -1,4 +1,4 @@
-"""Hostile review of the GPU fixes: host-placed (pinned_host) state is not donated and
+"""Host-placed (pinned_host) state is not donated and
 only its pinned_host leaves move inside the step; the accelerator test mode; examples/07.
 
 Every host-placed run is checked against OneDeviceStrategy (the oracle): same model,

@@ -1,4 +1,4 @@
-"""The edges of the step, run/reduce/gather and the strategies (issue 12, strategy side).
+"""The step, run/reduce/gather and the strategies, as ported programs expect them.
 
 Each test is one behaviour that must hold: a program ported from tf.distribute
 gives the numbers of a one-device `jax.jit` of the same function (or TF's own

@@ -10,7 +10,7 @@ import pytest
 
 from spmd.testing import run_processes
 
-WORKER = Path(__file__).with_name("hostile_loaders_worker.py")
+WORKER = Path(__file__).with_name("loader_resume_worker.py")
 N = 192
 pytestmark = pytest.mark.multiprocess
 
