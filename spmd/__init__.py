@@ -16,17 +16,17 @@ if TYPE_CHECKING:
     from spmd import partitioners as partitioners
     from spmd.checkpoint.manager import CheckpointManager as CheckpointManager
     from spmd.checkpoint.preemption import Preempted as Preempted
-    from spmd.clusters.initialize import ClusterInfo as ClusterInfo
     from spmd.clusters.initialize import cluster as cluster
     from spmd.clusters.initialize import initialize as initialize
-    from spmd.data.dataset import AutoShardPolicy as AutoShardPolicy
-    from spmd.data.dataset import DistributedDataset as DistributedDataset
-    from spmd.data.dataset import DistributedIterator as DistributedIterator
-    from spmd.data.dataset import FileDataset as FileDataset
-    from spmd.data.dataset import InputContext as InputContext
-    from spmd.data.dataset import InputOptions as InputOptions
-    from spmd.data.dataset import NumpyDataset as NumpyDataset
+    from spmd.clusters.spec import ClusterInfo as ClusterInfo
     from spmd.data.grain_source import grain_shard_options as grain_shard_options
+    from spmd.data.input_context import AutoShardPolicy as AutoShardPolicy
+    from spmd.data.input_context import InputContext as InputContext
+    from spmd.data.input_context import InputOptions as InputOptions
+    from spmd.data.iterator import DistributedDataset as DistributedDataset
+    from spmd.data.iterator import DistributedIterator as DistributedIterator
+    from spmd.data.sources import FileDataset as FileDataset
+    from spmd.data.sources import NumpyDataset as NumpyDataset
     from spmd.data.sources import PaddedBatch as PaddedBatch
     from spmd.errors import ArgumentTypeError as ArgumentTypeError
     from spmd.errors import BatchError as BatchError
@@ -42,11 +42,9 @@ if TYPE_CHECKING:
     from spmd.explain import Explanation as Explanation
     from spmd.mesh import make_mesh as make_mesh
     from spmd.planning import auto_strategy as auto_strategy
-    from spmd.strategy.base import Step as Step
     from spmd.strategy.base import Strategy as Strategy
     from spmd.strategy.base import get_strategy as get_strategy
     from spmd.strategy.base import has_strategy as has_strategy
-    from spmd.strategy.base import in_cross_replica_context as in_cross_replica_context
     from spmd.strategy.coordinator import ClusterCoordinator as ClusterCoordinator
     from spmd.strategy.coordinator import RemoteValue as RemoteValue
     from spmd.strategy.diloco import DiLoCo as DiLoCo
@@ -55,7 +53,9 @@ if TYPE_CHECKING:
     from spmd.strategy.replica import ReplicaContext as ReplicaContext
     from spmd.strategy.replica import compute_average_loss as compute_average_loss
     from spmd.strategy.replica import get_replica_context as get_replica_context
+    from spmd.strategy.replica import in_cross_replica_context as in_cross_replica_context
     from spmd.strategy.replica import scale_regularization_loss as scale_regularization_loss
+    from spmd.strategy.step import Step as Step
     from spmd.strategy.strategies import CentralStorageStrategy as CentralStorageStrategy
     from spmd.strategy.strategies import CommunicationImplementation as CommunicationImplementation
     from spmd.strategy.strategies import CommunicationOptions as CommunicationOptions
@@ -135,7 +135,7 @@ __all__ = [
 
 # Where each public name lives: the module `spmd.X` imports on first use.
 _WHERE = {
-    "AutoShardPolicy": "spmd.data.dataset",
+    "AutoShardPolicy": "spmd.data.input_context",
     "auto_strategy": "spmd.planning",
     "BatchError": "spmd.errors",
     "callbacks": "spmd.callbacks",
@@ -146,7 +146,7 @@ _WHERE = {
     "cluster": "spmd.clusters.initialize",
     "ClusterCoordinator": "spmd.strategy.coordinator",
     "ClusterError": "spmd.errors",
-    "ClusterInfo": "spmd.clusters.initialize",
+    "ClusterInfo": "spmd.clusters.spec",
     "Collective": "spmd.explain",
     "CommunicationImplementation": "spmd.strategy.strategies",
     "CommunicationOptions": "spmd.strategy.strategies",
@@ -154,26 +154,26 @@ _WHERE = {
     "ConfigurationError": "spmd.errors",
     "ContextError": "spmd.errors",
     "DiLoCo": "spmd.strategy.diloco",
-    "DistributedDataset": "spmd.data.dataset",
-    "DistributedIterator": "spmd.data.dataset",
+    "DistributedDataset": "spmd.data.iterator",
+    "DistributedIterator": "spmd.data.iterator",
     "Explanation": "spmd.explain",
-    "FileDataset": "spmd.data.dataset",
+    "FileDataset": "spmd.data.sources",
     "get_replica_context": "spmd.strategy.replica",
     "get_strategy": "spmd.strategy.base",
     "grain_shard_options": "spmd.data.grain_source",
     "has_strategy": "spmd.strategy.base",
-    "in_cross_replica_context": "spmd.strategy.base",
+    "in_cross_replica_context": "spmd.strategy.replica",
     "InitializationError": "spmd.errors",
     "initialize": "spmd.clusters.initialize",
-    "InputContext": "spmd.data.dataset",
-    "InputOptions": "spmd.data.dataset",
+    "InputContext": "spmd.data.input_context",
+    "InputOptions": "spmd.data.input_context",
     "LaunchError": "spmd.errors",
     "losses": "spmd.losses",
     "make_mesh": "spmd.mesh",
     "MirroredStrategy": "spmd.strategy.strategies",
     "MultiWorkerMirroredStrategy": "spmd.strategy.strategies",
     "NonFiniteLossError": "spmd.trainer.trainer",
-    "NumpyDataset": "spmd.data.dataset",
+    "NumpyDataset": "spmd.data.sources",
     "OneDeviceStrategy": "spmd.strategy.strategies",
     "PaddedBatch": "spmd.data.sources",
     "ParameterServerStrategy": "spmd.strategy.strategies",
@@ -187,7 +187,7 @@ _WHERE = {
     "ScopeError": "spmd.errors",
     "SidecarEvaluator": "spmd.trainer.sidecar",
     "SpmdError": "spmd.errors",
-    "Step": "spmd.strategy.base",
+    "Step": "spmd.strategy.step",
     "Strategy": "spmd.strategy.base",
     "TPUStrategy": "spmd.strategy.strategies",
     "topology": "spmd.topologies",

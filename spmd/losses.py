@@ -3,9 +3,6 @@
 from spmd.trainer.losses import LOSSES as LOSSES
 from spmd.trainer.losses import METRICS as METRICS
 from spmd.trainer.losses import Metric as Metric
-from spmd.trainer.losses import check_fit as check_fit
-from spmd.trainer.losses import check_labels as check_labels
-from spmd.trainer.losses import check_outputs as check_outputs
 from spmd.trainer.losses import per_example as per_example
 from spmd.trainer.losses import resolve_loss as resolve_loss
 from spmd.trainer.losses import resolve_metrics as resolve_metrics
@@ -14,9 +11,6 @@ __all__ = [
     "LOSSES",
     "METRICS",
     "Metric",
-    "check_fit",
-    "check_labels",
-    "check_outputs",
     "per_example",
     "resolve_loss",
     "resolve_metrics",

@@ -287,6 +287,8 @@ def test_every_public_name_lives_where_the_map_says():
             assert value is importlib.import_module(module), name
         else:
             assert value is getattr(importlib.import_module(module), name), name
+            # the module that defines it, not one that re-exports it
+            assert getattr(value, "__module__", module) == module, (name, value.__module__)
 
 
 _FRESH = """

@@ -91,7 +91,7 @@ class CheckpointManager:
         over processes are all-gathered first) to its own `directory`, and
         restoring broadcasts it from there. Every method is then a collective.
       preemption: how a preemption notice is caught and agreed on: "auto",
-        "jax", "signal" or "off" (see `spmd.checkpoint.preemption.PreemptionWatcher`).
+        "jax", "signal" or "off" (see docs/checkpoints.md, preemption).
       exit_on_preemption: after the preemption checkpoint, close and raise
         `Preempted`; if False, `save` returns True and `preempted_step` is set.
       preemption_check_steps: with the "signal" mechanism and several

@@ -229,7 +229,7 @@ def initialize(
     reaching its end alone) tells the others through the coordination
     service and each ends within about a second; a SIGTERM ends every process
     at once unless a checkpoint manager is waiting to save (see
-    `spmd.checkpoint.preemption.PreemptionWatcher`).
+    docs/checkpoints.md, preemption).
 
     Returns:
       The ClusterInfo of this process.

@@ -210,8 +210,9 @@ class Strategy:
 
         Args:
           tree: the state, or flax NNX objects (whose annotations are read).
-          sources: if True, each leaf is a `spmd.rules.LeafLayout` instead:
-            the spec and where it came from (rule, annotation, partitioner, default).
+          sources: if True, each leaf is a record with `.spec` and `.source`
+            instead: the spec and where it came from ("rule '<regex>'",
+            "annotation (...)", "partitioner (rule '<regex>')" or "default").
         """
         pure = nnx_state.pure(tree)
         shard_axes = tuple((a, self.mesh.shape[a]) for a in reversed(self.batch_axes))
@@ -406,7 +407,7 @@ class Strategy:
         """Each global batch of `dataset` as global jax.Arrays over the replicas.
 
         Returns a `spmd.DistributedDataset`; `options` is a `spmd.InputOptions`
-        (sharding policy, padding, prefetch). See `spmd.data.dataset.distribute_dataset`.
+        (sharding policy, padding, prefetch). See docs/input.md.
         """
 
         return distribute_dataset(self, dataset, options)
@@ -418,7 +419,10 @@ class Strategy:
     ) -> DistributedDataset:
         """Each process's batches from `dataset_fn(spmd.InputContext)`, as global jax.Arrays.
 
-        See `spmd.data.dataset.distribute_datasets_from_function`.
+        `dataset_fn` builds this process's pipeline, reading its own share of the
+        data (`input_pipeline_id` of `num_input_pipelines`) in batches of
+        `ctx.get_per_pipeline_batch_size(global_batch_size)` rows. See
+        docs/input.md.
         """
 
         return distribute_datasets_from_function(self, dataset_fn, options)
@@ -434,7 +438,7 @@ class Strategy:
     ) -> NumpyDataset:
         """In-memory arrays as a `spmd.NumpyDataset` of global batches, for `distribute_dataset`.
 
-        See `spmd.data.dataset.make_numpy_dataset`.
+        See docs/input.md.
         """
 
         return make_numpy_dataset(
