@@ -166,3 +166,38 @@ def test_a_step_with_a_pmap_batch_norm_is_named_too():
     x, y = _data(1)
     with pytest.raises(spmd.ConfigurationError, match="global view"):
         train_step(state, x[0], y[0])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        spmd.MirroredStrategy,
+        lambda: spmd.Strategy(
+            mesh=spmd.make_mesh({"host": 2, "replica": 4}), batch_axes=("host", "replica")
+        ),
+    ],
+    ids=["mirrored", "two_batch_axes"],
+)
+def test_run_with_an_axis_name_inside_a_step_matches_pmap(make):
+    # The step's error points here: keep the per-replica code and run it with
+    # run(..., axis_name=...); inside a step as well as eagerly.
+    strategy = make()
+    (want_params, want_stats, _), want_losses = _pmap_oracle(1)
+    params, stats, opt_state = _init()
+
+    @strategy.step
+    def train_step(state, x, y):
+        rep = jax.tree.map(lambda a: spmd.PerReplica(jnp.stack([a] * N)), state)
+        *new, loss = strategy.run(_train_step, args=(*rep, x, y), axis_name="batch")
+        first = jax.tree.map(
+            lambda r: r.values[0], tuple(new), is_leaf=lambda r: isinstance(r, spmd.PerReplica)
+        )
+        return first, {"loss": strategy.reduce("MEAN", loss, axis=None)}
+
+    x, y = _data(1)
+    (got_params, got_stats, _), metrics = train_step(
+        strategy.put((params, stats, opt_state)), x[0], y[0]
+    )
+    np.testing.assert_allclose(float(metrics["loss"]), want_losses[0], rtol=1e-5)
+    for got, want in ((got_params, want_params), (got_stats, want_stats)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)

@@ -337,7 +337,17 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
         # come back already summed over the replicas.
         check_vma=False,
     )
-    return jax.jit(lambda *flat: jax.tree.map(PerReplica, mapped(*flat)))
+
+    def program(*flat):
+        # Inside a step the context mesh is the strategy's; the replica mesh is
+        # the same devices with the batch axes renamed, so it stands in for it.
+        current = jax.sharding.get_abstract_mesh()
+        if current.empty or current == mesh.abstract_mesh:
+            return jax.tree.map(PerReplica, mapped(*flat))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.tree.map(PerReplica, mapped(*flat))
+
+    return jax.jit(program)
 
 
 def reduce(op: ReduceOp, value: Any, axis: int | None, strategy: Strategy | None = None) -> Any:
