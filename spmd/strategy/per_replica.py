@@ -204,7 +204,7 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     again, a new partial) is traced anew, and its traced program is shared
     with an earlier function's when the two jaxprs, their constants, their
     output structures and the Python functions their equations call back into
-    (callbacks, custom derivative rules) are the same: a new lambda each call
+    (callbacks) are the same: a new lambda each call
     compiles once and always sees current values, and never gets another
     function's output structure or callback.
     """
@@ -265,11 +265,14 @@ def _consts_key(consts: list) -> tuple:
 
 
 def _functions_key(jaxpr: Any) -> tuple:
-    """The Python functions a jaxpr's equations hold, by identity, sub-jaxprs included.
+    """The Python functions a jaxpr's equations call when it runs, by identity.
 
-    A printed jaxpr names a callback or a custom derivative rule without telling
-    two functions apart, so two programs that print alike may call different
-    Python code; their functions are part of the key.
+    A printed jaxpr names a callback without telling two functions apart, so two
+    programs that print alike may call different Python code; their functions
+    are part of the key, sub-jaxprs included. A custom derivative's rules are
+    not: a shared program only runs, on concrete arrays (a traced `run` is
+    traced anew), so it never calls them, and each trace wraps them in a new
+    function (a new lambda calling jax.nn.relu would compile every time).
     """
     found = []
 
@@ -278,8 +281,10 @@ def _functions_key(jaxpr: Any) -> tuple:
             walk(value.jaxpr)
         elif isinstance(value, jax_core.Jaxpr):
             for eqn in value.eqns:
+                rules = eqn.primitive.name in _CUSTOM_DERIVATIVES
                 for param in eqn.params.values():
-                    walk(param)
+                    if not rules or isinstance(param, jax_core.ClosedJaxpr | jax_core.Jaxpr):
+                        walk(param)
         elif isinstance(value, tuple | list):
             for item in value:
                 walk(item)
@@ -288,6 +293,10 @@ def _functions_key(jaxpr: Any) -> tuple:
 
     walk(jaxpr)
     return tuple(found)
+
+
+# Primitives whose callable parameters are derivative rules, run only when differentiated.
+_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 class _Identity:
