@@ -177,31 +177,40 @@ def to_spec(
 ) -> PartitionSpec:
     """The mesh `PartitionSpec` of an annotation, through the logical axis rules.
 
-    Each name maps by the first rule for it whose mesh axes this leaf does not
-    already use; a name equal to a mesh axis maps to that axis; any other name
-    is replicated if `replicate_unmapped` or the rules hold `(REST, None)`,
-    else an error.
+    As `nn.logical_to_mesh_axes` maps them: the rules are taken in order, and
+    each maps the first dimension of its name not yet mapped, if none of its
+    mesh axes is taken yet; so an earlier rule wins a mesh axis over a later one,
+    whichever dimension comes first (MaxText's `mlp` rule takes `fsdp_transpose`
+    before its `embed` rules are read). A name no rule mapped is then a mesh
+    axis of that name, or replicated (its rules' axes all taken, or
+    `replicate_unmapped`, or the rules hold `(REST, None)`), else an error.
 
     Raises:
       ConfigurationError: a name is neither mapped nor a mesh axis (and not replicated).
     """
+    slots = [(i, name) for i, entry in enumerate(names) for name in _axes(entry)]
+    mapped: dict[tuple[int, str], list[str]] = {}
     used: set[str] = set()
+    for alias, target in rules:
+        free = [slot for slot in slots if slot[1] == alias and slot not in mapped]
+        axes = list(_axes(target))
+        if free and not used.intersection(axes):
+            mapped[free[0]] = axes
+            used.update(axes)
+    for slot in slots:
+        if slot not in mapped:
+            mapped[slot] = _map_unruled(slot[1], rules, mesh, used, replicate_unmapped, names, path)
+            used.update(mapped[slot])
     entries = []
-    for entry in names:
-        axes = []
-        for name in _axes(entry):
-            axes += _map_name(name, rules, mesh, used, replicate_unmapped, names, path)
-        used.update(axes)
+    for i in range(len(names)):
+        axes = [a for slot in slots if slot[0] == i for a in mapped[slot]]
         entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return PartitionSpec(*entries)
 
 
-def _map_name(name, rules, mesh, used, replicate_unmapped, names, path) -> list[str]:
-    candidates = [_axes(target) for alias, target in rules if alias == name]
-    for axes in candidates:
-        if not used.intersection(axes):
-            return list(axes)
-    if candidates:  # every mapping is taken by another dimension: replicate this one
+def _map_unruled(name, rules, mesh, used, replicate_unmapped, names, path) -> list[str]:
+    """The mesh axes of a name that no rule mapped: its own axis, or none, or an error."""
+    if any(alias == name for alias, _ in rules):  # its rules' axes are taken: replicated
         return []
     if name in mesh.shape:
         if name in used:
