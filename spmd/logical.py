@@ -99,20 +99,39 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
                     f"name each mesh axis once, e.g. ('{rule[0]}', '{targets[0]}').",
                 )
             )
-        unknown = [a for a in targets if a not in mesh.shape]
-        if unknown:
-            raise ConfigurationError(
-                message(
-                    f"The logical axis rule for '{rule[0]}' names mesh axes the mesh does not "
-                    f"have: {unknown}.",
-                    received(rule=tuple(rule), mesh_axes=tuple(mesh.shape)),
-                    f"map '{rule[0]}' to one of {tuple(mesh.shape)}, or to None to replicate.",
-                )
-            )
         checked.append(
             (rule[0], rule[1] if rule[1] is None or isinstance(rule[1], str) else targets)
         )
+    _check_axes_exist(checked, mesh)
     return tuple(checked)
+
+
+def _check_axes_exist(rules: Sequence[tuple[str, Any]], mesh: Mesh) -> None:
+    """Every mesh axis the rules name is an axis of `mesh`; all that are not, in one error."""
+    bad = [(name, t) for name, t in rules if any(a not in mesh.shape for a in _axes(t))]
+    if not bad:
+        return
+    missing = sorted({a for _, t in bad for a in _axes(t) if a not in mesh.shape})
+    if len(bad) == 1:
+        expected = (
+            f"The logical axis rule for '{bad[0][0]}' names mesh axes the mesh does not "
+            f"have: {missing}."
+        )
+    else:
+        expected = (
+            f"Every mesh axis a logical axis rule names is an axis of the mesh; {len(bad)} "
+            f"rules name axes it does not have: {missing}."
+        )
+    sizes = ", ".join(f"'{a}': 1" for a in missing)
+    raise ConfigurationError(
+        message(
+            expected,
+            received(rules=tuple(bad), mesh_axes=tuple(mesh.shape)),
+            f"map each to axes of {tuple(mesh.shape)} (or None to replicate), or give the "
+            f"mesh those axes with size 1, as MaxText's meshes hold every axis it names: "
+            f"spmd.make_mesh({{..., {sizes}}}).",
+        )
+    )
 
 
 def annotation(variable: Any) -> tuple | None:

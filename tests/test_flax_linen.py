@@ -253,3 +253,15 @@ def test_maxtext_rules_lay_out_every_leaf_as_flax_maps_them():
     for name, names in MAXTEXT_NAMES.items():
         got = state["params"][name].value.sharding
         assert got.is_equivalent_to(want["params"][name], len(names)), (name, got.spec)
+
+
+def test_maxtext_rules_on_a_mesh_without_their_axes_name_every_missing_axis_at_once():
+    rules = [(name, tuple(t) if isinstance(t, list) else t) for name, t in MAXTEXT_RULES]
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        spmd.Strategy(
+            spmd.make_mesh({"data": 2, "fsdp": 4}), batch_axes=("data",), logical_axis_rules=rules
+        )
+    text = str(caught.value)
+    assert "['autoregressive', 'fsdp_transpose', 'sequence', 'tensor']" in text
+    assert "('cache_heads', ('autoregressive', 'tensor'))" in text  # the last such rule too
+    assert "'fsdp_transpose': 1" in text  # the mesh those rules expect, with size-1 axes
