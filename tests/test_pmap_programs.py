@@ -201,3 +201,18 @@ def test_run_with_an_axis_name_inside_a_step_matches_pmap(make):
     np.testing.assert_allclose(float(metrics["loss"]), want_losses[0], rtol=1e-5)
     for got, want in ((got_params, want_params), (got_stats, want_stats)):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("axis_name", [None, "i"])
+def test_run_of_a_pmap_collective_on_another_name_says_which_axis_name_to_pass(axis_name):
+    strategy = spmd.MirroredStrategy()
+
+    def fn(v):
+        return jax.lax.pmean(v, "batch")
+
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        strategy.run(fn, args=(np.ones(N, np.float32),), axis_name=axis_name)
+    text = str(caught.value)
+    assert "unbound_axis='batch'" in text and f"axis_name={axis_name!r}" in text
+    assert "pass axis_name='batch' to strategy.run" in text
+    assert isinstance(caught.value.__cause__, NameError)

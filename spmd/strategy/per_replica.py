@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -332,7 +333,7 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
         ]
         args, kwargs = jax.tree.unflatten(treedef, top)
         with replica_context(context), running_strategy(strategy):
-            out = fn(*args, **kwargs)
+            out = _call_replica_fn(fn, args, kwargs, axes, axis_name)
         return jax.tree.map(lambda y: jnp.asarray(y)[None], out)
 
     mapped = jax.shard_map(
@@ -357,6 +358,30 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
             return jax.tree.map(PerReplica, mapped(*flat))
 
     return jax.jit(program)
+
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")
+
+
+def _call_replica_fn(fn: Callable, args: Any, kwargs: dict, axes: tuple, axis_name: Any):
+    """Calls `fn` for one replica; a collective over an axis `run` does not bind is a
+    ConfigurationError that names the axis_name to pass (was JAX's NameError)."""
+    try:
+        return fn(*args, **kwargs)
+    except NameError as error:
+        found = _UNBOUND_AXIS.search(str(error))
+        if found is None:
+            raise
+        raise ConfigurationError(
+            message(
+                "strategy.run names the replicas for fn's collectives by the batch axes, or by "
+                "the one axis_name passed (as jax.pmap's axis_name); fn names no other axis.",
+                received(unbound_axis=found.group(1), axis_name=axis_name, bound_axes=axes),
+                f"pass axis_name={found.group(1)!r} to strategy.run, as "
+                f"jax.pmap(fn, axis_name={found.group(1)!r}) did (one name per run: use it "
+                "for every collective of fn).",
+            )
+        ) from error
 
 
 def reduce(op: ReduceOp, value: Any, axis: int | None, strategy: Strategy | None = None) -> Any:
