@@ -216,3 +216,19 @@ def test_run_of_a_pmap_collective_on_another_name_says_which_axis_name_to_pass(a
     assert "unbound_axis='batch'" in text and f"axis_name={axis_name!r}" in text
     assert "pass axis_name='batch' to strategy.run" in text
     assert isinstance(caught.value.__cause__, NameError)
+
+
+@pytest.mark.parametrize("context", ["scope", "set_mesh"])
+def test_run_with_an_axis_name_under_the_strategys_mesh_context_matches_pmap(context):
+    # A mesh with a model axis beside the batch: the replicas are 4, as pmap over 4 devices.
+    strategy = spmd.Strategy(mesh=spmd.make_mesh({"data": 4, "model": 2}), batch_axes=("data",))
+    x = np.arange(16, dtype=np.float32)
+
+    def fn(v):
+        return jax.lax.psum(v.sum(), "batch") + jax.lax.axis_index("batch")
+
+    want = jax.pmap(fn, axis_name="batch", devices=jax.devices()[:4])(x.reshape(4, 4))
+    enter = strategy.scope() if context == "scope" else jax.set_mesh(strategy.mesh)
+    with enter:
+        got = strategy.run(fn, args=(x,), axis_name="batch")
+    np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -77,9 +78,17 @@ def run(
         for x, k in zip(flat, kinds, strict=True)
     ]
     structure = (strategy, treedef, tuple(subdefs), tuple(kinds), axis_name)
-    out = _program(fn, structure, flat)(*flat)
     if axis_name is None or (axis_name,) == tuple(strategy.batch_axes):
-        return out
+        return _program(fn, structure, flat)(*flat)
+    # Under the strategy's scope (or jax.set_mesh) its mesh is the context mesh;
+    # the program runs on the replica mesh, the same devices renamed.
+    # Inside a trace set_mesh is refused, and `_jitted` renames the abstract mesh instead.
+    renamed: Any = contextlib.nullcontext()
+    if not jax.sharding.get_abstract_mesh().empty:
+        with contextlib.suppress(ValueError):
+            renamed = jax.set_mesh(_replica_mesh(strategy, axis_name))
+    with renamed:
+        out = _program(fn, structure, flat)(*flat)
     # The program ran on the mesh with the batch axes named `axis_name`: the same
     # devices in the same order, so placing its results back on the strategy's
     # mesh moves nothing.
