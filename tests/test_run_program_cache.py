@@ -165,6 +165,22 @@ def test_differentiating_through_run_uses_each_functions_own_derivative_rule(str
         np.testing.assert_array_equal(jax.grad(total)(X), np.full(N, k))
 
 
+def test_named_scopes_of_equal_programs_name_their_own_ops(strategy):
+    # A profile names each op by its scope: a shared program would show the
+    # first function's names for the second's ops.
+    def scoped(name):
+        def fn(v):
+            with jax.named_scope(name):
+                return v * 2.0
+
+        return fn
+
+    for name in ("encoder", "decoder"):
+        strategy.run(scoped(name), args=(X,))
+        program = per_replica._BY_FUNCTION[next(reversed(per_replica._BY_FUNCTION))]
+        assert name in program.lower(X).as_text(debug_info=True)
+
+
 # Structures with the two leaves "own" and "total" somewhere, None leaves between.
 _KEYS = st.sampled_from(["a", "b", "c", "loss", "x"])
 

@@ -283,14 +283,17 @@ def _functions_key(jaxpr: Any) -> tuple:
     not: a shared program only runs, on concrete arrays (a traced `run` is
     traced anew), so it never calls them, and each trace wraps them in a new
     function (a new lambda calling jax.nn.relu would compile every time).
+    Each equation's name stack (`jax.named_scope`) is part of it too: the printed
+    jaxpr leaves it out, and a profile names its ops by it.
     """
-    found = []
+    found: list = []
 
     def walk(value: Any) -> None:
         if isinstance(value, jax_core.ClosedJaxpr):
             walk(value.jaxpr)
         elif isinstance(value, jax_core.Jaxpr):
             for eqn in value.eqns:
+                found.append(str(eqn.source_info.name_stack))
                 rules = eqn.primitive.name in _CUSTOM_DERIVATIVES
                 for param in eqn.params.values():
                     if not rules or isinstance(param, jax_core.ClosedJaxpr | jax_core.Jaxpr):
