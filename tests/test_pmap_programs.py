@@ -232,3 +232,24 @@ def test_run_with_an_axis_name_under_the_strategys_mesh_context_matches_pmap(con
     with enter:
         got = strategy.run(fn, args=(x,), axis_name="batch")
     np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want))
+
+
+def test_a_replicated_pmap_state_passed_as_a_batch_names_run_arguments_and_per_replica():
+    from flax import jax_utils
+
+    strategy = spmd.MirroredStrategy()
+    state = jax_utils.replicate({"w": jnp.ones((3, 2))})  # leading axis: one copy per device
+
+    def step(params, images):
+        return jax.lax.pmean((images @ params["w"]).sum(), "batch")
+
+    with pytest.raises(spmd.BatchError) as caught:
+        strategy.run(step, args=(state, np.ones((2 * N, 3), np.float32)), axis_name="batch")
+    text = str(caught.value)
+    assert "params=8, images=16" in text and "spmd.PerReplica" in text
+    # As the error says: the copies as a PerReplica run as pmap ran them.
+    want = jax.pmap(step, axis_name="batch")(state, np.ones((N, 2, 3), np.float32))
+    got = strategy.run(
+        step, args=(spmd.PerReplica(state), np.ones((2 * N, 3), np.float32)), axis_name="batch"
+    )
+    np.testing.assert_allclose(np.asarray(got.values), np.asarray(want))

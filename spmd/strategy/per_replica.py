@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd.errors import ConfigurationError, ContextError, message, received
+from spmd.errors import BatchError, ConfigurationError, ContextError, message, received
 from spmd.strategy.replica import (
     PerReplica,
     ReduceOp,
@@ -71,7 +72,20 @@ def run(
         kinds.append(_SPLIT if i < n_args and np.ndim(x) > 0 else _REPLICATED)
         subdefs.append(None)
     if _SPLIT in kinds:
-        strategy.check_batch([x for x, k in zip(flat, kinds, strict=True) if k == _SPLIT])
+        # fn's positional arguments, PerReplica leaves left out, named by fn's own names.
+        split = [
+            jax.tree.map(lambda x: None if _is_per_replica(x) else x, a, is_leaf=_is_per_replica)
+            for a in args
+        ]
+        try:
+            strategy.check_batch(tuple(split), names=_argument_names(fn, len(split)))
+        except BatchError as error:
+            if "same leading (batch) size" not in str(error):
+                raise
+            raise BatchError(
+                f"{error} A value every replica holds a copy of (what flax.jax_utils.replicate "
+                "made for jax.pmap) goes in as spmd.PerReplica(stacked), one copy per replica."
+            ) from None
     batch = NamedSharding(strategy.mesh, PartitionSpec(strategy.batch_axes))
     flat = [
         conform(x, strategy.replicated if k == _REPLICATED else batch)
@@ -114,6 +128,21 @@ def _check_axis_name(strategy: Strategy, axis_name: Any) -> None:
                 'for lax.pmean(x, "batch").',
             )
         )
+
+
+def _argument_names(fn: Callable, count: int) -> list[str] | None:
+    """The names of fn's first `count` positional parameters, or None where unknown."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names: list[str] = []
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            names += [f"{p.name}[{i}]" for i in range(count - len(names))]
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    return names[:count] if len(names) >= count else None
 
 
 def _replica_mesh(strategy: Strategy, axis_name: str) -> Mesh:
