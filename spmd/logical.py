@@ -99,20 +99,39 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
                     f"name each mesh axis once, e.g. ('{rule[0]}', '{targets[0]}').",
                 )
             )
-        unknown = [a for a in targets if a not in mesh.shape]
-        if unknown:
-            raise ConfigurationError(
-                message(
-                    f"The logical axis rule for '{rule[0]}' names mesh axes the mesh does not "
-                    f"have: {unknown}.",
-                    received(rule=tuple(rule), mesh_axes=tuple(mesh.shape)),
-                    f"map '{rule[0]}' to one of {tuple(mesh.shape)}, or to None to replicate.",
-                )
-            )
         checked.append(
             (rule[0], rule[1] if rule[1] is None or isinstance(rule[1], str) else targets)
         )
+    _check_axes_exist(checked, mesh)
     return tuple(checked)
+
+
+def _check_axes_exist(rules: Sequence[tuple[str, Any]], mesh: Mesh) -> None:
+    """Every mesh axis the rules name is an axis of `mesh`; all that are not, in one error."""
+    bad = [(name, t) for name, t in rules if any(a not in mesh.shape for a in _axes(t))]
+    if not bad:
+        return
+    missing = sorted({a for _, t in bad for a in _axes(t) if a not in mesh.shape})
+    if len(bad) == 1:
+        expected = (
+            f"The logical axis rule for '{bad[0][0]}' names mesh axes the mesh does not "
+            f"have: {missing}."
+        )
+    else:
+        expected = (
+            f"Every mesh axis a logical axis rule names is an axis of the mesh; {len(bad)} "
+            f"rules name axes it does not have: {missing}."
+        )
+    sizes = ", ".join(f"'{a}': 1" for a in missing)
+    raise ConfigurationError(
+        message(
+            expected,
+            received(rules=tuple(bad), mesh_axes=tuple(mesh.shape)),
+            f"map each to axes of {tuple(mesh.shape)} (or None to replicate), or give the "
+            f"mesh those axes with size 1, as MaxText's meshes hold every axis it names: "
+            f"spmd.make_mesh({{..., {sizes}}}).",
+        )
+    )
 
 
 def annotation(variable: Any) -> tuple | None:
@@ -177,31 +196,40 @@ def to_spec(
 ) -> PartitionSpec:
     """The mesh `PartitionSpec` of an annotation, through the logical axis rules.
 
-    Each name maps by the first rule for it whose mesh axes this leaf does not
-    already use; a name equal to a mesh axis maps to that axis; any other name
-    is replicated if `replicate_unmapped` or the rules hold `(REST, None)`,
-    else an error.
+    As `nn.logical_to_mesh_axes` maps them: the rules are taken in order, and
+    each maps the first dimension of its name not yet mapped, if none of its
+    mesh axes is taken yet; so an earlier rule wins a mesh axis over a later one,
+    whichever dimension comes first (MaxText's `mlp` rule takes `fsdp_transpose`
+    before its `embed` rules are read). A name no rule mapped is then a mesh
+    axis of that name, or replicated (its rules' axes all taken, or
+    `replicate_unmapped`, or the rules hold `(REST, None)`), else an error.
 
     Raises:
       ConfigurationError: a name is neither mapped nor a mesh axis (and not replicated).
     """
+    slots = [(i, name) for i, entry in enumerate(names) for name in _axes(entry)]
+    mapped: dict[tuple[int, str], list[str]] = {}
     used: set[str] = set()
+    for alias, target in rules:
+        free = [slot for slot in slots if slot[1] == alias and slot not in mapped]
+        axes = list(_axes(target))
+        if free and not used.intersection(axes):
+            mapped[free[0]] = axes
+            used.update(axes)
+    for slot in slots:
+        if slot not in mapped:
+            mapped[slot] = _map_unruled(slot[1], rules, mesh, used, replicate_unmapped, names, path)
+            used.update(mapped[slot])
     entries = []
-    for entry in names:
-        axes = []
-        for name in _axes(entry):
-            axes += _map_name(name, rules, mesh, used, replicate_unmapped, names, path)
-        used.update(axes)
+    for i in range(len(names)):
+        axes = [a for slot in slots if slot[0] == i for a in mapped[slot]]
         entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return PartitionSpec(*entries)
 
 
-def _map_name(name, rules, mesh, used, replicate_unmapped, names, path) -> list[str]:
-    candidates = [_axes(target) for alias, target in rules if alias == name]
-    for axes in candidates:
-        if not used.intersection(axes):
-            return list(axes)
-    if candidates:  # every mapping is taken by another dimension: replicate this one
+def _map_unruled(name, rules, mesh, used, replicate_unmapped, names, path) -> list[str]:
+    """The mesh axes of a name that no rule mapped: its own axis, or none, or an error."""
+    if any(alias == name for alias, _ in rules):  # its rules' axes are taken: replicated
         return []
     if name in mesh.shape:
         if name in used:

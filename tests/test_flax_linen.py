@@ -190,3 +190,78 @@ def test_a_box_own_rules_map_its_names_first(doc):
     )
     state = strategy.init(create, jax.random.key(0))
     assert state["kernel"].value.sharding.spec == P(None, "model")
+
+
+# MaxText's base.yml logical_axis_rules, as MaxText writes them (lists), on its six-axis mesh.
+MAXTEXT_RULES = [
+    ["activation_batch", ["data", "fsdp", "fsdp_transpose"]],
+    ["activation_heads", ["tensor", "sequence"]],
+    ["activation_length", "sequence"],
+    ["activation_embed", "tensor"],
+    ["activation_mlp", "tensor"],
+    ["activation_kv", "tensor"],
+    ["activation_vocab", ["tensor", "sequence"]],
+    ["activation_vocab", "tensor"],
+    ["activation_vocab", "sequence"],
+    ["mlp", ["fsdp_transpose", "tensor", "autoregressive"]],
+    ["vocab", ["tensor", "autoregressive"]],
+    ["embed", ["fsdp", "fsdp_transpose", "sequence"]],
+    ["embed", ["fsdp", "sequence"]],
+    ["norm", "tensor"],
+    ["heads", ["tensor", "autoregressive"]],
+    ["kv", []],
+    ["cache_batch", []],
+    ["cache_heads", ["autoregressive", "tensor"]],
+    ["cache_kv", []],
+    ["cache_sequence", []],
+]
+MAXTEXT_NAMES = {
+    "wi": ("embed", "mlp"),  # mlp's rule comes first: it takes fsdp_transpose from embed
+    "wo": ("mlp", "embed"),
+    "embedding": ("vocab", "embed"),
+    "query": ("embed", "heads", "kv"),
+    "out": ("heads", "kv", "embed"),
+    "scale": ("norm",),
+    "gate": ("heads", "mlp"),
+}
+
+
+def test_maxtext_rules_lay_out_every_leaf_as_flax_maps_them():
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.initializers.ones
+            return sum(
+                self.param(n, nn.with_logical_partitioning(init, names), (8,) * len(names)).sum()
+                for n, names in MAXTEXT_NAMES.items()
+            )
+
+    rules = [(name, tuple(t) if isinstance(t, list) else t) for name, t in MAXTEXT_RULES]
+    axes = {"data": 1, "fsdp": 2, "fsdp_transpose": 2, "sequence": 1, "tensor": 2}
+    mesh = spmd.make_mesh({**axes, "autoregressive": 1})
+    strategy = spmd.Strategy(
+        mesh, batch_axes=("data", "fsdp", "fsdp_transpose"), logical_axis_rules=rules
+    )
+
+    def create(key):
+        return Layer().init(key, jnp.ones(1))
+
+    state = strategy.init(create, jax.random.key(0))
+    want = nn.logical_to_mesh_sharding(
+        nn.get_partition_spec(jax.eval_shape(create, jax.random.key(0))), mesh, rules
+    )
+    for name, names in MAXTEXT_NAMES.items():
+        got = state["params"][name].value.sharding
+        assert got.is_equivalent_to(want["params"][name], len(names)), (name, got.spec)
+
+
+def test_maxtext_rules_on_a_mesh_without_their_axes_name_every_missing_axis_at_once():
+    rules = [(name, tuple(t) if isinstance(t, list) else t) for name, t in MAXTEXT_RULES]
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        spmd.Strategy(
+            spmd.make_mesh({"data": 2, "fsdp": 4}), batch_axes=("data",), logical_axis_rules=rules
+        )
+    text = str(caught.value)
+    assert "['autoregressive', 'fsdp_transpose', 'sequence', 'tensor']" in text
+    assert "('cache_heads', ('autoregressive', 'tensor'))" in text  # the last such rule too
+    assert "'fsdp_transpose': 1" in text  # the mesh those rules expect, with size-1 axes

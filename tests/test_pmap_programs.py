@@ -166,3 +166,90 @@ def test_a_step_with_a_pmap_batch_norm_is_named_too():
     x, y = _data(1)
     with pytest.raises(spmd.ConfigurationError, match="global view"):
         train_step(state, x[0], y[0])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        spmd.MirroredStrategy,
+        lambda: spmd.Strategy(
+            mesh=spmd.make_mesh({"host": 2, "replica": 4}), batch_axes=("host", "replica")
+        ),
+    ],
+    ids=["mirrored", "two_batch_axes"],
+)
+def test_run_with_an_axis_name_inside_a_step_matches_pmap(make):
+    # The step's error points here: keep the per-replica code and run it with
+    # run(..., axis_name=...); inside a step as well as eagerly.
+    strategy = make()
+    (want_params, want_stats, _), want_losses = _pmap_oracle(1)
+    params, stats, opt_state = _init()
+
+    @strategy.step
+    def train_step(state, x, y):
+        rep = jax.tree.map(lambda a: spmd.PerReplica(jnp.stack([a] * N)), state)
+        *new, loss = strategy.run(_train_step, args=(*rep, x, y), axis_name="batch")
+        first = jax.tree.map(
+            lambda r: r.values[0], tuple(new), is_leaf=lambda r: isinstance(r, spmd.PerReplica)
+        )
+        return first, {"loss": strategy.reduce("MEAN", loss, axis=None)}
+
+    x, y = _data(1)
+    (got_params, got_stats, _), metrics = train_step(
+        strategy.put((params, stats, opt_state)), x[0], y[0]
+    )
+    np.testing.assert_allclose(float(metrics["loss"]), want_losses[0], rtol=1e-5)
+    for got, want in ((got_params, want_params), (got_stats, want_stats)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+
+@pytest.mark.parametrize("axis_name", [None, "i"])
+def test_run_of_a_pmap_collective_on_another_name_says_which_axis_name_to_pass(axis_name):
+    strategy = spmd.MirroredStrategy()
+
+    def fn(v):
+        return jax.lax.pmean(v, "batch")
+
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        strategy.run(fn, args=(np.ones(N, np.float32),), axis_name=axis_name)
+    text = str(caught.value)
+    assert "unbound_axis='batch'" in text and f"axis_name={axis_name!r}" in text
+    assert "pass axis_name='batch' to strategy.run" in text
+    assert isinstance(caught.value.__cause__, NameError)
+
+
+@pytest.mark.parametrize("context", ["scope", "set_mesh"])
+def test_run_with_an_axis_name_under_the_strategys_mesh_context_matches_pmap(context):
+    # A mesh with a model axis beside the batch: the replicas are 4, as pmap over 4 devices.
+    strategy = spmd.Strategy(mesh=spmd.make_mesh({"data": 4, "model": 2}), batch_axes=("data",))
+    x = np.arange(16, dtype=np.float32)
+
+    def fn(v):
+        return jax.lax.psum(v.sum(), "batch") + jax.lax.axis_index("batch")
+
+    want = jax.pmap(fn, axis_name="batch", devices=jax.devices()[:4])(x.reshape(4, 4))
+    enter = strategy.scope() if context == "scope" else jax.set_mesh(strategy.mesh)
+    with enter:
+        got = strategy.run(fn, args=(x,), axis_name="batch")
+    np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want))
+
+
+def test_a_replicated_pmap_state_passed_as_a_batch_names_run_arguments_and_per_replica():
+    from flax import jax_utils
+
+    strategy = spmd.MirroredStrategy()
+    state = jax_utils.replicate({"w": jnp.ones((3, 2))})  # leading axis: one copy per device
+
+    def step(params, images):
+        return jax.lax.pmean((images @ params["w"]).sum(), "batch")
+
+    with pytest.raises(spmd.BatchError) as caught:
+        strategy.run(step, args=(state, np.ones((2 * N, 3), np.float32)), axis_name="batch")
+    text = str(caught.value)
+    assert "params=8, images=16" in text and "spmd.PerReplica" in text
+    # As the error says: the copies as a PerReplica run as pmap ran them.
+    want = jax.pmap(step, axis_name="batch")(state, np.ones((N, 2, 3), np.float32))
+    got = strategy.run(
+        step, args=(spmd.PerReplica(state), np.ones((2 * N, 3), np.float32)), axis_name="batch"
+    )
+    np.testing.assert_allclose(np.asarray(got.values), np.asarray(want))

@@ -2,8 +2,8 @@
 
 Functions whose traced programs print alike share one compiled program; what
 the printed program leaves out (the output structure, the Python functions of
-callbacks and custom derivative rules) is part of the key, so each function
-gets its own structure and its own Python code. The oracle is plain numpy: the
+callbacks) is part of the key, so each function gets its own structure and its
+own Python code; custom derivative rules are not, as a shared program only runs. The oracle is plain numpy: the
 value each replica sees and the sum over replicas.
 """
 
@@ -133,6 +133,52 @@ def test_custom_derivative_rules_of_equal_programs_are_their_own(strategy):
     for k in (2.0, 5.0, 2.0):
         out = strategy.run(with_backward_scale(k), args=(X,))
         np.testing.assert_array_equal(np.asarray(out.values).ravel(), np.full(N, k))
+
+
+def test_a_new_lambda_calling_a_function_with_a_custom_derivative_shares_one_program(strategy):
+    # jax.nn.relu is a custom_jvp: each trace wraps its rule in a new function,
+    # which a shared program never calls; a new lambda each call compiles once.
+    strategy.run(lambda v: jax.nn.relu(v - 2.0), args=(X,))
+    programs = len(per_replica._BY_JAXPR)
+    for _ in range(3):
+        out = strategy.run(lambda v: jax.nn.relu(v - 2.0), args=(X,))
+        np.testing.assert_array_equal(np.asarray(out.values).ravel(), np.maximum(X - 2.0, 0))
+    assert len(per_replica._BY_JAXPR) == programs
+
+
+def test_differentiating_through_run_uses_each_functions_own_derivative_rule(strategy):
+    def with_tangent_scale(k):
+        @jax.custom_jvp
+        def ident(v):
+            return v
+
+        ident.defjvp(lambda primals, tangents: (primals[0], tangents[0] * k))
+        return ident
+
+    for k in (2.0, 5.0, 2.0):
+        ident = with_tangent_scale(k)
+        strategy.run(ident, args=(X,))  # run eagerly first: its program is shared
+
+        def total(x, ident=ident):
+            return strategy.reduce("SUM", strategy.run(ident, args=(x,)), axis=None).sum()
+
+        np.testing.assert_array_equal(jax.grad(total)(X), np.full(N, k))
+
+
+def test_named_scopes_of_equal_programs_name_their_own_ops(strategy):
+    # A profile names each op by its scope: a shared program would show the
+    # first function's names for the second's ops.
+    def scoped(name):
+        def fn(v):
+            with jax.named_scope(name):
+                return v * 2.0
+
+        return fn
+
+    for name in ("encoder", "decoder"):
+        strategy.run(scoped(name), args=(X,))
+        program = per_replica._BY_FUNCTION[next(reversed(per_replica._BY_FUNCTION))]
+        assert name in program.lower(X).as_text(debug_info=True)
 
 
 # Structures with the two leaves "own" and "total" somewhere, None leaves between.

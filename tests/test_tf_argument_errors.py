@@ -53,6 +53,18 @@ def test_a_step_with_star_args_names_them_by_position():
         train_step(state, np.zeros(8, np.float32), np.zeros(16, np.float32))
 
 
+def test_a_ragged_batch_names_an_argument_called_like_a_field_of_the_error():
+    strategy = spmd.MirroredStrategy()
+
+    @strategy.step
+    def train_step(state, leading_sizes, labels):
+        return state, {"n": leading_sizes.sum() + labels.sum()}
+
+    state = strategy.put({"w": np.zeros(2, np.float32)})
+    with pytest.raises(spmd.BatchError, match=r"leading_sizes=16, labels=8"):
+        train_step(state, np.zeros(16, np.float32), np.zeros(8, np.float32))
+
+
 def test_a_ragged_nested_argument_is_named_with_its_sizes():
     strategy = spmd.MirroredStrategy()
 

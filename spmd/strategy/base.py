@@ -624,7 +624,8 @@ def _ragged_batch_message(data: Any, axis: int, names: Sequence[str] | None, siz
     shown = list(by_name) if len(by_name) > 1 else ["every leaf"]
     return message(
         "Every batch array must have the same leading (batch) size.",
-        received(leading_sizes=sorted(sizes), **{str(k): v for k, v in by_name.items()}),
+        # An argument called `leading_sizes` shows its own sizes under its name.
+        received(**{"leading_sizes": sorted(sizes), **{str(k): v for k, v in by_name.items()}}),
         f"make {' and '.join(shown) if len(shown) <= 2 else ', '.join(shown)} the same length; "
         "pass arrays that are not batches by keyword, where they are replicated.",
     )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import inspect
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +15,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd.errors import ConfigurationError, ContextError, message, received
+from spmd.errors import BatchError, ConfigurationError, ContextError, message, received
 from spmd.strategy.replica import (
     PerReplica,
     ReduceOp,
@@ -69,16 +72,37 @@ def run(
         kinds.append(_SPLIT if i < n_args and np.ndim(x) > 0 else _REPLICATED)
         subdefs.append(None)
     if _SPLIT in kinds:
-        strategy.check_batch([x for x, k in zip(flat, kinds, strict=True) if k == _SPLIT])
+        # fn's positional arguments, PerReplica leaves left out, named by fn's own names.
+        split = [
+            jax.tree.map(lambda x: None if _is_per_replica(x) else x, a, is_leaf=_is_per_replica)
+            for a in args
+        ]
+        try:
+            strategy.check_batch(tuple(split), names=_argument_names(fn, len(split)))
+        except BatchError as error:
+            if "same leading (batch) size" not in str(error):
+                raise
+            raise BatchError(
+                f"{error} A value every replica holds a copy of (what flax.jax_utils.replicate "
+                "made for jax.pmap) goes in as spmd.PerReplica(stacked), one copy per replica."
+            ) from None
     batch = NamedSharding(strategy.mesh, PartitionSpec(strategy.batch_axes))
     flat = [
         conform(x, strategy.replicated if k == _REPLICATED else batch)
         for x, k in zip(flat, kinds, strict=True)
     ]
     structure = (strategy, treedef, tuple(subdefs), tuple(kinds), axis_name)
-    out = _program(fn, structure, flat)(*flat)
     if axis_name is None or (axis_name,) == tuple(strategy.batch_axes):
-        return out
+        return _program(fn, structure, flat)(*flat)
+    # Under the strategy's scope (or jax.set_mesh) its mesh is the context mesh;
+    # the program runs on the replica mesh, the same devices renamed.
+    # Inside a trace set_mesh is refused, and `_jitted` renames the abstract mesh instead.
+    renamed: Any = contextlib.nullcontext()
+    if not jax.sharding.get_abstract_mesh().empty:
+        with contextlib.suppress(ValueError):
+            renamed = jax.set_mesh(_replica_mesh(strategy, axis_name))
+    with renamed:
+        out = _program(fn, structure, flat)(*flat)
     # The program ran on the mesh with the batch axes named `axis_name`: the same
     # devices in the same order, so placing its results back on the strategy's
     # mesh moves nothing.
@@ -104,6 +128,21 @@ def _check_axis_name(strategy: Strategy, axis_name: Any) -> None:
                 'for lax.pmean(x, "batch").',
             )
         )
+
+
+def _argument_names(fn: Callable, count: int) -> list[str] | None:
+    """The names of fn's first `count` positional parameters, or None where unknown."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names: list[str] = []
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            names += [f"{p.name}[{i}]" for i in range(count - len(names))]
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    return names[:count] if len(names) >= count else None
 
 
 def _replica_mesh(strategy: Strategy, axis_name: str) -> Mesh:
@@ -204,7 +243,7 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     again, a new partial) is traced anew, and its traced program is shared
     with an earlier function's when the two jaxprs, their constants, their
     output structures and the Python functions their equations call back into
-    (callbacks, custom derivative rules) are the same: a new lambda each call
+    (callbacks) are the same: a new lambda each call
     compiles once and always sees current values, and never gets another
     function's output structure or callback.
     """
@@ -265,21 +304,29 @@ def _consts_key(consts: list) -> tuple:
 
 
 def _functions_key(jaxpr: Any) -> tuple:
-    """The Python functions a jaxpr's equations hold, by identity, sub-jaxprs included.
+    """The Python functions a jaxpr's equations call when it runs, by identity.
 
-    A printed jaxpr names a callback or a custom derivative rule without telling
-    two functions apart, so two programs that print alike may call different
-    Python code; their functions are part of the key.
+    A printed jaxpr names a callback without telling two functions apart, so two
+    programs that print alike may call different Python code; their functions
+    are part of the key, sub-jaxprs included. A custom derivative's rules are
+    not: a shared program only runs, on concrete arrays (a traced `run` is
+    traced anew), so it never calls them, and each trace wraps them in a new
+    function (a new lambda calling jax.nn.relu would compile every time).
+    Each equation's name stack (`jax.named_scope`) is part of it too: the printed
+    jaxpr leaves it out, and a profile names its ops by it.
     """
-    found = []
+    found: list = []
 
     def walk(value: Any) -> None:
         if isinstance(value, jax_core.ClosedJaxpr):
             walk(value.jaxpr)
         elif isinstance(value, jax_core.Jaxpr):
             for eqn in value.eqns:
+                found.append(str(eqn.source_info.name_stack))
+                rules = eqn.primitive.name in _CUSTOM_DERIVATIVES
                 for param in eqn.params.values():
-                    walk(param)
+                    if not rules or isinstance(param, jax_core.ClosedJaxpr | jax_core.Jaxpr):
+                        walk(param)
         elif isinstance(value, tuple | list):
             for item in value:
                 walk(item)
@@ -288,6 +335,10 @@ def _functions_key(jaxpr: Any) -> tuple:
 
     walk(jaxpr)
     return tuple(found)
+
+
+# Primitives whose callable parameters are derivative rules, run only when differentiated.
+_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 class _Identity:
@@ -323,7 +374,7 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
         ]
         args, kwargs = jax.tree.unflatten(treedef, top)
         with replica_context(context), running_strategy(strategy):
-            out = fn(*args, **kwargs)
+            out = _call_replica_fn(fn, args, kwargs, axes, axis_name)
         return jax.tree.map(lambda y: jnp.asarray(y)[None], out)
 
     mapped = jax.shard_map(
@@ -337,7 +388,41 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
         # come back already summed over the replicas.
         check_vma=False,
     )
-    return jax.jit(lambda *flat: jax.tree.map(PerReplica, mapped(*flat)))
+
+    def program(*flat):
+        # Inside a step the context mesh is the strategy's; the replica mesh is
+        # the same devices with the batch axes renamed, so it stands in for it.
+        current = jax.sharding.get_abstract_mesh()
+        if current.empty or current == mesh.abstract_mesh:
+            return jax.tree.map(PerReplica, mapped(*flat))
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.tree.map(PerReplica, mapped(*flat))
+
+    return jax.jit(program)
+
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")
+
+
+def _call_replica_fn(fn: Callable, args: Any, kwargs: dict, axes: tuple, axis_name: Any):
+    """Calls `fn` for one replica; a collective over an axis `run` does not bind is a
+    ConfigurationError that names the axis_name to pass (was JAX's NameError)."""
+    try:
+        return fn(*args, **kwargs)
+    except NameError as error:
+        found = _UNBOUND_AXIS.search(str(error))
+        if found is None:
+            raise
+        raise ConfigurationError(
+            message(
+                "strategy.run names the replicas for fn's collectives by the batch axes, or by "
+                "the one axis_name passed (as jax.pmap's axis_name); fn names no other axis.",
+                received(unbound_axis=found.group(1), axis_name=axis_name, bound_axes=axes),
+                f"pass axis_name={found.group(1)!r} to strategy.run, as "
+                f"jax.pmap(fn, axis_name={found.group(1)!r}) did (one name per run: use it "
+                "for every collective of fn).",
+            )
+        ) from error
 
 
 def reduce(op: ReduceOp, value: Any, axis: int | None, strategy: Strategy | None = None) -> Any:
