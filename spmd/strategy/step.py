@@ -124,6 +124,9 @@ class Step:
     def _call(self, state: Any, data: tuple, kwargs: dict) -> Any:
         """A call off the fast path: split, check, find or build the program, run it."""
         check_runnable(self.strategy, "Calling a step")
+        leaves, data_def = jax.tree.flatten(data)
+        if _multiprocess():  # first: a batch wrong on one process is an error on every one
+            self._agree_on(data, data_def, leaves)
         graphdef, pure, dynamic, program, fresh = self._program(state, data, kwargs)
         binding = None if graphdef is None else nnx_state.Binding(state, pure)
         if fresh:
@@ -135,9 +138,6 @@ class Step:
         pure = jax.tree.leaves(pure)  # the state goes in as its flat list of arrays
         if not fresh:  # arrays on one device or in another memory: where the program takes them
             pure = placed(pure, program.state_shardings)
-        leaves, data_def = jax.tree.flatten(data)
-        if _multiprocess():
-            self._agree_on(data, data_def, leaves)
         static = self._static_of(kwargs) if not dynamic else None
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
 

@@ -94,12 +94,20 @@ def agree_on_batch(fn: Any, data: tuple) -> None:
 
 def _describe(entry: Any) -> str:
     """An argument's arrays as dtype[shape], a pytree's in its own structure."""
-    shapes = [f"{np.result_type(x).name}{list(np.shape(x))}" for x in jax.tree.leaves(entry)]
+    shapes = [_leaf(x) for x in jax.tree.leaves(entry)]
     return (
         shapes[0]
         if len(shapes) == 1 and not isinstance(entry, dict | list | tuple)
         else ("{" + ", ".join(shapes) + "}")
     )
+
+
+def _leaf(x: Any) -> str:
+    """dtype[shape] of an array; the type's name for anything else."""
+    try:
+        return f"{np.result_type(x).name}{list(np.shape(x))}"
+    except (TypeError, ValueError):
+        return type(x).__name__
 
 
 def register(strategy: Strategy) -> None:

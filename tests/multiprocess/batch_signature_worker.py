@@ -4,7 +4,8 @@
 
 SCENARIO: same (every process the same global batches), rows (process 1's batch has
 16 rows, process 0's 8), dtype (process 1 passes int32 images), structure
-(process 1 passes a dict). Writes the losses and the final weights to OUT (.npz)
+(process 1 passes a dict), ragged_on_one (process 1's
+labels have 5 rows, its images 8). Writes the losses and the final weights to OUT (.npz)
 when training finished; a BatchError is printed as "BatchError: <message>" and
 exits with code 3.
 """
@@ -41,6 +42,8 @@ def batch(i: int):
         x = (x * 10).astype(np.int32)
     if scenario == "structure" and me == 1:
         return {"x": x}, y
+    if scenario == "ragged_on_one" and me == 1:
+        return x, y[:5]
     return x, y
 
 

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
         ("rows", ["float32[8, 3]", "float32[16, 3]"]),
         ("dtype", ["images: float32[8, 3]", "images: int32[8, 3]"]),
         ("structure", ["images: float32[8, 3]", "images: {float32[8, 3]}"]),
+        ("ragged_on_one", ["labels: float32[8]", "labels: float32[5]"]),
     ],
 )
 def test_processes_feeding_different_batches_each_get_a_batch_error(scenario, shown, tmp_path):
