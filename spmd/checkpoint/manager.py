@@ -50,7 +50,11 @@ def _late_read(unraisable: Any) -> bool:
 
 
 def _drop_late_reads() -> None:
-    """After a restore failed: drops those late completions' tracebacks, and only those."""
+    """Drops the tracebacks of a failed restore's late completions, and only those.
+
+    Installed before a restore reads (once per process): the late completions
+    can come before the failure reaches spmd's handler, on a loaded machine.
+    """
     previous = sys.unraisablehook
     if getattr(previous, "spmd_drops_late_reads", False):
         return
@@ -353,6 +357,7 @@ class CheckpointManager:
         """
         self._check_open("restore")
         step = self._resolve_step(step)
+        _drop_late_reads()  # before the reads: a failed one's late siblings can come at once
         if target is None:
             result = self._restore_numpy(step)
         else:
@@ -443,7 +448,6 @@ class CheckpointManager:
                 restored = self.restore(step, target=target, data=data), step
                 break
             except Damaged as e:
-                _drop_late_reads()
                 skipped[step] = str(e).splitlines()[1]
                 _log.warning("skipping checkpoint step %d in %s: %s", step, self.directory, e)
         self._set_aside(sorted(skipped))
