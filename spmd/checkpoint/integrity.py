@@ -23,6 +23,7 @@ import errno
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,6 +38,7 @@ __all__ = [
     "Damaged",
     "checksums",
     "damage",
+    "failed_steps",
     "is_damage",
     "json_checksum",
     "read_error",
@@ -344,3 +346,38 @@ def _damage(step_dir: epath.Path) -> str | None:
     if missing:
         return f"missing {', '.join(missing)}"
     return None
+
+
+def failed_steps(steps: list[int], step_dir: Callable[[int], epath.Path]) -> list[int]:
+    """Those of `steps` (saves since the last successful wait) that did not commit intact.
+
+    A step whose folder is committed and whole (`damage` finds nothing) did not
+    fail; nor did one older than such a step whose folder is gone (`max_to_keep`
+    deleted it after a newer save committed: Orbax saves one step at a time, in
+    order). Looks at files only: no collective, safe in an error path.
+
+    Args:
+      steps: the steps saved since the last successful wait, oldest first.
+      step_dir: step -> its folder.
+    """
+    intact = [s for s in steps if _looks_intact(step_dir(s), s)]
+    newest = max(intact, default=None)
+    return [
+        s
+        for s in steps
+        if s not in intact and (newest is None or s > newest or _exists(step_dir(s)))
+    ]
+
+
+def _looks_intact(step_dir: epath.Path, step: int) -> bool:
+    try:
+        return step_dir.exists() and damage(step_dir, step) is None
+    except (OSError, CheckpointError):
+        return False  # unreadable now: not known to be intact
+
+
+def _exists(path: epath.Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:
+        return True

@@ -257,7 +257,7 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as e:
-            raise guard.write_failed([*self._pending, step], self.directory, e) from e
+            raise guard.write_failed(self._failed([*self._pending, step]), self.directory, e) from e
         self._pending.append(step)
         return saved
 
@@ -494,9 +494,16 @@ class CheckpointManager:
         try:
             wait()
         except Exception as e:
-            raise guard.write_failed(self._pending, self.directory, e) from e
+            raise guard.write_failed(self._failed(self._pending), self.directory, e) from e
         finally:
             self._pending = []
+
+    def _failed(self, steps: list[int]) -> list[int]:
+        """Those of `steps` not committed intact (a process that cannot see process 0's disk
+        with shared_filesystem=False cannot tell: all of them)."""
+        if not getattr(self._store, "is_chief", True):
+            return steps
+        return integrity.failed_steps(steps, self._store.step_dir)
 
     def __enter__(self) -> CheckpointManager:
         return self
