@@ -20,7 +20,6 @@ warning); 2, array checksums of an earlier, linear kind; 3, the above.
 from __future__ import annotations
 
 import errno
-import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from etils import epath
 
 from spmd.errors import CheckpointError, message, received
@@ -36,8 +36,13 @@ from spmd.errors import CheckpointError, message, received
 __all__ = [
     "FORMAT",
     "Damaged",
+    "Pending",
+    "PendingRecord",
+    "RecordHandler",
     "checksums",
+    "compile_count",
     "damage",
+    "dispatch",
     "failed_steps",
     "is_damage",
     "json_checksum",
@@ -130,9 +135,84 @@ def _fold_mixed(bits: Any, xp: Any) -> tuple[Any, Any]:
 _FOLDS = {2: _fold_linear, 3: _fold_mixed}
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _device_sums(arrays: dict[str, jax.Array], version: int) -> dict[str, tuple]:
-    return {p: _FOLDS[version](_bits_jax(x), jnp) for p, x in arrays.items()}
+_programs: dict[tuple, Any] = {}  # (version, each leaf's shape, dtype, sharding) -> program
+_compiles = 0  # how many checksum programs were traced and compiled (one per structure)
+
+
+def compile_count() -> int:
+    """How many checksum programs were built so far: one per state structure (shapes,
+    dtypes, shardings), whatever its leaf count."""
+    return _compiles
+
+
+def _groups(key: tuple) -> list[list[int]]:
+    """Indices of the leaves that share a shape, dtype and sharding: one fold per group."""
+    found: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(key[1]):
+        found.setdefault(leaf, []).append(i)
+    return list(found.values())
+
+
+def _program(key: tuple) -> Any:
+    """The one jitted program that checksums every leaf of a state of this structure.
+
+    Leaves of the same shape, dtype and sharding are stacked on a new leading
+    axis (no communication: the same layout) and folded by one vmapped
+    reduction, so the program's size grows with the number of distinct leaf
+    kinds, not with the number of leaves: 10,000 leaves compile in a second.
+    """
+    program = _programs.get(key)
+    if program is not None:
+        return program
+    version, groups = key[0], _groups(key)
+    fold = jax.vmap(lambda bits: _FOLDS[version](bits, jnp))
+
+    def sums(leaves: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
+        global _compiles
+        _compiles += 1  # runs once per trace, i.e. once per compiled program
+        return [fold(jnp.stack([_bits_jax(leaves[i]) for i in group])) for group in groups]
+
+    program = _programs[key] = jax.jit(sums)
+    return program
+
+
+class Pending:
+    """Checksums dispatched to the devices, not yet fetched: `result()` waits for them.
+
+    JAX dispatches the program asynchronously: its inputs are held until it has
+    run, so the caller may donate or overwrite the arrays after `dispatch` returns.
+    """
+
+    def __init__(self, paths: list[str], groups: list[list[int]], sums: Any, host: dict):
+        self._paths, self._groups, self._sums, self._host = paths, groups, sums, host
+        self._result: dict[str, str] | None = None
+
+    def result(self) -> dict[str, str]:
+        """path -> 16 hex digits (blocks until the device program has run, once)."""
+        if self._result is None:
+            found = dict(self._host)
+            for group, (low, high) in zip(self._groups, jax.device_get(self._sums), strict=True):
+                for i, lo, hi in zip(group, low, high, strict=True):
+                    found[self._paths[i]] = (lo, hi)
+            self._result = {p: f"{int(hi):08x}{int(lo):08x}" for p, (lo, hi) in found.items()}
+            self._sums = None
+        return self._result
+
+
+def dispatch(arrays: dict[str, Any], version: int = FORMAT) -> Pending:
+    """Starts `checksums(arrays)`: the device program is dispatched, not waited for.
+
+    numpy arrays are summed here, on the host (the caller may change them after).
+    With several processes, every process must call it (a collective).
+    """
+    on_device = {p: _in_device_memory(x) for p, x in arrays.items() if isinstance(x, jax.Array)}
+    host = {p: _host_sum(x, version) for p, x in arrays.items() if p not in on_device}
+    paths, leaves = list(on_device), list(on_device.values())
+    if not leaves:
+        return Pending([], [], [], host)
+    key = (version, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    program = _program(key)
+    return Pending(paths, _groups(key), program(leaves), host)
 
 
 def _host_sum(x: Any, version: int) -> tuple[Any, Any]:
@@ -158,10 +238,33 @@ def checksums(arrays: dict[str, Any], version: int = FORMAT) -> dict[str, str]:
       arrays: path -> array.
       version: the checkpoint format whose checksum to compute (2 or 3).
     """
-    on_device = {p: _in_device_memory(x) for p, x in arrays.items() if isinstance(x, jax.Array)}
-    sums = dict(jax.device_get(_device_sums(on_device, version))) if on_device else {}
-    sums.update({p: _host_sum(x, version) for p, x in arrays.items() if p not in on_device})
-    return {p: f"{int(high):08x}{int(low):08x}" for p, (low, high) in sums.items()}
+    return dispatch(arrays, version).result()
+
+
+class PendingRecord:
+    """A step's metadata record whose array checksums are still being computed.
+
+    `save` hands it to Orbax in place of the record; `RecordHandler` resolves it
+    in the save's background commit, beside the array writes, so that `save`
+    returns without waiting for the checksums, and the step is committed only
+    once its record, checksums included, is written.
+    """
+
+    def __init__(self, meta: dict, sums: Pending):
+        self._meta, self._sums = meta, sums
+
+    def resolve(self) -> dict:
+        """The sealed record: `meta` with "checksums", and its own checksum."""
+        return seal({**self._meta, "checksums": self._sums.result()})
+
+
+class RecordHandler(ocp.JsonCheckpointHandler):
+    """Orbax's JSON handler for the `metadata` item; resolves a `PendingRecord` as it writes."""
+
+    async def _save_fn(self, x: Any, directory: epath.Path) -> None:
+        if isinstance(x, PendingRecord):
+            x = x.resolve()
+        await super()._save_fn(x, directory)
 
 
 def json_checksum(value: Any) -> str:

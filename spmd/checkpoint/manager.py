@@ -15,7 +15,7 @@ from etils import epath
 
 from spmd.checkpoint import guard, integrity
 from spmd.checkpoint import tree as ct
-from spmd.checkpoint.integrity import Damaged, checksums
+from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
 from spmd.checkpoint.store import make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
@@ -243,14 +243,16 @@ class CheckpointManager:
         guard.check_no_file(step, self._store.step_dir(step))
         arrays, keys = ct.to_saveable(_leaves(state))
         position = guard.every_pipeline(_position(data), self._timeout)
-        meta = integrity.seal(
+        # The checksums run on the devices beside Orbax's writes; the record is sealed and
+        # written in the save's commit, so a step is never committed without them.
+        meta = integrity.PendingRecord(
             {
                 "format": integrity.FORMAT,
                 "prng_keys": keys,
                 "user": _json(metadata, "metadata"),
-                "checksums": checksums(arrays),
                 "data_checksum": integrity.json_checksum(position),
-            }
+            },
+            integrity.dispatch(arrays),
         )
         try:
             saved = self._store.save(step, arrays, position, meta)
