@@ -22,7 +22,8 @@ def many_leaves(count: int, seed: int = 0) -> dict:
     return out
 
 
-def test_the_checksum_programs_compile_once_per_leaf_kind_whatever_the_leaf_count():
+def test_the_checksum_programs_compile_once_per_leaf_kind_whatever_the_leaf_count(monkeypatch):
+    monkeypatch.setattr(integrity, "_programs", {})  # none compiled by earlier tests
     state = many_leaves(2000)  # four kinds of leaf (shape, dtype)
     before = compile_count()
     first = checksums(state)
