@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -253,6 +254,31 @@ def test_a_full_disk_is_reported_naming_the_step(small_disk, async_save):
             ckpt.save(1, big)
             ckpt.wait()
         assert ckpt.all_steps() == []  # never listed, never restored
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize("keep", [None, 3], ids=["keep_all", "keep_3"])
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_full_disk_names_only_the_steps_that_failed(small_disk, async_save, keep):
+    """Steps 1-10 commit on the small disk, 11 fills it: the error names 11 (and 12, never
+    written), not the committed, intact steps saved since the last wait, nor those
+    max_to_keep deleted after they committed."""
+    small = {"w": jnp.arange(16.0)}
+    big = {"w": jax.random.normal(jax.random.key(0), (1024, 1024))}  # 4 MiB, incompressible
+    ckpt = spmd.CheckpointManager(small_disk / "ckpt", max_to_keep=keep, async_save=async_save)
+    try:
+        for step in range(1, 11):
+            ckpt.save(step, small)
+        with pytest.raises(spmd.CheckpointError) as raised:
+            ckpt.save(11, big)
+            ckpt.save(12, small)
+            ckpt.wait()
+        named = re.search(r"steps=\[([\d, ]*)\]", str(raised.value))
+        failed = [int(s) for s in named.group(1).split(",")] if named else None
+        assert failed in ([11], [11, 12]), str(raised.value)
+        kept = ckpt.all_steps()  # Orbax may delete the oldest kept step when 11 starts
+        assert kept == list(range(1, 11))[-len(kept) :] and len(kept) >= min(keep or 10, 2)
     finally:
         ckpt.close()
 

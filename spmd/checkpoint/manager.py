@@ -15,7 +15,7 @@ from etils import epath
 
 from spmd.checkpoint import final, guard, integrity
 from spmd.checkpoint import tree as ct
-from spmd.checkpoint.integrity import Damaged, checksums
+from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.position import as_json as _json
 from spmd.checkpoint.position import position_of as _position
 from spmd.checkpoint.position import restore_position as _set_position
@@ -293,21 +293,23 @@ class CheckpointManager:
         self._maybe_final = False  # the writer holds the directory: no one else marks it
         arrays, keys = ct.to_saveable(_leaves(state))
         position = guard.every_pipeline(_position(data), self._timeout)
-        meta = integrity.seal(
+        # The checksums run on the devices beside Orbax's writes; the record is sealed and
+        # written in the save's commit, so a step is never committed without them.
+        meta = integrity.PendingRecord(
             {
                 "format": integrity.FORMAT,
                 "prng_keys": keys,
                 "user": _json(metadata, "metadata"),
-                "checksums": checksums(arrays),
                 "data_checksum": integrity.json_checksum(position),
-            }
+            },
+            integrity.dispatch(arrays),
         )
         try:
             saved = self._store.save(step, arrays, position, meta)
         except CheckpointError:
             raise
         except Exception as e:
-            raise guard.write_failed([*self._pending, step], self.directory, e) from e
+            raise guard.write_failed(self._failed([*self._pending, step]), self.directory, e) from e
         self._pending.append(step)
         return saved
 
@@ -558,9 +560,16 @@ class CheckpointManager:
         try:
             wait()
         except Exception as e:
-            raise guard.write_failed(self._pending, self.directory, e) from e
+            raise guard.write_failed(self._failed(self._pending), self.directory, e) from e
         finally:
             self._pending = []
+
+    def _failed(self, steps: list[int]) -> list[int]:
+        """Those of `steps` not committed intact (a process that cannot see process 0's disk
+        with shared_filesystem=False cannot tell: all of them)."""
+        if not getattr(self._store, "is_chief", True):
+            return steps
+        return integrity.failed_steps(steps, self._store.step_dir)
 
     def __enter__(self) -> CheckpointManager:
         return self

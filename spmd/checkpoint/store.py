@@ -16,7 +16,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Sharding
 
 from spmd.checkpoint import tree as ct
-from spmd.checkpoint.integrity import Damaged, damage
+from spmd.checkpoint.integrity import Damaged, RecordHandler, damage
 from spmd.errors import CheckpointError
 
 __all__ = ["ChiefStore", "SharedStore", "make_store"]
@@ -340,7 +340,7 @@ def _registry(
     handlers = {
         "state": ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing),
         "data": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
-        "metadata": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing),
+        "metadata": RecordHandler(multiprocessing_options=multiprocessing),
     }
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for item, handler in handlers.items():
