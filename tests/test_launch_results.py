@@ -91,6 +91,7 @@ def test_only_configuration_errors_of_their_own_stop_the_restarts():
     peer = _printer_with(1, "spmd: ending: process 0 failed (ConfigurationError: x); ending too.")
     why = not_worth_restarting(_group(code, 1, failed=(0, 1)), peer)
     assert why is not None and why.startswith("not restarting: process 0 raised a configuration")
+    assert "at 2 processes" in why and "at any size" not in why
     assert not_worth_restarting(_group(code, code, failed=(0, 1)), Printer()) is not None
     assert not_worth_restarting(_group(code, 1, failed=(0, 1)), Printer()) is None  # 1 its own
     assert not_worth_restarting(_group(1, 1, failed=(0, 1)), peer) is None

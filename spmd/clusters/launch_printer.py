@@ -111,20 +111,27 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
 
 
 def not_worth_restarting(result: GroupResult, printer: Printer) -> str | None:
-    """Why restarting or shrinking the job cannot help, or None if it may.
+    """Why restarting the job cannot help, or None if it may.
 
     So when every process that failed on its own (not one that ended because a
     peer failed) raised spmd's ConfigurationError or BatchError
-    (CONFIGURATION_EXIT_CODE): the same program raises it again at any size.
+    (CONFIGURATION_EXIT_CODE): the same program at the same size raises it
+    again. At another size it may not (a global batch that does not divide over
+    these replicas may over others), which the message says rather than claim
+    that no size can work.
     """
     own = [i for i in result.failed if printer.follows(i) is None]
     codes = {result.processes[i].returncode for i in own}
     if not own or codes != {CONFIGURATION_EXIT_CODE}:
         return None
     names = ", ".join(map(str, own))
+    size = len(result.processes)
     return (
         f"not restarting: process {names} raised a configuration error (spmd's "
-        f"ConfigurationError or BatchError, exit code {CONFIGURATION_EXIT_CODE}), which the "
-        "same program raises again at any size; fix the program or its arguments (the error "
-        "above says how), then launch again."
+        f"ConfigurationError or BatchError, exit code {CONFIGURATION_EXIT_CODE}) at "
+        f"{size} process{'es' if size != 1 else ''}, which a restart of the same program at "
+        "this size raises again, so neither a restart nor a smaller job is tried; fix the "
+        "program or its arguments (the error above says how). If it depends on the size (a "
+        "global batch that does not divide over the replicas), launch again at a size where "
+        "it divides."
     )
