@@ -244,7 +244,8 @@ def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
     count = int(size)
     per_chip = 2 if chip.dims == 3 else 1  # v4/v5p names count TensorCores
     if count < 1 or count % per_chip:
-        raise _bad_name(name, f"{chip.name}-N counts TensorCores, an even number")
+        what = "TensorCores, a positive even number" if per_chip == 2 else "chips, at least 1"
+        raise _bad_name(name, f"{chip.name}-N counts {what}")
     shape = _torus(count // per_chip, chip.dims)
     if shape is None:
         raise _bad_name(

@@ -236,3 +236,11 @@ def test_the_compilers_out_of_hbm_messages_are_read():
         )
     ) == int(20.5 * (1 << 30))
     assert hbm_refusal(RuntimeError("INVALID_ARGUMENT: something else")) is None
+
+
+@pytest.mark.parametrize(
+    "name, said", [("v5p-0", "a positive even number"), ("v5e-0", "chips, at least 1")]
+)
+def test_a_slice_of_no_chips_says_what_n_counts(name, said):
+    with pytest.raises(spmd.ConfigurationError, match=said):
+        spmd.topology(name)
