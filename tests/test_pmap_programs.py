@@ -71,7 +71,8 @@ def _pmap_oracle(steps):
     return jax.tree.map(lambda a: np.asarray(a[0]), tuple(rep)), losses
 
 
-@pytest.mark.parametrize(
+# One batch axis, and two (hosts x replicas) that the axis name stands for together.
+EVERY_BATCH_LAYOUT = pytest.mark.parametrize(
     "make",
     [
         spmd.MirroredStrategy,
@@ -81,6 +82,9 @@ def _pmap_oracle(steps):
     ],
     ids=["mirrored", "two_batch_axes"],
 )
+
+
+@EVERY_BATCH_LAYOUT
 def test_a_pmap_training_loop_runs_unchanged_under_run_with_its_axis_name(make):
     strategy = make()
     steps = 3
@@ -168,16 +172,7 @@ def test_a_step_with_a_pmap_batch_norm_is_named_too():
         train_step(state, x[0], y[0])
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        spmd.MirroredStrategy,
-        lambda: spmd.Strategy(
-            mesh=spmd.make_mesh({"host": 2, "replica": 4}), batch_axes=("host", "replica")
-        ),
-    ],
-    ids=["mirrored", "two_batch_axes"],
-)
+@EVERY_BATCH_LAYOUT
 def test_run_with_an_axis_name_inside_a_step_matches_pmap(make):
     # The step's error points here: keep the per-replica code and run it with
     # run(..., axis_name=...); inside a step as well as eagerly.
