@@ -1,7 +1,8 @@
-"""The step's flat state, metrics as the in-flight handle, and its fast path.
+"""The step's fast path: flat states of any shape, steady calls, metrics as the in-flight handle.
 
 Each program runs as a user would write it and is checked per step against an
-oracle: the same function, data and seed under plain `jax.jit` on one device.
+oracle: the same function, data and seed under plain `jax.jit` on one device (or,
+for the one-line steady-call steps, the numbers worked out by hand).
 """
 
 import collections
@@ -17,9 +18,11 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd.strategy import step as step_module
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT
 
 STEPS = 12  # past CPU_MAX_IN_FLIGHT, so the queue bound fires
+X = np.arange(16, dtype=np.float32).reshape(8, 2)  # one batch, fed again every call
 
 
 @pytest.fixture(autouse=True)
@@ -340,6 +343,66 @@ def test_a_leaf_deleted_between_calls_is_a_configuration_error(strategy, how):
         jax.jit(lambda a: a + 1, donate_argnums=0)(state["k"])
     with pytest.raises(spmd.ConfigurationError):
         step(state, *_data(3))
+
+
+# --- steady calls: what the fast path skips, and what it still catches -------------------
+
+
+def _sgd(state, x):
+    loss = jnp.sum(x) * jnp.sum(state["w"])
+    return {"w": state["w"] - 0.01 * jnp.sum(x)}, loss
+
+
+def test_a_batch_sharding_is_one_object_per_rank():
+    strategy = _strategy("mirrored")
+    assert strategy.batch_sharding(2) is strategy.batch_sharding(2)
+    assert strategy.batch_sharding(1, axis=1) is strategy.batch_sharding(0, axis=1)
+    assert strategy.batch_sharding(2) is not strategy.batch_sharding(2, axis=1)
+
+
+def test_a_steady_call_flattens_the_state_once(monkeypatch):
+    strategy = _strategy("mirrored")
+    step = strategy.step(_sgd)
+    batch = strategy.distribute_batch(X)
+    state, _ = step({"w": jnp.ones(4)}, batch)
+    state, _ = step(state, batch)
+    flattened = []
+    real = step_module._flatten
+    monkeypatch.setattr(step_module, "_flatten", lambda t: flattened.append(t) or real(t))
+    state, loss = step(state, batch)
+    assert len(flattened) == 2  # the state, then the batch
+    np.testing.assert_allclose(state["w"], np.ones(4) - 3 * 0.01 * X.sum(), rtol=1e-6)
+
+
+def test_a_leaf_replaced_in_place_after_steady_calls_is_read():
+    strategy = _strategy("mirrored")
+    step = strategy.step(_sgd)
+    state, _ = step({"w": jnp.ones(4)}, X)
+    state, _ = step(state, X)
+    state["w"] = strategy.put(jnp.full(4, 2.0))  # same shape, dtype and layout
+    state, loss = step(state, X)
+    assert float(loss) == pytest.approx(X.sum() * 8.0)
+    np.testing.assert_allclose(state["w"], np.full(4, 2.0) - 0.01 * X.sum(), rtol=1e-6)
+
+
+def test_a_leaf_of_another_shape_replaced_in_place_runs_its_own_program():
+    step = _strategy("mirrored").step(_sgd)
+    state, _ = step({"w": jnp.ones(4)}, X)
+    state, _ = step(state, X)
+    state["w"] = jnp.ones(6)
+    state, loss = step(state, X)
+    assert state["w"].shape == (6,) and step.cache_size() == 2
+    assert float(loss) == pytest.approx(X.sum() * 6.0)
+
+
+def test_a_state_donated_by_another_step_is_named_after_steady_calls():
+    strategy = _strategy("mirrored")
+    a, b = strategy.step(_sgd), strategy.step(_sgd)
+    state, _ = a({"w": jnp.ones(4)}, X)
+    state, _ = a(state, X)
+    b(state, X)
+    with pytest.raises(spmd.ConfigurationError, match="donated"):
+        a(state, X)
 
 
 # --- metrics as the in-flight handle -------------------------------------------------
