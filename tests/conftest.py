@@ -31,6 +31,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also what child processes inher
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 _asked = os.environ.get("SPMD_TEST_PLATFORM", "cpu")
 if _asked not in PLATFORMS:
@@ -86,6 +87,19 @@ def pytest_configure(config):
         config.pluginmanager.register(_LeaveOutCpuMesh())
     if os.environ.get("SPMD_TEST_RECORD"):
         config.pluginmanager.register(_Recorder(os.environ["SPMD_TEST_RECORD"]))
+
+
+@pytest.fixture(scope="module", params=["1dev", "8dev", "2d"])
+def input_strategy(request):
+    """The strategies the input tests place batches with: one device, eight replicas, and a
+    4x2 mesh whose batches split over "data" and are replicated over "model"."""
+    import spmd  # here, not at the top: the platform is set before spmd is imported
+
+    if request.param == "1dev":
+        return spmd.OneDeviceStrategy(jax.devices()[0])
+    if request.param == "8dev":
+        return spmd.MirroredStrategy()
+    return spmd.Strategy(jax.make_mesh((4, 2), ("data", "model")), batch_axes=["data"])
 
 
 class _LeaveOutCpuMesh:
