@@ -168,6 +168,13 @@ def test_accuracy_of_one_output_is_keras_binary_accuracy_at_threshold_half(label
     assert result["accuracy"] == pytest.approx(hand, abs=1e-7)
 
 
+def test_history_holds_one_value_per_epoch_as_keras():
+    history = _trainer(strategy=_strategy()).fit(_data(), batch_size=16, epochs=3, verbose=0)
+    assert history.epoch == [0, 1, 2]
+    assert set(history.history) == {"loss"}
+    assert all(len(v) == 3 for v in history.history.values())
+
+
 # -- the data: steps_per_epoch, sample weights -----------------------------------------------
 
 

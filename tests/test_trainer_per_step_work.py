@@ -1,6 +1,8 @@
-"""Trainer.fit's per-step work: hooks dispatched only to the callbacks that override them,
-batch checks once per batch signature, the NaN flag read at most every interval, and no
-state dict mutated in place (the step's fast path keeps the returned state)."""
+"""Trainer.fit's per-step work: hooks dispatched only to the callbacks that override them
+(on the class or the instance, set before or during training), batch checks once per
+batch signature, and the NaN flag read at most every interval yet naming the step, the
+epoch and the batch of the first NaN (also at an epoch's end, and after the state is
+replaced)."""
 
 import jax
 import numpy as np
@@ -65,6 +67,44 @@ def test_fit_calls_batch_hooks_in_order_with_the_batch_index():
     assert callback.ends == list(range(10)) * 2
 
 
+class Late(spmd.callbacks.Callback):
+    """Adds a batch hook on itself once training begins."""
+
+    def __init__(self):
+        self.ends = []
+
+    def on_train_begin(self, logs=None):
+        self.on_train_batch_end = lambda batch, logs=None: self.ends.append(batch)
+
+
+def test_a_hook_set_on_the_instance_when_training_begins_is_called():
+    late = Late()
+    _trainer().fit(_data(64), batch_size=16, verbose=0, callbacks=[late])
+    assert late.ends == [0, 1, 2, 3]
+
+
+class Base(spmd.callbacks.Callback):
+    def __init__(self):
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(("base", batch))
+
+
+class Child(Base):
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(("child", batch))
+
+
+def test_a_subclass_override_and_an_instance_override_are_called():
+    child, patched = Child(), spmd.callbacks.Callback()
+    calls = []
+    patched.on_epoch_end = lambda epoch, logs=None: calls.append(epoch)
+    _trainer().fit(_data(64), batch_size=16, epochs=2, verbose=0, callbacks=[child, patched])
+    assert child.ends == [("child", b) for b in range(4)] * 2
+    assert calls == [0, 1]
+
+
 def test_batch_form_is_checked_once_per_signature(monkeypatch):
     calls = []
     check_rows = batch_checks.check_rows
@@ -108,3 +148,29 @@ def test_a_nan_is_still_named_by_its_step_when_read_late(monkeypatch):
     x[16 * 4 + 1] = np.nan  # batch 4 of epoch 0
     with pytest.raises(spmd.NonFiniteLossError, match="batch_in_epoch=4"):
         _trainer().fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+
+def test_a_nan_at_an_epochs_last_batch_is_named_there():
+    x, y = _data(64)
+    x[63] = np.nan  # batch 3 of 4, epoch 0
+    with pytest.raises(spmd.NonFiniteLossError, match=r"epoch=0.*batch_in_epoch=3"):
+        _trainer().fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+
+def test_a_nan_in_the_second_one_batch_epoch_is_named_there():
+    x, y = _data(64)
+    x[16] = np.nan  # the second batch: epoch 1 with steps_per_epoch=1
+    with pytest.raises(spmd.NonFiniteLossError, match=r"epoch=1.*batch_in_epoch=0"):
+        _trainer().fit((x, y), batch_size=16, epochs=3, steps_per_epoch=1, shuffle=False, verbose=0)
+
+
+def test_a_nan_is_named_after_the_trainer_state_is_replaced():
+    trainer = _trainer()
+    trainer.fit(_data(64), batch_size=16, verbose=0)
+    restored = _trainer()  # a new trainer given a trained state (as a restore does)
+    restored.build()
+    restored.state = trainer.state
+    x, y = _data(64)
+    x[16] = np.nan
+    with pytest.raises(spmd.NonFiniteLossError, match=r"epoch=0.*batch_in_epoch=1"):
+        restored.fit((x, y), batch_size=16, shuffle=False, verbose=0)
