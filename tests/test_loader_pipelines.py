@@ -1,11 +1,13 @@
-"""Programs ported onto spmd's grain and tf.data support by someone who did not write it.
+"""grain and tf.data pipelines as programs write them: one device's numbers, or a clear error.
 
 MaxText-style grain pipelines (MapDataset.source().shuffle(seed).map().batch(),
 to_iter_dataset, a DataLoader with an IndexSampler) and the tf.distribute
 "Distributed input" guide's pipelines (repeat, steps_per_epoch, dataset
-functions), checked against one-device oracles; then bad input. A test marked
-xfail(strict) states the correct behaviour of something that is wrong today.
-Over 2 processes, and a resume after a crash: tests/multiprocess/test_loaders_ported_programs.py.
+functions), checked against one-device oracles; then bad input and resumes,
+each the exact record or a clear error. The loaders' own options (sharding,
+file policies, saved positions): tests/test_loaders.py. Over 2 processes:
+tests/multiprocess/test_loaders.py; resumed after a crash:
+tests/multiprocess/test_loader_resume_mid_epoch.py.
 """
 
 import itertools
@@ -88,7 +90,7 @@ def _in_order(steps):
     return [np.arange(i * BATCH % N, i * BATCH % N + BATCH) for i in range(steps)]
 
 
-# -- what works: ported programs give the one-device numbers -------------------------------------
+# -- the programs give the one-device numbers --------------------------------------------------
 
 
 def test_maxtext_style_grain_pipeline_fits_like_one_device(strategy, data):
@@ -155,7 +157,7 @@ def test_tf_data_elements_keep_their_shapes_and_jax_dtypes(strategy):
     assert first["image"].sharding == strategy.batch_sharding(3)
 
 
-# -- bad input that is already a clear error ---------------------------------------------------
+# -- bad input: a clear error -------------------------------------------------------------------
 
 
 def test_grain_batch_not_divisible_by_the_replicas_is_a_batch_error(strategy):
@@ -206,7 +208,7 @@ def test_grain_data_loader_restored_with_another_seed_is_an_error(strategy):
         _ids(resumed)
 
 
-# -- findings: wrong today; each test states the correct behaviour ------------------------------
+# -- more bad input, and resumes: the exact record or a clear error ---------------------------
 
 
 def test_grain_pipeline_without_a_final_batch_says_to_batch(strategy):
