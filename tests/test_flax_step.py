@@ -96,7 +96,7 @@ def _digits():
 
 @pytest.mark.slow
 def test_trainer_with_dropout_trains_on_central_storage_like_nnx_jit():
-    """Issue 13 item 4 on CentralStorageStrategy: Dropout's typed PRNG key, which
+    """On CentralStorageStrategy, Dropout's typed PRNG key, which
     jax cannot keep in pinned_host memory, stays in device memory; the Trainer
     gives the losses of an nnx.jit loop."""
     x, y = _digits()

@@ -165,7 +165,7 @@ def test_custom_loop_with_run_and_reduce_matches_one_device():
     assert state[0]["w"].sharding.spec == P()
 
 
-# -- issue 12 item 4: compute_average_loss / scale_regularization_loss -------------------
+# -- compute_average_loss / scale_regularization_loss: their arguments checked -----------
 
 
 @pytest.mark.parametrize("size", [0, -1, 10.0, [10], True, np.float32(10), jnp.array([10])])

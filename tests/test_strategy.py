@@ -361,7 +361,7 @@ def test_many_queued_steps_on_cpu_finish():
     assert len(step._in_flight) <= CPU_MAX_IN_FLIGHT
 
 
-# -- issue 12 item 9: variable_partitioner is any TF-protocol callable, checked ----------
+# -- variable_partitioner is any TF-protocol callable, checked ---------------------------
 
 
 @pytest.mark.cpu_mesh

@@ -42,7 +42,7 @@ def _trainer(model=None, loss="sparse_categorical_crossentropy", **kwargs):
     return spmd.Trainer(model, optax.sgd(0.1), loss, strategy=spmd.MirroredStrategy(), **kwargs)
 
 
-# -- item 16: default metrics, metrics that fit the loss, per-example reduction --------------
+# -- default metrics, metrics that fit the loss, per-example reduction -----------------------
 
 
 @pytest.mark.slow
@@ -115,7 +115,7 @@ def test_accuracy_with_a_loss_of_your_own_follows_the_label_shapes():
     assert result["accuracy"] == pytest.approx(float(np.mean(logits.argmax(-1) == y)))
 
 
-# -- item 12 (trainer side): fit arguments ---------------------------------------------------
+# -- fit's arguments -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("steps", [0, -1, 2.5, True])
@@ -149,7 +149,7 @@ def test_named_inputs_are_a_dict_as_x():
     np.testing.assert_allclose(trainer.predict(named, batch_size=16), logits, rtol=1e-5, atol=1e-6)
 
 
-# -- item 15: grad accumulation, validation data checked before the first epoch ---------------
+# -- grad accumulation, validation data checked before the first epoch ------------------------
 
 
 @pytest.mark.cpu_mesh
@@ -190,7 +190,7 @@ def test_validation_data_is_checked_before_the_first_epoch(make_validation, frag
     assert fragment in str(info.value) and _Count.batches == 0
 
 
-# -- issue 11 item 12: NaN loss stops training; labels out of range --------------------------
+# -- NaN loss stops training; labels out of range --------------------------------------------
 
 
 def test_labels_out_of_range_in_the_first_batch_are_an_error():
