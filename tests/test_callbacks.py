@@ -10,30 +10,24 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, labelled
 
 import spmd
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
+def _model():
+    return MLP(nnx.Rngs(0), features=4, outputs=2)
 
 
 def _data(n=256):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32)
+    return labelled(n, features=4, classes=2)
 
 
 def _trainer():
     return spmd.Trainer(
-        MLP(nnx.Rngs(0)),
+        _model(),
         optax.adam(1e-2),
         "sparse_categorical_crossentropy",
         metrics=("accuracy",),
@@ -88,7 +82,7 @@ def test_model_checkpoint_save_freq_never_skips_with_steps_per_execution(
     """A hook per K batches saves at the group that crosses each multiple of save_freq."""
     x, y = _data(320)
     trainer = spmd.Trainer(
-        MLP(nnx.Rngs(0)),
+        _model(),
         optax.adam(1e-2),
         "sparse_categorical_crossentropy",
         strategy=spmd.MirroredStrategy(),
@@ -137,7 +131,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np, optax, spmd
 from flax import nnx
 sys.path.insert(0, {tests!r})
-from test_callbacks import MLP, _data
+from models import MLP, labelled
 backup, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 class Kill(spmd.callbacks.Callback):
@@ -145,8 +139,8 @@ class Kill(spmd.callbacks.Callback):
         if self.trainer.iterations == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-x, y = _data()
-trainer = spmd.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), "sparse_categorical_crossentropy",
+x, y = labelled(256, features=4, classes=2)
+trainer = spmd.Trainer(MLP(nnx.Rngs(0), features=4, outputs=2), optax.adam(1e-2), "sparse_categorical_crossentropy",
                        strategy=spmd.MirroredStrategy())
 callbacks = [spmd.callbacks.BackupAndRestore(backup, save_freq=3), Kill()]
 trainer.fit((x, y), batch_size=32, epochs=3, shuffle=True, callbacks=callbacks, verbose=0)

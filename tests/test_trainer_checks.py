@@ -1,24 +1,15 @@
 """Trainer: losses and metrics per example, and every misuse of its data an error, not a guess."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, labelled
 
 import spmd
 
 FEATURES, CLASSES = 6, 3
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, outputs: int = CLASSES):
-        self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
-        self.out = nnx.Linear(16, outputs, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
 
 
 class Seq(nnx.Module):
@@ -32,9 +23,7 @@ class Seq(nnx.Module):
 
 
 def _data(n=128, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5).astype(np.int32)
+    return labelled(n, FEATURES, CLASSES, seed)
 
 
 def _trainer(model=None, loss="sparse_categorical_crossentropy", **kwargs):

@@ -12,19 +12,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, labelled
 
 import spmd
 
 FEATURES, CLASSES, LR = 6, 3, 0.1
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, outputs: int = CLASSES):
-        self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
-        self.out = nnx.Linear(16, outputs, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
 
 
 class CNN(nnx.Module):
@@ -51,9 +43,7 @@ class BNNet(nnx.Module):
 
 
 def _data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
-    return x, ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5).astype(np.int32))
+    return labelled(n, FEATURES, CLASSES, seed)
 
 
 def _strategy():

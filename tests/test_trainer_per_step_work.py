@@ -9,30 +9,20 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, labelled
 
 import spmd
 from spmd.trainer import batch_checks
 from spmd.trainer import trainer as trainer_module
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(4, 8, rngs=rngs)
-        self.out = nnx.Linear(8, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
-
-
 def _data(n=160):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32)
+    return labelled(n, features=4, classes=2)
 
 
 def _trainer(**kwargs):
     return spmd.Trainer(
-        MLP(nnx.Rngs(0)),
+        MLP(nnx.Rngs(0), features=4, hidden=8, outputs=2),
         optax.sgd(0.1),
         "sparse_categorical_crossentropy",
         strategy=spmd.MirroredStrategy(),
