@@ -1,7 +1,7 @@
 """Models, data and the NNX update step that many test files share.
 
-`MLP` is the classifier the Trainer tests fit; `DotReluDot` is flax's GSPMD
-guide's model annotated with logical axis names; `labelled` makes the rows
+`MLP` is the classifier the Trainer tests fit; `LogicalMLP` is flax's GSPMD
+guide's DotReluDot annotated with logical axis names; `labelled` makes the rows
 they learn; `nnx_update` is one optimizer step of a `(model, optimizer)`
 state, as a step function or its `nnx.jit` oracle runs it.
 """
@@ -32,9 +32,9 @@ class MLP(nnx.Module):
         return self.out(jax.nn.relu(self.hidden(x)))
 
 
-class DotReluDot(nnx.Module):
+class LogicalMLP(nnx.Module):
     """flax's GSPMD guide's DotReluDot, annotated for tensor parallelism with logical
-    names: ("embed", "mlp") up, ("mlp", "embed") down."""
+    names: ("embed", "mlp") up, ("mlp", "embed") down; 8 features in and out."""
 
     def __init__(self, rngs: nnx.Rngs) -> None:
         self.up = nnx.Linear(

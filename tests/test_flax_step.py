@@ -12,25 +12,12 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models import INIT, LogicalMLP, mse, nnx_update, xent
 
 import spmd
 from spmd.partitioners import FixedShardsPartitioner
 
-INIT = nnx.initializers.lecun_normal()
 RULES = [("mlp", "model"), ("embed", None)]
-
-
-class MLP(nnx.Module):
-    """flax_gspmd's DotReluDot, annotated with logical names."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.Linear(
-            8, 16, kernel_init=nnx.with_partitioning(INIT, ("embed", "mlp")), rngs=rngs
-        )
-        self.w = nnx.Param(nnx.with_partitioning(INIT, ("mlp", "embed"))(rngs.params(), (16, 8)))
-
-    def __call__(self, x):
-        return nnx.relu(self.up(x)) @ self.w[...]
 
 
 class Plain(nnx.Module):
@@ -51,26 +38,17 @@ def _xy():
     return rng.randn(16, 8).astype(np.float32), rng.randn(16, 8).astype(np.float32)
 
 
-def _mse(model, x, y):
-    return jnp.mean((model(x) - y) ** 2)
-
-
 def _spmd_step(strategy):
     @strategy.step
     def step(state, x, y):
-        model, opt = state
-        value, grads = nnx.value_and_grad(_mse)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, mse, x, y)
 
     return step
 
 
 @nnx.jit
 def _jit_step(model, opt, x, y):
-    value, grads = nnx.value_and_grad(_mse)(model, x, y)
-    opt.update(model, grads)
-    return value
+    return nnx_update(model, opt, mse, x, y)
 
 
 # --- 1. Dropout's RNG key in the state on CentralStorageStrategy -----------------------
@@ -105,10 +83,7 @@ def test_trainer_with_dropout_trains_on_central_storage_like_nnx_jit():
 
     @nnx.jit
     def step(model, opt, x, y):
-        loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()  # noqa: E731
-        value, grads = nnx.value_and_grad(loss)(model)
-        opt.update(model, grads)
-        return value
+        return nnx_update(model, opt, xent, x, y)
 
     expected = np.mean(
         [float(step(model, opt, x[i : i + 8], y[i : i + 8])) for i in (0, 8, 16, 24)]
@@ -133,21 +108,13 @@ def test_hand_written_step_with_dropout_runs_on_central_storage():
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     strategy = spmd.CentralStorageStrategy()
 
-    def xent(m, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-
     @strategy.step
     def step(state, x, y):
-        model, opt = state
-        value, grads = nnx.value_and_grad(xent)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, xent, x, y)
 
     @nnx.jit
     def ref_step(model, opt, x, y):
-        value, grads = nnx.value_and_grad(xent)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(model, opt, xent, x, y)
 
     got = [float(step((model, opt), x[i : i + 8], y[i : i + 8])) for i in (0, 8)]
     want = [float(ref_step(ref_model, ref_opt, x[i : i + 8], y[i : i + 8])) for i in (0, 8)]
@@ -165,7 +132,7 @@ def test_adafactor_on_an_annotated_model_trains_on_a_2d_mesh():
     default layout, and training matches nnx.jit on one device."""
 
     def create():
-        model = MLP(nnx.Rngs(0))
+        model = LogicalMLP(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adafactor(1e-2), wrt=nnx.Param)
 
     x, y = _xy()
@@ -336,16 +303,13 @@ def test_nnx_state_is_donated_only_when_asked():
 
     @strategy.step(donate=True)
     def step(state, x, y):
-        model, opt = state
-        value, grads = nnx.value_and_grad(_mse)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, mse, x, y)
 
     before = model.l.kernel.get_raw_value()
     step((model, opt), x, y)
     assert before.is_deleted()
     assert not model.l.kernel.get_raw_value().is_deleted()
-    assert spmd.MirroredStrategy().step(_mse).donate is None  # the default: by state kind
+    assert spmd.MirroredStrategy().step(mse).donate is None  # the default: by state kind
 
 
 def _plain_create():
@@ -376,7 +340,7 @@ def test_weights_copied_from_another_strategys_model_are_a_named_error(other_mes
     assert "strategy.put" in str(info.value)
     nnx.update(model, strategy.put(nnx.state(model)))
     got = float(step((model, opt), x, y))
-    assert got == pytest.approx(float(_mse(other, x, y)), rel=1e-6)
+    assert got == pytest.approx(float(mse(other, x, y)), rel=1e-6)
 
 
 @pytest.mark.cpu_mesh

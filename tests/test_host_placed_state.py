@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models import mse, nnx_update
 
 import spmd
 
@@ -69,14 +70,7 @@ class _Mlp(nnx.Module):
 
 
 def _nnx_step(state, x, y):
-    model, opt = state
-
-    def loss_fn(m):
-        return jnp.mean((m(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    return loss
+    return nnx_update(*state, mse, x, y)
 
 
 def _nnx_run(strategy, donate, read_between=False):
@@ -383,14 +377,8 @@ class _Lazy(nnx.Module):
 
 
 def _grow_step(state, x, y):
-    model, opt = state
-
-    def loss_fn(m):
-        return jnp.mean((m(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    model.counter = nnx.BatchStat(jnp.sum(x))  # a Variable the step adds
+    loss = nnx_update(*state, mse, x, y)
+    state[0].counter = nnx.BatchStat(jnp.sum(x))  # a Variable the step adds
     return loss
 
 
