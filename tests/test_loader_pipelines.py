@@ -50,6 +50,13 @@ def _grain(seed=7, batch=BATCH):
     return grain.MapDataset.source(np.arange(N, dtype=np.int32)).shuffle(seed=seed).batch(batch)
 
 
+def _range(loader, n):
+    """0, 1, ..., n - 1 in batches of BATCH: a tf.data or a grain dataset."""
+    if loader == "tf":
+        return tf.data.Dataset.range(n).batch(BATCH)
+    return grain.MapDataset.source(np.arange(n)).batch(BATCH)
+
+
 class Linear(nnx.Module):
     def __init__(self, rngs):
         self.layer = nnx.Linear(FEATURES, 2, rngs=rngs)
@@ -168,10 +175,7 @@ def test_grain_batch_not_divisible_by_the_replicas_is_a_batch_error(strategy):
 
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_ragged_last_batch_is_a_batch_error_that_says_drop_or_pad(strategy, loader):
-    if loader == "tf":
-        ds = tf.data.Dataset.range(20).batch(BATCH)
-    else:
-        ds = grain.MapDataset.source(np.arange(20)).batch(BATCH)
+    ds = _range(loader, 20)
     with pytest.raises(spmd.BatchError, match="remainder='drop'.*remainder='pad'"):
         _ids(strategy.distribute_dataset(ds))
 
@@ -220,10 +224,7 @@ def test_grain_pipeline_without_a_final_batch_says_to_batch(strategy):
 
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_empty_dataset_is_a_batch_error(strategy, loader):
-    if loader == "tf":
-        ds = tf.data.Dataset.range(0).batch(BATCH)
-    else:
-        ds = grain.MapDataset.source(np.arange(0)).batch(BATCH)
+    ds = _range(loader, 0)
     with pytest.raises(spmd.BatchError, match="no batch|0 batches|empty"):
         _ids(strategy.distribute_dataset(ds))
 
