@@ -1,5 +1,6 @@
 """The test tiers: `-m "not slow"` leaves out every slow kind of test, and per-file progress."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -13,7 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def _tiers():
+    """tests/tiers.py, loaded once (it is a script, not a module of a package)."""
     spec = importlib.util.spec_from_file_location("tiers", ROOT / "tests" / "tiers.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -17,6 +17,7 @@ only re-export names (`spmd/callbacks.py`, ...) need no test.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import sys
 from pathlib import Path
@@ -30,8 +31,9 @@ USAGE = (
 )
 
 
+@functools.cache
 def runnable(root: Path = SPMD) -> list[str]:
-    """The files of spmd/ (relative to it) that define a function or a class."""
+    """The files of spmd/ (relative to it) that define a function or a class (read once)."""
     found = []
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
