@@ -97,6 +97,7 @@ def test_model_checkpoint_save_freq_never_skips_with_steps_per_execution(
     manager.close()
 
 
+@pytest.mark.slow
 def test_model_checkpoint_saves_best_only(tmp_path):
     x, y = _data()
     trainer = _trainer()

@@ -10,6 +10,7 @@ from commands import ROOT, child_env, run_spmd
 from spmd.cli import main as cli
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_env_prints_cluster_devices_and_strategies():
     proc = run_spmd("env", "--devices", "4", timeout=60)
@@ -130,6 +131,7 @@ def test_help_and_version_import_no_jax():
     assert "heavy: []" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_import_spmd_alone_imports_no_jax_and_names_resolve_on_use():
     code = (

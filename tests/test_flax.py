@@ -119,6 +119,7 @@ def test_plain_strategy_rejects_an_unmapped_name_and_names_it():
         strategy.init(create)
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_names_equal_to_mesh_axes_map_to_them():
     mesh = spmd.make_mesh({"embed": 2, "mlp": 4})
@@ -147,6 +148,7 @@ def test_an_annotated_model_trains_unchanged_on_every_strategy(make):
     np.testing.assert_allclose(model.w[...], expected_model.w[...], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_parameter_server_shards_a_replicated_annotation_by_its_partitioner():
     strategy = spmd.ParameterServerStrategy(FixedShardsPartitioner(2))
@@ -154,6 +156,7 @@ def test_parameter_server_shards_a_replicated_annotation_by_its_partitioner():
     assert model.w[...].sharding.spec == P("ps2")
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_step_carries_its_mesh_outside_the_scope():
     strategy = two_d()

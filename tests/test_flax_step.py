@@ -159,6 +159,7 @@ class Sown(nnx.Module):
         return h
 
 
+@pytest.mark.slow
 def test_sow_inside_a_step_works_like_nnx_jit():
     """`self.sow(nnx.Intermediate, ...)` (flax's way to extract intermediates) adds
     a Variable during the call: as under nnx.jit the loss is returned and
@@ -183,6 +184,7 @@ class Counting(nnx.Module):
         return self.l(x)
 
 
+@pytest.mark.slow
 def test_python_attribute_written_in_the_step_is_kept_like_nnx_jit():
     """A module attribute changed inside the step (a call counter, a flag set by
     the model) is propagated back, as nnx.jit does (3 after three steps)."""
@@ -199,6 +201,7 @@ def test_python_attribute_written_in_the_step_is_kept_like_nnx_jit():
     assert model.calls == ref.calls
 
 
+@pytest.mark.slow
 def test_a_clone_of_the_model_survives_a_step():
     """EMA / teacher pattern: `teacher = nnx.clone(model)` shares the arrays
     (immutable in JAX). NNX state is not donated by default (nnx.jit's
@@ -276,6 +279,7 @@ class Lazy(nnx.Module):
         return self.l(x)
 
 
+@pytest.mark.slow
 def test_state_created_during_the_first_step_is_kept_like_nnx_jit():
     """The state changes structure inside the step (a Variable created on the
     first call): kept, as nnx.jit keeps it; later steps update it."""
@@ -294,6 +298,7 @@ def test_state_created_during_the_first_step_is_kept_like_nnx_jit():
     assert step.cache_size() == 2  # one program before `seen` existed, one after
 
 
+@pytest.mark.slow
 def test_nnx_state_is_donated_only_when_asked():
     """`@strategy.step(donate=True)` opts NNX state into donation: the input
     arrays are reused (deleted), the model holds the new ones."""
@@ -453,6 +458,7 @@ def test_default_parameter_server_inits_a_model_with_stacked_rng_keys():
     assert float(_spmd_step(strategy)((model, opt), x, y)) == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_custom_partitioner_never_sees_a_key_array():
     """Any callable partitioner gets only arrays with a byte size; keys are replicated."""
     seen = []
@@ -472,6 +478,7 @@ def test_a_custom_partitioner_never_sees_a_key_array():
     assert len(seen) == 3  # the kernel, the bias and the key counter; not the key
 
 
+@pytest.mark.slow
 def test_host_placement_keeps_keys_in_device_memory():
     """CentralStorageStrategy: arrays in pinned_host, typed key arrays in device memory."""
     strategy = spmd.CentralStorageStrategy()
@@ -545,6 +552,7 @@ class LogicalDotReluDot(DotReluDot):
         return y @ self.w2[...]
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 @pytest.mark.parametrize("name", ["mirrored", "2-D"])
 def test_a_constraint_in_logical_names_runs_on_any_strategy(name):

@@ -285,6 +285,7 @@ def test_jax_arrays_yielded_on_device_on_another_device_and_sharded(input_strate
 # -- the plan cache ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_more_than_64_signatures_in_one_epoch_then_the_early_ones_again(input_strategy):
     widths = list(range(1, 71)) + [1, 2, 3, 70, 69]
     batches = [

@@ -100,6 +100,7 @@ def _in_order(steps):
 # -- the programs give the one-device numbers --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_maxtext_style_grain_pipeline_fits_like_one_device(strategy, data):
     x, y = data
     shuffled = grain.MapDataset.source(np.arange(N)).shuffle(seed=3)
@@ -110,6 +111,7 @@ def test_maxtext_style_grain_pipeline_fits_like_one_device(strategy, data):
     np.testing.assert_allclose(_kernel(trainer), _oracle(data, order * 2), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tf_data_dataset_fits_like_one_device(strategy, data):
     # fit(tf.data.Dataset) read the first batch as tf tensors and raised TypeError
     # ("Cannot interpret 'tf.float32' as a data type"); fixed in trainer/data.py host_first.
@@ -119,6 +121,7 @@ def test_tf_data_dataset_fits_like_one_device(strategy, data):
     np.testing.assert_allclose(_kernel(trainer), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_infinite_dataset_with_steps_per_epoch_goes_on_across_epochs(strategy, data, loader):
     if loader == "tf":

@@ -122,6 +122,7 @@ def test_scale_regularization_loss():
     assert float(spmd.scale_regularization_loss(8.0)) == 8.0
 
 
+@pytest.mark.slow
 def test_custom_loop_with_run_and_reduce_matches_one_device():
     """The seeds' custom training loop: per-replica loss and grads, SUM-reduced, applied once."""
     rng = np.random.default_rng(0)

@@ -40,6 +40,7 @@ def test_static_kwarg_dropped_on_the_next_call_runs_the_default_program():
     np.testing.assert_allclose(state["w"], expect_state["w"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_static_kwarg_changed_between_calls_runs_each_program():
     step = _mirrored().step(static_argnames=("scale",))(_sgd)
     state, want = _state(), _state()

@@ -88,6 +88,7 @@ def test_evaluate_and_predict_are_exact_over_every_example(data):
     assert result["accuracy"] == pytest.approx((logits.argmax(-1) == y).mean(), abs=1e-9)
 
 
+@pytest.mark.slow
 def test_history_and_validation_metrics(data):
     x, y = data
     trainer = _trainer(optax.adam(1e-2), metrics=("accuracy",))
@@ -99,6 +100,7 @@ def test_history_and_validation_metrics(data):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
+@pytest.mark.slow
 def test_init_apply_pair_and_other_losses():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 3)).astype(np.float32)
@@ -118,6 +120,7 @@ def test_init_apply_pair_and_other_losses():
     np.testing.assert_allclose(np.asarray(trainer.model["w"]).ravel(), [1.0, -2.0, 0.5], atol=0.05)
 
 
+@pytest.mark.slow
 def test_early_stopping_stops_and_restores_best(data):
     x, y = data
 
@@ -171,6 +174,7 @@ def test_bad_data_teaches(data):
         trainer.fit((x, y), batch_size=60, verbose=0)
 
 
+@pytest.mark.slow
 def test_predict_and_evaluate_on_an_iterable_of_xy_batches_keep_every_row(data):
     """The padding mask is known by type: an (x, y) batch's y is never taken for a mask."""
     x, y = data[0][:100], data[1][:100]

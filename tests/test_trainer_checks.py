@@ -56,6 +56,7 @@ def test_a_metric_that_does_not_fit_the_loss_names_both(loss, metric):
     assert f"metric='{metric}'" in str(info.value) and f"loss='{loss}'" in str(info.value)
 
 
+@pytest.mark.slow
 def test_sequence_losses_and_metrics_are_means_over_every_non_batch_axis():
     """(batch, time, classes) logits: one loss value per example, the mean over its steps.
 
@@ -188,6 +189,7 @@ def test_labels_out_of_range_in_the_first_batch_are_an_error():
         _trainer().fit((x, np.where(np.arange(len(y)) == 3, -1, y)), batch_size=16, verbose=0)
 
 
+@pytest.mark.slow
 def test_a_nan_loss_stops_fit_naming_the_epoch_and_step():
     x, y = _data()
     y = y.copy()
@@ -209,6 +211,7 @@ class SqrtAtZero(nnx.Module):
         return self.out(x + jnp.sqrt(self.shift[...]))
 
 
+@pytest.mark.slow
 def test_a_finite_loss_whose_update_is_not_finite_names_its_own_step():
     x, y = _data()
     trainer = _trainer(SqrtAtZero(nnx.Rngs(0)))
@@ -220,6 +223,7 @@ def test_a_finite_loss_whose_update_is_not_finite_names_its_own_step():
     assert "clip_by_global_norm" in text
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_is_still_named_as_the_loss():
     x, y = _data()
     y = y.copy()
@@ -230,6 +234,7 @@ def test_a_non_finite_loss_is_still_named_as_the_loss():
     assert "global_step=1" in text and "The loss is finite at every step" in text
 
 
+@pytest.mark.slow
 def test_a_negative_label_is_a_nan_loss_not_a_wrong_one():
     per = spmd.losses.LOSSES["sparse_categorical_crossentropy"](
         jnp.ones((2, 4)), jnp.array([1, -1])
@@ -237,6 +242,7 @@ def test_a_negative_label_is_a_nan_loss_not_a_wrong_one():
     assert np.isfinite(per[0]) and np.isnan(per[1])
 
 
+@pytest.mark.slow
 def test_terminate_on_nan_can_be_switched_off():
     x, y = _data()
     y = y.copy()

@@ -51,6 +51,7 @@ def test_hooks_are_dispatched_to_the_callbacks_that_override_them():
     assert counting.ends == [3] and seen == [1]
 
 
+@pytest.mark.slow
 def test_fit_calls_batch_hooks_in_order_with_the_batch_index():
     callback = Batches()
     _trainer().fit(_data(), batch_size=16, epochs=2, callbacks=[callback], verbose=0)
@@ -95,6 +96,7 @@ def test_a_subclass_override_and_an_instance_override_are_called():
     assert calls == [0, 1]
 
 
+@pytest.mark.slow
 def test_batch_form_is_checked_once_per_signature(monkeypatch):
     calls = []
     check_rows = batch_checks.check_rows
@@ -114,6 +116,7 @@ def test_a_new_batch_shape_is_still_checked():
         _trainer().fit(batches, verbose=0)
 
 
+@pytest.mark.slow
 def test_the_nan_flag_is_read_at_most_every_interval(monkeypatch):
     monkeypatch.setattr(trainer_module, "_NAN_READ_S", 3600.0)
     trainer = _trainer()
@@ -131,6 +134,7 @@ def test_the_nan_flag_is_read_at_most_every_interval(monkeypatch):
     assert len(reads) <= 2 + 2  # each epoch's end, and at most one read between per epoch
 
 
+@pytest.mark.slow
 def test_a_nan_is_still_named_by_its_step_when_read_late(monkeypatch):
     monkeypatch.setattr(trainer_module, "_NAN_READ_S", 3600.0)
     x, y = _data()
@@ -140,6 +144,7 @@ def test_a_nan_is_still_named_by_its_step_when_read_late(monkeypatch):
         _trainer().fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
 
 
+@pytest.mark.slow
 def test_a_nan_at_an_epochs_last_batch_is_named_there():
     x, y = _data(64)
     x[63] = np.nan  # batch 3 of 4, epoch 0
@@ -154,6 +159,7 @@ def test_a_nan_in_the_second_one_batch_epoch_is_named_there():
         _trainer().fit((x, y), batch_size=16, epochs=3, steps_per_epoch=1, shuffle=False, verbose=0)
 
 
+@pytest.mark.slow
 def test_a_nan_is_named_after_the_trainer_state_is_replaced():
     trainer = _trainer()
     trainer.fit(_data(64), batch_size=16, verbose=0)
