@@ -509,6 +509,14 @@ class DotReluDot(nnx.Module):
         return y @ self.w2[...]
 
 
+def _guide_loss_on_one_device(x, y):
+    """The guide's model's first loss under `nnx.jit` on a 1x1 ("data", "model") mesh."""
+    one = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(one):
+        model = DotReluDot(nnx.Rngs(0))
+        return float(_jit_step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x, y))
+
+
 @pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_the_gspmd_guide_constraint_on_a_mesh_without_its_axes_is_a_named_error():
@@ -523,10 +531,7 @@ def test_the_gspmd_guide_constraint_on_a_mesh_without_its_axes_is_a_named_error(
         model = DotReluDot(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-    one = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with jax.set_mesh(one):
-        ref_model, ref_opt = create()
-        want = float(_jit_step(ref_model, ref_opt, x, y))
+    want = _guide_loss_on_one_device(x, y)
     strategy = spmd.MirroredStrategy()
     model, opt = strategy.init(create)
     with pytest.raises(spmd.ConfigurationError) as info:
@@ -564,11 +569,7 @@ def test_a_constraint_in_logical_names_runs_on_any_strategy(name):
         model = LogicalDotReluDot(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-    one = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with jax.set_mesh(one):
-        ref = DotReluDot(nnx.Rngs(0))
-        ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-        want = float(_jit_step(ref, ref_opt, x, y))
+    want = _guide_loss_on_one_device(x, y)
     if name == "mirrored":
         strategy = spmd.MirroredStrategy()
     else:
