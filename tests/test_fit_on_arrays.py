@@ -196,28 +196,18 @@ class _Interrupt(spmd.callbacks.Callback):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_backup_and_restore_mid_epoch_resumes_bitwise(strategy, tmp_path, shuffle):
     x, y, w = _data(100)
-    whole = _trainer(strategy)
-    whole.fit((x, y, w), batch_size=16, epochs=3, shuffle=shuffle, verbose=0)
     backup = str(tmp_path / "backup")
-    first = _trainer(strategy)
+
+    def fit(*callbacks):
+        trainer = _trainer(strategy)
+        options = {"batch_size": 16, "epochs": 3, "shuffle": shuffle, "verbose": 0}
+        trainer.fit((x, y, w), callbacks=list(callbacks), **options)
+        return trainer
+
+    whole = fit()
     with pytest.raises(_Stop):
-        first.fit(
-            (x, y, w),
-            batch_size=16,
-            epochs=3,
-            shuffle=shuffle,
-            verbose=0,
-            callbacks=[spmd.callbacks.BackupAndRestore(backup, save_freq=4), _Interrupt(10)],
-        )
-    resumed = _trainer(strategy)
-    resumed.fit(
-        (x, y, w),
-        batch_size=16,
-        epochs=3,
-        shuffle=shuffle,
-        verbose=0,
-        callbacks=[spmd.callbacks.BackupAndRestore(backup, save_freq=4)],
-    )
+        fit(spmd.callbacks.BackupAndRestore(backup, save_freq=4), _Interrupt(10))
+    resumed = fit(spmd.callbacks.BackupAndRestore(backup, save_freq=4))
     assert resumed.iterations == whole.iterations == 18
     _close(resumed, jax.tree.leaves(jax.device_get(whole.state["params"])), exact=True)
     _close(whole, _oracle(Plain, x, y, w, 16, 3, shuffle))
