@@ -10,8 +10,10 @@ that had a function called and the CPU and wall seconds the test took, and the
 whole run's. A module that defines a function or a class and has none called
 by any recorded test is reported; so is a run over CPU_BUDGET_S seconds of CPU
 time (all threads, children too; what counts on a shared 2-core machine). The
-last line is the verdict; the exit status is 1 when it is FAIL. Modules that
-only re-export names (`spmd/callbacks.py`, ...) need no test.
+recorder's profile hook adds about a tenth to the CPU time, so a recorded run
+within the budget is within it unrecorded too. The last line is the verdict;
+the exit status is 1 when it is FAIL. Modules that only re-export names
+(`spmd/callbacks.py`, ...) need no test.
 """
 
 from __future__ import annotations
