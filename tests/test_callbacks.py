@@ -6,19 +6,28 @@ import sys
 from pathlib import Path
 
 import jax
+import models
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from models import MLP, labelled
+from models import labelled
 
 import spmd
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class MLP(models.MLP):
+    """4 features -> 16 (relu) -> 2 logits; test_sidecar_evaluator.py and
+    test_checkpoint_damage_and_misuse.py fit it too."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs, features=4, outputs=2)
+
+
 def _model():
-    return MLP(nnx.Rngs(0), features=4, outputs=2)
+    return MLP(nnx.Rngs(0))
 
 
 def _data(n=256):
