@@ -244,6 +244,40 @@ def test_restore_or_init_and_scope_take_a_diloco_strategy(tmp_path):
     ckpt.close()
 
 
+def _wide(key):
+    """A state whose leaves fill TPU tiles, so that no padding blurs the bytes."""
+    params = {"w": jax.random.normal(key, (256, 512)), "b": jax.numpy.zeros(512)}
+    return {"params": params, "opt": optax.sgd(0.1).init(params)}
+
+
+def _wide_step(state, x):
+    def loss(p):
+        return ((x @ p["w"] + p["b"]) ** 2).mean()
+
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    updates, opt = optax.sgd(0.1).update(grads, state["opt"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+
+@pytest.mark.slow  # compiles three programs for two TPU slices: seconds on 2 shared cores
+def test_on_tpu_slices_the_sync_sends_one_hth_of_synchronous_trainings_dcn_bytes():
+    pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
+    two = spmd.topology("v5e-4", slices=2)  # an island per slice, joined over DCN
+    strategy = spmd.DiLoCo(spmd.TPUStrategy(topology=two), islands=2, sync_every=10)
+    state = strategy.abstract_state(_wide, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((64, 256), np.float32)
+    report = strategy.explain(_wide_step, state, x)
+    assert report.inner.chip == report.sync[0].chip == "v5e"  # the TPU compiler's reports
+    assert report.inner_crossing == {}
+    assert not [t for t in report.inner.traffic if t.link == "DCN"]
+    dcn = [t for t in report.sync[0].traffic if t.link == "DCN"]
+    assert dcn and report.sync_crossing["all-reduce"].bytes == sum(t.wire_bytes for t in dcn)
+    # each of a slice's 4 chips sends its quarter of the parameters (in 4 KiB TPU tiles)
+    quarter = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)) / 4
+    assert quarter <= report.sync_crossing["all-reduce"].bytes <= quarter + 4096
+    assert report.ratio == pytest.approx(1 / 10, rel=0.01)
+
+
 def _module(*lines):
     return "HloModule m\n\nENTRY %main () -> f32[] {\n  " + "\n  ".join(lines) + "\n}\n"
 
