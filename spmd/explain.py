@@ -264,9 +264,7 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
         ),
         data,
     )
-    return explain_traced(
-        repr(strategy), traced, sized, batches, list(strategy.mesh.devices.flat)
-    )
+    return explain_traced(repr(strategy), traced, sized, batches, list(strategy.mesh.devices.flat))
 
 
 def explain_traced(

@@ -144,22 +144,21 @@ def _tpu_device_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndar
 def _dcn_shape(shape: tuple[int, ...], granules: list[list[Any]]) -> tuple[int, ...]:
     """How many slices each axis spans: the slices fill the outermost axes they divide."""
     sizes = sorted({len(g) for g in granules})
+    if len(sizes) > 1:
+        raise ConfigurationError(
+            message(
+                "A mesh over several TPU slices takes slices of equal size: its outermost "
+                "axes span the slices (DCN), the rest stay inside one slice (ICI).",
+                received(axes=shape, slices=len(granules), devices_per_slice=sizes),
+                "pass every device of each slice (e.g. the whole spmd.topology(...)), or "
+                "the devices of one slice.",
+            )
+        )
     dcn, left = [], len(granules)
-    for size in shape:
+    for size in shape:  # the product is the device count: the slices always fit
         dcn.append(math.gcd(size, left))
         left //= dcn[-1]
-    if left == 1 and len(sizes) == 1:
-        return tuple(dcn)
-    raise ConfigurationError(
-        message(
-            f"On {len(granules)} TPU slices of equal size the mesh is a hybrid mesh: the "
-            "outermost axes span the slices (DCN), the rest stay inside one slice (ICI), so "
-            "the slice count must divide the product of the outermost axes.",
-            received(axes=shape, slices=len(granules), devices_per_slice=sizes),
-            f"make the first axis a multiple of {len(granules)} (e.g. "
-            f'{{"data": {len(granules)}, ...}}), and pass whole slices.',
-        )
-    )
+    return tuple(dcn)
 
 
 def _slice_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
@@ -227,8 +226,9 @@ def make_mesh(
     """Builds a named device mesh.
 
     Devices are placed hosts outermost (the first axis crosses hosts, the inner
-    axes stay inside one); TPU devices follow the chips' physical topology, and
-    several TPU slices form a hybrid mesh with the slices on the first axis.
+    axes stay inside one). TPU devices follow the chips' physical topology for
+    any axis sizes, the innermost axis on the nearest chips, and several TPU
+    slices form a hybrid mesh whose outermost axes span the slices.
 
     Args:
       axes: axis name to size, outermost first; one size may be -1 to infer it.
@@ -240,8 +240,9 @@ def make_mesh(
       A `jax.sharding.Mesh`.
 
     Raises:
-      ConfigurationError: an axis name is not a string identifier, or the axis
-        sizes do not multiply to the device count.
+      ConfigurationError: an axis name is not a string identifier, the axis
+        sizes do not multiply to the device count, or TPU slices of different
+        sizes are given.
 
     Example:
       >>> mesh = spmd.make_mesh({"data": -1, "model": 2})

@@ -153,7 +153,7 @@ def test_devices_that_are_no_whole_slice_keep_their_order():
 
 def test_slices_of_different_sizes_are_a_clear_error():
     two = spmd.topology("v5e-4", slices=2)
-    with pytest.raises(spmd.ConfigurationError, match="TPU slices of equal size") as info:
+    with pytest.raises(spmd.ConfigurationError, match="slices of equal size") as info:
         spmd.make_mesh({"data": 2, "model": 3}, devices=list(two)[:6])
     assert "devices_per_slice=[2, 4]" in str(info.value) and "To fix" in str(info.value)
 
