@@ -337,7 +337,9 @@ def flows(hlo: str, num_partitions: int, slices: int = 1) -> tuple[Flow, ...]:
     return tuple(seen.values())
 
 
-def _flow(line, match, comp, times, num_partitions, slices) -> tuple[tuple[str, str], Flow]:
+def _flow(
+    line: str, match: re.Match, comp: str, times: int, num_partitions: int, slices: int
+) -> tuple[tuple[str, str], Flow]:
     """One collective instruction (or megascale send) as (its key, its `Flow`)."""
     if match["op"] == "send":
         kind = _MEGASCALE.search(line)["kind"].lower().replace("_", "-")
