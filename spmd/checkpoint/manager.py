@@ -24,6 +24,7 @@ from spmd.checkpoint.store import make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
 from spmd.strategy.base import get_strategy
+from spmd.topologies import check_placeable
 from spmd.validate import boolean, positive_int, positive_number
 
 __all__ = ["CheckpointManager"]
@@ -363,6 +364,7 @@ class CheckpointManager:
         if target is None:
             result = self._restore_numpy(step)
         else:
+            check_placeable(target, "CheckpointManager.restore")
             result = self._restore_into(step, target, boolean(partial, "partial", fix=_PARTIAL))
         if data is not None:
             _set_position(data, self._saved_position(step), step)

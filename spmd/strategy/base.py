@@ -398,6 +398,7 @@ class Strategy:
           batch: a pytree of arrays whose `axis` is the global batch.
           axis: the batch axis (1 for K batches stacked for one call).
         """
+        check_runnable(self, "distribute_batch")
         self.check_batch(batch, axis)
         return jax.tree.map(lambda x: put_leaf(x, self.batch_sharding(np.ndim(x), axis)), batch)
 
@@ -409,7 +410,7 @@ class Strategy:
         Returns a `spmd.DistributedDataset`; `options` is a `spmd.InputOptions`
         (sharding policy, padding, prefetch). See docs/input.md.
         """
-
+        check_runnable(self, "distribute_dataset")
         return distribute_dataset(self, dataset, options)
 
     def distribute_datasets_from_function(
@@ -424,7 +425,7 @@ class Strategy:
         `ctx.get_per_pipeline_batch_size(global_batch_size)` rows. See
         docs/input.md.
         """
-
+        check_runnable(self, "distribute_datasets_from_function")
         return distribute_datasets_from_function(self, dataset_fn, options)
 
     def make_numpy_dataset(
@@ -570,6 +571,8 @@ class Strategy:
           >>> loss, grads = strategy.run(replica_fn, args=(x, y))
           >>> strategy.reduce("SUM", loss)
         """
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+            check_runnable(self, "strategy.run")  # eager; inside a step it is compiled with it
         return per_replica.run(self, fn, args, kwargs, axis_name)
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
