@@ -215,16 +215,66 @@ class Wider(nnx.Module):
         return self.out(jax.nn.relu(self.hidden(x)))
 
 
-def test_a_checkpoint_of_another_model_is_an_error_naming_the_paths(trained):
+class Renamed(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.dense(x)))
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (Wider, r"shape_or_dtype_differs=\['params/hidden/bias/value: saved float32\[16\], target"),
+        (
+            Renamed,
+            r"in_target_not_in_checkpoint=\['params/dense/bias/value', 'params/dense/kernel/value'",
+        ),
+    ],
+    ids=["wider", "renamed"],
+)
+@pytest.mark.parametrize("bare", [True, False], ids=["model", "trainer"])
+def test_a_checkpoint_of_another_model_is_an_error_naming_the_leaves(trained, model, match, bare):
     directory, _ = trained
-    other = spmd.Trainer(
-        Wider(nnx.Rngs(0)),
-        optax.adam(1e-2),
-        "sparse_categorical_crossentropy",
-        strategy=_one_device(),
+    loss = "sparse_categorical_crossentropy"
+    if bare:
+        evaluator = spmd.SidecarEvaluator(
+            model(nnx.Rngs(0)),
+            VAL,
+            str(directory),
+            loss=loss,
+            strategy=_one_device(),
+            batch_size=32,
+        )
+    else:
+        other = spmd.Trainer(model(nnx.Rngs(0)), optax.adam(1e-2), loss, strategy=_one_device())
+        evaluator = spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32)
+    with pytest.raises(spmd.CheckpointError, match=match):
+        evaluator.start()
+    assert evaluator.history == {}  # nothing evaluated with a part of the weights
+
+
+def test_a_dataset_that_never_ends_needs_steps(trained):
+    tf = pytest.importorskip("tensorflow")
+    directory, saved = trained
+    endless = tf.data.Dataset.from_tensor_slices(VAL).batch(32).repeat()
+    make = lambda steps: spmd.SidecarEvaluator(  # noqa: E731
+        MLP(nnx.Rngs(0)),
+        endless,
+        str(directory),
+        steps=steps,
+        loss="sparse_categorical_crossentropy",
     )
-    with pytest.raises(spmd.CheckpointError, match="(?s)shape_or_dtype_differs.*hidden"):
-        spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32).start()
+    with pytest.raises(spmd.ConfigurationError, match="(?s)never ends.*Received: steps=None"):
+        make(None).start()
+    history = make(2).start()
+    trainer = _trainer(_one_device())
+    trainer.build()
+    trainer.load_state(saved[9])
+    want = trainer.evaluate((VAL[0][:64], VAL[1][:64]), batch_size=32)
+    np.testing.assert_allclose(history[9]["loss"], want["loss"], rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -251,9 +301,69 @@ def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
         spmd.SidecarEvaluator(_trainer(_one_device()), batches, str(tmp_path))
 
 
-def test_a_bare_model_is_a_clear_error(tmp_path):
-    with pytest.raises(spmd.ConfigurationError, match="(?s)spmd.Trainer.*Received: model_or"):
+def test_a_bare_model_with_loss_and_metrics_is_evaluated_as_keras_does(trained, tmp_path):
+    """Keras' form: the model, with what model.compile gave it (loss, metrics); its weights
+    are each checkpoint's, and a TensorBoard callback gets Keras' tags at each train step."""
+    directory, saved = trained
+    model = MLP(nnx.Rngs(1))  # other initial weights: each checkpoint replaces them
+    seen = []
+
+    class Steps(spmd.callbacks.Callback):
+        def on_test_end(self, logs=None):
+            seen.append((self.trainer.iterations, int(self.trainer.state["step"])))
+
+    evaluator = spmd.SidecarEvaluator(
+        model,
+        VAL,
+        str(directory),
+        loss="sparse_categorical_crossentropy",
+        metrics=("accuracy",),
+        strategy=spmd.MirroredStrategy(),  # 8 devices, as the training job
+        callbacks=[Steps(), spmd.callbacks.TensorBoard(str(tmp_path / "logs"))],
+        batch_size=32,
+    )
+    history = evaluator.start()
+    assert list(history) == [3, 6, 9]
+    for step, metrics in history.items():
+        want = _oracle(saved[step])
+        assert metrics.keys() == want.keys() == {"loss", "accuracy"}
+        for key in want:
+            np.testing.assert_allclose(metrics[key], want[key], rtol=1e-6, atol=1e-7)
+    assert seen == [(3, 3), (6, 6), (9, 9)]  # iterations: the train step each was saved at
+    assert evaluator.model is model  # the model given, holding the last checkpoint's weights
+    kernel = saved[9]["params"]["hidden"]["kernel"]
+    kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
+    np.testing.assert_array_equal(np.asarray(model.hidden.kernel[...]), np.asarray(kernel))
+    (events_file,) = (tmp_path / "logs" / "validation").glob("events.out.tfevents.*")
+    tags = {(v.tag, e.step) for e in _read_events(events_file) for v in e.summary.value}
+    assert ("evaluation_accuracy_vs_iterations", 9) in tags
+    assert ("evaluation_loss_vs_iterations", 3) in tags
+
+
+def test_a_bare_model_without_a_loss_is_a_clear_error_saying_what_to_pass(tmp_path):
+    with pytest.raises(spmd.ConfigurationError) as error:
         spmd.SidecarEvaluator(MLP(nnx.Rngs(0)), VAL, str(tmp_path))
+    text = str(error.value)
+    assert "Received: model_or_trainer='MLP', loss=None" in text
+    assert 'loss="sparse_categorical_crossentropy"' in text and "metrics=" in text
+
+
+@pytest.mark.parametrize(
+    "value, kwargs, match",
+    [
+        ("model.ckpt", {"loss": "mse"}, "(?s)nnx.Module.*Received: model_or_trainer='str'"),
+        (
+            "trainer",
+            {"loss": "mse", "strategy": None},
+            "(?s)brings its own loss.*Received: model_or_trainer='Trainer', loss='mse'",
+        ),
+        ("trainer", {"metrics": ("accuracy",)}, "(?s)brings its own.*metrics=\\('accuracy',\\)"),
+    ],
+)
+def test_what_is_not_a_model_or_a_trainer_alone_is_a_clear_error(tmp_path, value, kwargs, match):
+    value = _trainer(_one_device()) if value == "trainer" else value
+    with pytest.raises(spmd.ConfigurationError, match=match):
+        spmd.SidecarEvaluator(value, VAL, str(tmp_path), **kwargs)
 
 
 @pytest.mark.slow
