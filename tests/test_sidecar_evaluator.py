@@ -1,5 +1,6 @@
 """SidecarEvaluator in one process: each checkpoint fit writes, evaluated exactly, on any device count."""
 
+import json
 import logging
 import shutil
 import threading
@@ -12,6 +13,7 @@ import pytest
 from flax import nnx
 
 import spmd
+from spmd.trainer import sidecar
 from tests.test_callbacks import MLP, _read_events
 
 
@@ -155,6 +157,88 @@ def test_damaged_steps_are_skipped_with_a_log_line(trained, tmp_path, caplog):
     assert "missing state/_METADATA" in caplog.text
     assert "skipping checkpoint step 6: damaged" in caplog.text
     assert "the training run ended at step 9" in caplog.text
+
+
+def _uncommit(step_dir):
+    """The step's folder as a save that renamed it but never committed it leaves it."""
+    record = step_dir / "_CHECKPOINT_METADATA"
+    meta = json.loads(record.read_text())
+    committed = meta.pop("commit_timestamp_nsecs")
+    record.write_text(json.dumps(meta))
+    return lambda: record.write_text(json.dumps({**meta, "commit_timestamp_nsecs": committed}))
+
+
+def _no_integrity_record(step_dir):
+    """The step's folder without spmd's record (its checksums), written in the commit."""
+    shutil.rmtree(step_dir / "metadata")
+
+
+def _no_commit_record(step_dir):
+    (step_dir / "_CHECKPOINT_METADATA").unlink()
+
+
+@pytest.fixture
+def restored_steps(monkeypatch):
+    """The steps a CheckpointManager's restore is asked to read, in order."""
+    asked = []
+    restore = spmd.CheckpointManager.restore
+
+    def spy(self, step=None, *args, **kwargs):
+        asked.append(step)
+        return restore(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(spmd.CheckpointManager, "restore", spy)
+    return asked
+
+
+@pytest.mark.parametrize(
+    "uncommit, why",
+    [
+        (_uncommit, "_CHECKPOINT_METADATA has no commit time"),
+        (_no_commit_record, "no _CHECKPOINT_METADATA"),
+        (_no_integrity_record, "missing metadata/metadata"),
+    ],
+    ids=["renamed-not-committed", "no-commit-record", "no-integrity-record"],
+)
+def test_a_step_folder_never_committed_is_never_read(
+    trained, tmp_path, caplog, restored_steps, uncommit, why
+):
+    history = _evaluate_copy(trained, tmp_path, caplog, lambda copy: uncommit(copy / "6"))
+    assert list(history) == [3, 9]
+    assert restored_steps == [3, 9]  # step 6's files were never opened
+    assert "skipping checkpoint step 6: not a complete checkpoint" in caplog.text
+    assert why in caplog.text
+
+
+def test_a_newest_step_not_yet_committed_is_read_once_its_commit_lands(
+    trained, tmp_path, caplog, restored_steps, monkeypatch
+):
+    """The newest step folder may be a save in flight (on gs:// a step is written in its own
+    folder before its commit marker): not skipped, not read, until it is committed."""
+    nine = tmp_path / "ckpt" / "9"
+    commit = []
+
+    def in_flight(copy):  # arrays still being written, no commit time, the run not ended
+        commit.append(_uncommit(copy / "9"))
+        damage_values(copy / "9")
+        (copy / "spmd-final-step.json").unlink()
+
+    class Clock:  # the writer's commit lands while the evaluator waits between two looks
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            if commit:
+                damage_values(nine)  # the same flip again: the bytes as saved
+                commit.pop()()
+                (nine.parent / "spmd-final-step.json").write_text('{"step": 9}')
+            time.sleep(seconds)
+
+    monkeypatch.setattr(sidecar, "time", Clock)
+    history = _evaluate_copy(trained, tmp_path, caplog, in_flight)
+    assert list(history) == [3, 6, 9] and restored_steps == [3, 6, 9]
+    assert "skipping checkpoint step 9" not in caplog.text
+    np.testing.assert_allclose(history[9]["loss"], _oracle(trained[1][9])["loss"], rtol=1e-6)
 
 
 def test_a_step_removed_before_it_was_read_is_skipped(trained, tmp_path, caplog):
