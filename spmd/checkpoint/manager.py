@@ -20,7 +20,7 @@ from spmd.checkpoint.position import as_json as _json
 from spmd.checkpoint.position import position_of as _position
 from spmd.checkpoint.position import restore_position as _set_position
 from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
-from spmd.checkpoint.store import make_store
+from spmd.checkpoint.store import forget_listings, make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
 from spmd.strategy.base import get_strategy
@@ -200,6 +200,7 @@ class CheckpointManager:
 
     def final_step(self) -> int | None:
         """The step the training run marked as its last (`mark_final`), or None while it runs."""
+        forget_listings(self.directory)  # the writer may be another process
         return final.read(self.directory)
 
     def mark_final(self, step: int | None = None) -> int:
