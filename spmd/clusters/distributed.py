@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from spmd.clusters import hang_watch, roll_call
+from spmd.clusters import coordinator_loss, hang_watch, roll_call
 from spmd.clusters.jax_state import global_state
 from spmd.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
@@ -52,6 +52,7 @@ _EXIT_CODE_SIGTERM = 128 + 15
 
 _state: dict[str, Any] = {
     "process": None,
+    "coordinator": None,  # process 0's "host:port"
     "exiting": False,
     "save_grace": None,
     "sigterm": False,
@@ -246,6 +247,9 @@ def join(
             _explain(e, elapsed, (coordinator, index, count), init_timeout)
         ) from e
     _state["process"] = index
+    _state["coordinator"] = coordinator or global_state().coordinator_address
+    if index != 0 and _state["coordinator"]:
+        coordinator_loss.install(_state["coordinator"], _end_as_coordinator_lost)
     _exit_promptly_on_errors()
     _record_sys_exit()
     atexit.register(_agree_to_exit, exit_timeout)
@@ -274,6 +278,25 @@ def _end_for(culprit: int, reason: str, text: str) -> None:
         _end(HANG_EXIT_CODE, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
     time.sleep(2.5 * PEER_POLL)  # the peers read it and end first: no collective fails on them
     _end(HANG_EXIT_CODE, text)
+
+
+def _end_as_coordinator_lost(reason: str) -> None:
+    """Ends this process naming process 0, whose coordination service is gone."""
+    _end(HANG_EXIT_CODE, f"{FOLLOWER} 0 failed ({reason}); ending this one too.")
+
+
+def _end_if_coordinator_lost() -> None:
+    """On a process other than 0, after an error: ends naming process 0 if its service is gone.
+
+    A collective or a barrier whose peer (process 0) died fails on the main
+    thread too; the error to report is process 0's, not this one's.
+    """
+    address = _state["coordinator"]
+    if _state["process"] in (0, None) or not address:
+        return
+    why = coordinator_loss.lost(address)
+    if why is not None:
+        _end_as_coordinator_lost(coordinator_loss.reason(address, why))
 
 
 def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeout: float) -> None:
@@ -401,6 +424,7 @@ def _exit_promptly_on_errors() -> None:
 
     def hook(kind, value, traceback):
         previous(kind, value, traceback)
+        _end_if_coordinator_lost()
         report_failure(f"{kind.__name__}: {value}")
         deterministic = issubclass(kind, (ConfigurationError, BatchError))
         code = CONFIGURATION_EXIT_CODE if deterministic else 1
@@ -467,6 +491,7 @@ def _agree_to_exit(timeout: int) -> None:
     try:
         client.wait_at_barrier("spmd_exit", int(timeout * 1000))
     except Exception:
+        _end_if_coordinator_lost()
         report_failure(f"process {index} reached the end of its program alone")
         _end(
             1,
