@@ -386,6 +386,18 @@ class _Watch:
         reason = f"{_no_progress(r)}; its main thread:\n{stack}"
         self.end(self.index, reason, f"process {self.index} {reason}")
 
+    def tick(self, now: float, done: bool) -> None:
+        """One interval's work: publish this process's record, then judge (on process 0),
+        or follow process 0's verdict and record (on the others)."""
+        own = self.sample(now, done)
+        self.publish(own)
+        if done:
+            return
+        if self.index == 0:
+            self.judge(now, self.read(now))
+        else:
+            self.follow(now, own)
+
     def run(self, stopping: Callable[[], bool]) -> None:
         first = True
         while not stopping():
@@ -394,16 +406,11 @@ class _Watch:
             first, now = False, time.monotonic()
             done = stopping()
             try:
-                own = self.sample(now, done)
-                self.publish(own)
-                if done:
-                    return
-                if self.index == 0:
-                    self.judge(now, self.read(now))
-                else:
-                    self.follow(now, own)
+                self.tick(now, done)
             except Exception:  # the service is gone: the peer watch or JAX ends this process
                 continue
+            if done:
+                return
 
 
 def interval_for(hang_timeout: float | None, heartbeat_timeout: float) -> float:
