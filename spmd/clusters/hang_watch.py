@@ -273,6 +273,7 @@ class _Watch:
         default_factory=lambda: collections.deque(maxlen=32)
     )
     peers: dict = dataclasses.field(default_factory=dict)  # index -> (seq, local time it changed)
+    last: dict = dataclasses.field(default_factory=dict)  # index -> its last Record read
     named: tuple[int, float] | None = None  # (process 0) the one named behind, and when
 
     def limit(self) -> float:
@@ -322,7 +323,7 @@ class _Watch:
             seq, changed = self.peers.get(index, (None, now))
             if seq != record.seq:
                 changed = now
-            self.peers[index] = (record.seq, changed)
+            self.peers[index], self.last[index] = (record.seq, changed), record
             silent = now - changed if index != self.index else 0.0
             records[index] = dataclasses.replace(record, stalled=record.stalled + silent)
         expected = range(self.count) if only is None else (only,)
@@ -372,13 +373,25 @@ class _Watch:
     def end_if_silent(self, now: float, records: Mapping[int, Record]) -> None:
         gone = self.silent(now, records)
         if gone is not None:
-            r = records[gone]
-            silence = now - self.peers[gone][1]
-            reason = (
-                f"{GONE} it has published nothing for {silence:.0f} s ({_when(r.step)}): "
-                "it was killed, its machine was lost, or its Python threads are frozen"
-            )
+            reason = _gone(now - self.peers[gone][1], records[gone].step)
             self.end(gone, reason, f"process {gone} is gone: {reason[len(GONE) + 1 :]}.")
+
+    def quietest(self) -> tuple[int, str] | None:
+        """The peer silent longest (not done), and why, once silent for two intervals.
+
+        What a lost peer reported by JAX's client (which ends this process)
+        most likely is: process 0 reads every record, the others process 0's.
+        """
+        now = time.monotonic()
+        quiet = [
+            (changed, index)
+            for index, (_, changed) in self.peers.items()
+            if index != self.index and not getattr(self.last.get(index), "done", False)
+        ]
+        if not quiet or now - min(quiet)[0] < 2 * self.interval:
+            return None
+        changed, index = min(quiet)
+        return index, _gone(now - changed, getattr(self.last.get(index), "step", 0))
 
     def end_hung(self, r: Record) -> None:
         """Ends this process as the one behind, with its stacks."""
@@ -413,6 +426,14 @@ class _Watch:
                 return
 
 
+def _gone(silence: float, step: int) -> str:
+    """The reason given for a process that stopped publishing, e.g. "gone: it has ..."."""
+    return (
+        f"{GONE} it has published nothing for {silence:.0f} s ({_when(step)}): "
+        "it was killed, its machine was lost, or its Python threads are frozen"
+    )
+
+
 def interval_for(hang_timeout: float | None, heartbeat_timeout: float) -> float:
     """Seconds between publications: a fifth of the shorter bound, 0.25 .. 5."""
     bound = min(hang_timeout or MIN_HANG_TIMEOUT, heartbeat_timeout / 2)
@@ -425,8 +446,8 @@ def start(
     timeouts: tuple[float | None, float],
     end: Callable[[int, str, str], None],
     stopping: Callable[[], bool],
-) -> None:
-    """Starts this process's hang watch in a daemon thread.
+) -> Callable[[], tuple[int, str] | None]:
+    """Starts this process's hang watch in a daemon thread; returns its `quietest`.
 
     Args:
       client: the coordination service's client.
@@ -442,3 +463,4 @@ def start(
     thread = threading.Thread(target=watch.run, args=(stopping,), name="spmd-hang-watch")
     thread.daemon = True
     thread.start()
+    return watch.quietest
