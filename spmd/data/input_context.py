@@ -8,15 +8,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from spmd.errors import BatchError, ConfigurationError, enum_member, message, received
-from spmd.validate import positive_number
+from spmd.validate import positive_int, positive_number
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "input_context"]
+__all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "Padding", "input_context"]
 
 Remainder = Literal["error", "drop", "pad"]
 _REMAINDERS = ("error", "drop", "pad")
+UnevenBatch = Literal["error", "pad", "pad_if_uneven"]
+_UNEVEN = ("error", "pad", "pad_if_uneven")
 
 
 class AutoShardPolicy(enum.Enum):
@@ -127,6 +129,18 @@ class InputOptions:
         different data (another seed, file order or source) fail instead of
         training on a mix. Large leaves are fingerprinted by sampled rows
         (about 256 KiB a leaf); the cost is measured in bench/bench_input.py.
+      uneven_batch: what to do with a global batch that does not split evenly
+        over the replicas (times `microbatches`), e.g. 6 rows on 4 replicas
+        after an elastic job lost a host: "error" raises a `BatchError`;
+        "pad" pads each global batch at its end with masked rows, to the next
+        multiple (8 rows, 2 per replica), and makes every batch a
+        `PaddedBatch` at every replica count, padded or not, so one loop
+        serves every size (pass its mask to `compute_average_loss`, see
+        docs/input.md); "pad_if_uneven" pads likewise, but only batches that
+        need padding carry a mask (`Trainer` reads both forms, and pads so).
+      microbatches: the equal parts each replica's rows are split into by a
+        step that accumulates gradients (`Trainer(grad_accum_steps=...)`):
+        a padded global batch is a multiple of replicas x microbatches.
     """
 
     auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO
@@ -135,6 +149,8 @@ class InputOptions:
     check_hosts: bool = True
     host_timeout: float = 300.0
     check_contents: bool = True
+    uneven_batch: UnevenBatch = "error"
+    microbatches: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "auto_shard_policy", AutoShardPolicy.parse(self.auto_shard_policy))
@@ -155,6 +171,50 @@ class InputOptions:
                 )
             )
         positive_number(self.host_timeout, "host_timeout", fix="pass e.g. host_timeout=300.")
+        if self.uneven_batch not in _UNEVEN:
+            raise ConfigurationError(
+                message(
+                    f"uneven_batch is one of {_UNEVEN}.",
+                    received(uneven_batch=self.uneven_batch),
+                    'pass uneven_batch="pad" to pad a global batch the replicas do not split '
+                    'evenly (its batches then carry a mask), or "error" (the default).',
+                )
+            )
+        positive_int(self.microbatches, "microbatches", fix="pass microbatches=1 or more.")
+
+    @property
+    def padding(self) -> Padding:
+        """What the pipeline does with a global batch the replicas do not split evenly."""
+        return Padding(self.uneven_batch, self.microbatches)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How a pipeline places a global batch of `size` rows over `replicas` replicas.
+
+    Attributes:
+      uneven: `InputOptions.uneven_batch`.
+      microbatches: `InputOptions.microbatches`: each replica's rows split into
+        this many equal parts.
+    """
+
+    uneven: UnevenBatch = "error"
+    microbatches: int = 1
+
+    def rows(self, size: int, replicas: int) -> int:
+        """The rows a global batch of `size` is placed as: `size` if replicas x
+        microbatches divides it, else (padding) the next multiple, or 0 (an error)."""
+        multiple = replicas * self.microbatches
+        if size % multiple == 0:
+            return size
+        return 0 if self.uneven == "error" else _round_up(size, multiple)
+
+    def masked(self, size: int, replicas: int) -> bool:
+        """Whether the batches of `size` rows carry a mask for this padding: under
+        "pad" always, under "pad_if_uneven" when they are padded."""
+        if self.uneven == "pad":
+            return True
+        return self.uneven == "pad_if_uneven" and self.rows(size, replicas) != size
 
 
 def input_context(strategy: Strategy) -> InputContext:
