@@ -321,7 +321,9 @@ def check_microbatches(batch: tuple, steps: int, replicas: int) -> None:
                     num_replicas_in_sync=replicas,
                 ),
                 f"use a global batch size that is a multiple of {steps * replicas} "
-                f"(grad_accum_steps x replicas), or a grad_accum_steps that divides {per_replica}.",
+                f"(grad_accum_steps x replicas), or a grad_accum_steps that divides "
+                f"{per_replica}, or let the dataset pad it: InputOptions(uneven_batch="
+                f'"pad_if_uneven", microbatches={steps}) (fit pads arrays so by itself).',
             )
         )
 
