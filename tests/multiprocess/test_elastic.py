@@ -10,6 +10,8 @@ every example must be trained on exactly once.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ import pytest
 import spmd
 from spmd.cli.main import main
 from spmd.clusters.launch import launch
+from spmd.testing import run_processes
 
 from .procs import child_env
 from .resume_job import assert_same_trajectory
@@ -24,10 +27,34 @@ from .resume_job import command as job_command
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
+FIT_WORKER = Path(__file__).with_name("elastic_trainer_worker.py")
+
 
 def _events(output: str) -> list[dict]:
     """The chief's JSON lines, as spmd launch prints them ("[0] {...}")."""
     return [json.loads(line[4:]) for line in output.splitlines() if line.startswith("[0] {")]
+
+
+def _fit_command(backup: Path, out: Path, *flags: str) -> list[str]:
+    """elastic_trainer_worker.py: fit with a global batch of 6, backed up into `backup`."""
+    return [sys.executable, str(FIT_WORKER), str(backup), str(out), *flags]
+
+
+def _epoch_losses(events: list[dict]) -> dict[int, float]:
+    """Each epoch's loss, as the attempt that ended the epoch logged it."""
+    return {e["epoch"]: e["loss"] for e in events if e["event"] == "epoch"}
+
+
+@pytest.fixture(scope="module")
+def one_device_fit(tmp_path_factory) -> tuple[dict, dict]:
+    """The Trainer job's oracle: one process with one device, never interrupted."""
+    folder = tmp_path_factory.mktemp("elastic_fit_oracle")
+    out = folder / "one.npz"
+    results = run_processes(
+        _fit_command(folder / "backup", out), 1, devices_per_process=1, env=child_env()
+    )
+    events = [json.loads(line) for line in results[0].stdout.splitlines() if line.startswith("{")]
+    return dict(np.load(out)), _epoch_losses(events)
 
 
 def test_a_process_lost_for_good_shrinks_the_job_with_the_same_global_batch(
@@ -82,6 +109,33 @@ def test_a_global_batch_of_6_trains_on_3_then_2_then_1_processes_as_on_one_devic
     assert [e["processes"] for e in starts] == [3, 2, 1], starts
     assert 2 <= starts[1]["step"] <= 3 and 5 <= starts[2]["step"] <= 6, starts
     assert_same_trajectory(dict(np.load(out)), one_device_batch_6, batch=6)
+
+
+def test_fit_with_a_global_batch_of_6_on_3_then_2_then_1_processes_equals_one_device(
+    tmp_path, one_device_fit, capfd
+):
+    """Trainer.fit with Dropout and BackupAndRestore: a process lost at iteration 4 of 3
+    processes and at iteration 10 of 2. fit pads the batch of 6 to 8 rows at 4 replicas
+    on its own; each example is trained on once an epoch (the model counts the weight
+    each gets), and the epoch losses and parameters are the one-device oracle's."""
+    want, want_losses = one_device_fit
+    out = tmp_path / "final.npz"
+    command = _fit_command(tmp_path / "backup", out, "--fail-when", "4:3", "--fail-when", "10:2")
+    code = launch(command, 3, 2, max_restarts=0, min_processes=1, timeout=240, env=child_env())
+    output, errors = capfd.readouterr()
+    assert code == 0, output + errors
+    events = _events(output)
+    starts = [(e["processes"], e["step"]) for e in events if e["event"] == "start"]
+    assert [n for n, _ in starts] == [3, 2, 1] and starts[0][1] == 0, starts
+    assert 3 <= starts[1][1] <= 4 and 9 <= starts[2][1] <= 10, starts  # the newest backups
+    got = dict(np.load(out))
+    np.testing.assert_array_equal(got["['seen'].value"], np.full(36, 3.0))  # 3 epochs, once each
+    assert sorted(got) == sorted(want) and len(want) == 5
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+        [_epoch_losses(events)[e] for e in range(3)], [want_losses[e] for e in range(3)], rtol=1e-5
+    )
 
 
 def test_a_later_launch_on_more_processes_grows_the_job_back(tmp_path, one_process, capfd):
