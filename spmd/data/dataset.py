@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from spmd.data.grain_source import grain_shard_options, is_grain, plan_grain
-from spmd.data.host_batches import pipeline_rows, placed_rows
+from spmd.data.host_batches import _UNEQUAL_BLOCKS, pipeline_rows, placed_rows
 from spmd.data.input_context import (
     AutoShardPolicy,
+    BlockContext,
     InputContext,
     InputOptions,
     Padding,
@@ -123,7 +124,10 @@ def distribute_datasets_from_function(
                 "ctx.input_pipeline_id and ctx.num_input_pipelines.",
             )
         )
-    ctx = _AskedContext(*dataclasses.astuple(input_context(strategy)), padding=options.padding)
+    own = input_context(strategy)
+    if isinstance(own, BlockContext):
+        raise ConfigurationError(_UNEQUAL_BLOCKS)
+    ctx = _AskedContext(*dataclasses.astuple(own), padding=options.padding)
     first = [dataset_fn(ctx)]
 
     def elements() -> Iterable[Any]:
@@ -268,7 +272,8 @@ def _plan_dataset(dataset: Any, ctx: InputContext, options: InputOptions) -> Pla
 def _resolve_policy(dataset: Any, ctx: InputContext, policy: AutoShardPolicy) -> AutoShardPolicy:
     files = isinstance(dataset, FileDataset)
     if policy is AutoShardPolicy.AUTO:
-        enough = files and len(dataset.files) >= ctx.num_input_pipelines
+        equal = not isinstance(ctx, BlockContext)  # unequal parts: DATA only
+        enough = equal and files and len(dataset.files) >= ctx.num_input_pipelines
         policy = AutoShardPolicy.FILE if enough else AutoShardPolicy.DATA
         if jax.process_index() == 0:
             logger.info(

@@ -11,8 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd.data.input_context import InputContext, Padding, Remainder
-from spmd.errors import BatchError, message, received
+from spmd.data.input_context import BlockContext, InputContext, Padding, Remainder, rows_of
+from spmd.errors import BatchError, ConfigurationError, message, received
 
 __all__ = [
     "HostBatch",
@@ -121,8 +121,7 @@ def global_batches(
         whole, mask = _pad(leaves, real, rows, masked)
         mine = whole
         if pipelines > 1:
-            per = rows // pipelines
-            low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
+            low, high = rows_of(ctx, rows)
             mine = [x[low:high] if x.ndim else x for x in whole]
             mask = None if mask is None else mask[low:high]
         content = functools.partial(fingerprint_leaves, whole, treedef)
@@ -145,6 +144,8 @@ def local_batches(
     padding pads each pipeline's part at its end.
     """
     pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
+    if isinstance(ctx, BlockContext):
+        raise ConfigurationError(_UNEQUAL_BLOCKS)
     for index, leaves, treedef, expected, real in _sized(
         elements, remainder, start, batch_size, resumed
     ):
@@ -204,6 +205,8 @@ def pipeline_rows(size: int, ctx: InputContext, padding: Padding) -> int:
     """
     placed_rows(size, ctx.num_replicas_in_sync, padding, None)
     pipelines = ctx.num_input_pipelines
+    if isinstance(ctx, BlockContext):
+        raise ConfigurationError(_UNEQUAL_BLOCKS)
     if size % pipelines:
         raise BatchError(
             message(
@@ -217,6 +220,17 @@ def pipeline_rows(size: int, ctx: InputContext, padding: Padding) -> int:
             )
         )
     return size // pipelines
+
+
+_UNEQUAL_BLOCKS = message(
+    "Where each process reads its own part of the data (FILE or OFF sharding, a dataset "
+    "function), every process feeds an equal part of the global batch; this strategy's "
+    "processes hold unequal numbers of replicas (a mesh over the devices that divide the "
+    "global batch).",
+    received(policy="FILE, OFF or a dataset function", replica_blocks="unequal"),
+    "read with AutoShardPolicy.DATA (strategy.distribute_dataset of global batches: every "
+    "process keeps its rows), or use a strategy over every device and let spmd pad the batch.",
+)
 
 
 def _sized(

@@ -7,13 +7,23 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import jax
+
 from spmd.errors import BatchError, ConfigurationError, enum_member, message, received
 from spmd.validate import positive_int, positive_number
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "Padding", "input_context"]
+__all__ = [
+    "AutoShardPolicy",
+    "BlockContext",
+    "InputContext",
+    "InputOptions",
+    "Padding",
+    "input_context",
+    "rows_of",
+]
 
 Remainder = Literal["error", "drop", "pad"]
 _REMAINDERS = ("error", "drop", "pad")
@@ -217,24 +227,48 @@ class Padding:
         return self.uneven == "pad_if_uneven" and self.rows(size, replicas) != size
 
 
+@dataclass(frozen=True)
+class BlockContext(InputContext):
+    """An input pipeline whose block of the global batch differs in size from others'.
+
+    A strategy over the devices that divide a global batch
+    (`MultiWorkerMirroredStrategy(global_batch_size=...)`) may give processes
+    unequal numbers of replicas: this pipeline feeds replicas `replica_block`
+    (first, end) of `num_replicas_in_sync`. Only DATA sharding can feed it.
+    """
+
+    replica_block: tuple[int, int] = (0, 1)
+
+
+def rows_of(ctx: InputContext, rows: int) -> tuple[int, int]:
+    """(low, high): the rows of a placed global batch of `rows` this pipeline feeds."""
+    if isinstance(ctx, BlockContext):
+        per_replica = rows // ctx.num_replicas_in_sync
+        first, end = ctx.replica_block
+        return first * per_replica, end * per_replica
+    per = rows // ctx.num_input_pipelines
+    return ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
+
+
 def input_context(strategy: Strategy) -> InputContext:
     """The input pipeline this process is, for a strategy's batch layout.
 
     A process feeds the rows of the global batch its devices hold. Those rows
-    must form one contiguous block; the blocks of all processes cut the batch
-    into `num_input_pipelines` equal parts (processes that hold the same block
-    share a pipeline id and read the same data).
+    must form one contiguous block; processes that hold the same block share a
+    pipeline id and read the same data. Where the blocks differ in size (a
+    strategy over the devices that divide the batch), the context is a
+    `BlockContext`.
 
     Raises:
       ConfigurationError: this process holds no device of the mesh, or its
-        rows are not one aligned block (a batch axis order that interleaves
-        processes).
+        rows are not one contiguous block, or blocks overlap.
     """
     replicas = strategy.num_replicas_in_sync
-    index_map = strategy.batch_sharding(1).addressable_devices_indices_map((replicas,))
-    rows = set()
-    for index in index_map.values():
-        rows.update(range(*index[0].indices(replicas)))
+    index_map = strategy.batch_sharding(1).devices_indices_map((replicas,))
+    held: dict[int, set[int]] = {}
+    for device, index in index_map.items():
+        held.setdefault(device.process_index, set()).update(range(*index[0].indices(replicas)))
+    rows = held.get(jax.process_index(), set())
     if not rows:
         raise ConfigurationError(
             message(
@@ -243,9 +277,10 @@ def input_context(strategy: Strategy) -> InputContext:
                 "build the strategy over devices of every process (e.g. MultiWorkerMirroredStrategy()).",
             )
         )
-    lo, hi = min(rows), max(rows) + 1
-    size = hi - lo
-    if len(rows) != size or replicas % size or lo % size:
+    blocks = sorted({(min(r), max(r) + 1) for r in held.values()})
+    contiguous = all(len(r) == max(r) + 1 - min(r) for r in held.values())
+    overlap = any(a[1] > b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+    if not contiguous or overlap:
         raise ConfigurationError(
             message(
                 "Each process must hold one contiguous block of the global batch.",
@@ -254,7 +289,10 @@ def input_context(strategy: Strategy) -> InputContext:
                 "(hosts outermost, as spmd.make_mesh lays them out).",
             )
         )
-    return InputContext(replicas // size, lo // size, replicas)
+    mine = (min(rows), max(rows) + 1)
+    if len({end - first for first, end in blocks}) == 1:
+        return InputContext(len(blocks), blocks.index(mine), replicas)
+    return BlockContext(len(blocks), blocks.index(mine), replicas, mine)
 
 
 def _round_up(n: int, multiple: int) -> int:

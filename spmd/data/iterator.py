@@ -440,8 +440,13 @@ def _record(batch: HostBatch | None, contents: bool) -> dict:
 
 
 def _describe(batch: HostBatch) -> str:
-    """The structure, shapes and dtypes of a host batch, to compare across processes."""
-    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in batch.leaves)
+    """The structure, shapes and dtypes of a host batch, to compare across processes.
+
+    Each leaf's shape is its global one (the global batch's rows, then its own
+    axes): processes may hold unequal parts of a batch (a `BlockContext`).
+    """
+    size = batch.global_size
+    shapes = ", ".join(f"{x.dtype}{[size, *x.shape[1:]] if x.ndim else []}" for x in batch.leaves)
     masked = " + mask" if batch.mask is not None else ""
     padded = f" ({batch.batch_size} padded)" if batch.batch_size != batch.global_size else ""
     return f"{batch.treedef}: {shapes}{masked} of global {batch.global_size}{padded}"

@@ -23,7 +23,7 @@ from spmd.data.host_batches import (
     placed_rows,
     unholdable_message,
 )
-from spmd.data.input_context import InputContext, Padding, Remainder
+from spmd.data.input_context import InputContext, Padding, Remainder, rows_of
 from spmd.errors import BatchError, ConfigurationError, message, received
 
 __all__ = [
@@ -174,8 +174,7 @@ class NumpyDataset:
         replicas = ctx.num_replicas_in_sync
         rows = placed_rows(size, replicas, padding, None)
         masked = remainder == "pad" or padding.masked(size, replicas)
-        per = rows // ctx.num_input_pipelines
-        low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
+        low, high = rows_of(ctx, rows)
         rounding = math.floor if remainder == "drop" else math.ceil
         count = int(rounding(self.num_examples / size))
         for b in range(start, count):

@@ -3,7 +3,7 @@
 Usage: python resume_worker.py CKPT_DIR OUT.npz [--steps N] [--stop-at K] [--sleep S]
                                [--heartbeat H] [--devices D] [--fail-at K --fail-above P]
                                [--fail-when K:P ...] [--failing P] [--hang] [--batch B]
-                               [--uneven]
+                               [--uneven | --dividing]
 
 Every process joins (TF_CONFIG, spmd launch's variables, ...), then trains one
 model under MultiWorkerMirroredStrategy on spmd's own shuffled numpy dataset, a
@@ -21,6 +21,8 @@ kills that process at step K when the job has exactly P processes. With
 continued by a later launch). With --uneven the dataset pads a global batch
 the replicas do not split (InputOptions(uneven_batch="pad")): every batch is a
 spmd.PaddedBatch whose mask weighs the loss and the count of examples seen.
+With --dividing the strategy takes the most devices that divide the global
+batch (MultiWorkerMirroredStrategy(global_batch_size=...)): nothing padded.
 Process 0 prints one JSON line per step and writes the final state to OUT.
 """
 
@@ -45,6 +47,7 @@ parser.add_argument("--hang", action="store_true", help="the failing process han
 parser.add_argument("--batch", type=int, default=8)
 parser.add_argument("--fail-when", action="append", default=[], help="STEP:PROCESSES")
 parser.add_argument("--uneven", action="store_true", help='InputOptions(uneven_batch="pad")')
+parser.add_argument("--dividing", action="store_true", help="devices that divide the batch")
 args = parser.parse_args()
 fail_when = {tuple(int(n) for n in when.split(":")) for when in args.fail_when}
 
@@ -99,7 +102,8 @@ def say(event: str, **fields) -> None:
         print(json.dumps(fields), flush=True)
 
 
-strategy = spmd.MultiWorkerMirroredStrategy()
+strategy = spmd.MultiWorkerMirroredStrategy(global_batch_size=BATCH if args.dividing else None)
+say("mesh", replicas=strategy.num_replicas_in_sync)
 examples = np.random.default_rng(7).normal(size=(args.steps * BATCH, FEATURES)).astype(np.float32)
 targets = np.sin(examples.sum(1, keepdims=True))
 numpy_data = (examples, targets, np.arange(args.steps * BATCH, dtype=np.int32))

@@ -83,29 +83,36 @@ def test_a_process_lost_for_good_shrinks_the_job_with_the_same_global_batch(
     assert_same_trajectory(dict(np.load(out)), one_process)
 
 
+@pytest.mark.parametrize(
+    "how, replicas",
+    [("--uneven", [6, 4, 2]), ("--dividing", [6, 3, 2])],
+    ids=["padded", "devices_that_divide"],
+)
 def test_a_global_batch_of_6_trains_on_3_then_2_then_1_processes_as_on_one_device(
-    tmp_path, one_device_batch_6, capfd
+    tmp_path, one_device_batch_6, capfd, how, replicas
 ):
-    """6 rows over 6, then 4, then 2 replicas (2 devices a process): 4 does not divide 6.
+    """6 rows over 3, then 2, then 1 process of 2 devices: 4 devices do not divide 6.
 
-    A process is lost for good at 3 processes (step 3) and at 2 (step 6). The
-    custom loop opts into padding (InputOptions(uneven_batch="pad")): at 4
-    replicas each global batch is padded to 8 rows, 2 of them masked, and the
-    mask weighs the loss and the count of each example trained on. Every
-    example is trained on exactly once and the losses and weights are the
-    one-device oracle's.
+    A process is lost for good at 3 processes (step 3) and at 2 (step 6).
+    "padded": the custom loop opts into padding (InputOptions(uneven_batch="pad")):
+    at 4 replicas each global batch is padded to 8 rows, 2 of them masked, and
+    the mask weighs the loss and the count of each example trained on.
+    "devices_that_divide": MultiWorkerMirroredStrategy(global_batch_size=6) takes
+    3 of the 4 devices at 2 processes (2 in process 0, 1 in process 1), nothing
+    padded. Either way every example is trained on exactly once and the losses
+    and weights are the one-device oracle's.
     """
     out = tmp_path / "final.npz"
-    flags = ("--batch", "6", "--uneven", "--fail-when", "3:3", "--fail-when", "6:2")
+    flags = ("--batch", "6", how, "--fail-when", "3:3", "--fail-when", "6:2")
     command = job_command(tmp_path / "ckpt", out, *flags)
-    code = launch(
-        command, 3, 2, max_restarts=0, min_processes=1, timeout=240, env=child_env()
-    )
+    code = launch(command, 3, 2, max_restarts=0, min_processes=1, timeout=240, env=child_env())
     output, errors = capfd.readouterr()
     assert code == 0, output + errors
     assert "relaunching on 2 (min_processes=1)" in errors, errors
     assert "relaunching on 1 (min_processes=1)" in errors, errors
-    starts = [e for e in _events(output) if e["event"] == "start"]
+    events = _events(output)
+    assert [e["replicas"] for e in events if e["event"] == "mesh"] == replicas, events
+    starts = [e for e in events if e["event"] == "start"]
     assert [e["processes"] for e in starts] == [3, 2, 1], starts
     assert 2 <= starts[1]["step"] <= 3 and 5 <= starts[2]["step"] <= 6, starts
     assert_same_trajectory(dict(np.load(out)), one_device_batch_6, batch=6)
