@@ -219,12 +219,21 @@ class Trainer:
         return self.state["params"] if self.state is not None else self._model.params
 
     def host_state(self) -> Any:
-        """The whole train state as numpy arrays, gathered from every process."""
+        """The whole train state as numpy arrays, gathered from every process (typed PRNG
+        keys, e.g. a Dropout's, as key arrays over their gathered key data)."""
         from jax.experimental import multihost_utils
 
         if jax.process_count() == 1:
             return jax.device_get(self.state)
-        return multihost_utils.process_allgather(self.state, tiled=True)
+        data = jax.tree.map(lambda a: jax.random.key_data(a) if _is_key(a) else a, self.state)
+        gathered = multihost_utils.process_allgather(data, tiled=True)
+        return jax.tree.map(
+            lambda a, g: (
+                jax.random.wrap_key_data(g, impl=jax.random.key_impl(a)) if _is_key(a) else g
+            ),
+            self.state,
+            gathered,
+        )
 
     def load_state(self, tree: Any) -> None:
         """Replaces the train state (e.g. a restored or remembered one), placed per the strategy."""
@@ -631,6 +640,11 @@ _AMBIGUOUS_PREDICT = message(
     "for several inputs pass predict([x1, x2], batch_size=64); for batches of one input "
     "pass [(b,) for b in batches].",
 )
+
+
+def _is_key(leaf: Any) -> bool:
+    """Whether a state leaf is a typed PRNG key array (no numpy form: gathered as key data)."""
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _like(values: Any, placed: Any) -> Any:

@@ -1,13 +1,17 @@
 """Trainer.fit of an elastic job: a global batch of 6, Dropout, BackupAndRestore every batch.
 
 Usage: python elastic_trainer_worker.py BACKUP_DIR OUT.npz [--fail-when K:P ...] [--devices D]
+                                       [--dividing]
 
 Every process joins (spmd launch's variables), then fits a small classifier
 with Dropout under MultiWorkerMirroredStrategy on (x, y) arrays: 36 examples,
 a global batch of 6 whatever the process count, 3 epochs, shuffled. A
 relaunch resumes from the backup. --fail-when K:P (repeatable) makes the last
 process kill itself (SIGKILL) once `trainer.iterations` reaches K when the job
-has exactly P processes: a host lost for good.
+has exactly P processes: a host lost for good. With --dividing the model
+normalizes its hidden layer with BatchNorm, which padding cannot serve, and the
+strategy takes the most devices that divide the batch
+(MultiWorkerMirroredStrategy(global_batch_size=6)).
 
 The model counts the examples it trains on: a parameter `seen` (one entry per
 example) enters each example's loss as `seen[id]`, so its gradient is the
@@ -26,6 +30,7 @@ parser.add_argument("backup_dir")
 parser.add_argument("out")
 parser.add_argument("--devices", type=int, default=None)
 parser.add_argument("--fail-when", action="append", default=[], help="STEP:PROCESSES")
+parser.add_argument("--dividing", action="store_true", help="BatchNorm, devices that divide")
 args = parser.parse_args()
 fail_when = {tuple(int(n) for n in when.split(":")) for when in args.fail_when}
 
@@ -46,14 +51,19 @@ EXAMPLES, BATCH, EPOCHS, FEATURES = 36, 6, 3, 4
 
 class Net(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
+        # BatchNorm's own shift stands for the bias (whose gradient it would make 0)
+        self.hidden = nnx.Linear(FEATURES, 16, use_bias=not args.dividing, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs) if args.dividing else None
         self.drop = nnx.Dropout(0.5)
         self.out = nnx.Linear(16, 2, rngs=rngs)
         self.seen = nnx.Param(jnp.zeros(EXAMPLES))
 
     def __call__(self, x, rngs=None):
         features, example = x[:, :FEATURES], x[:, FEATURES].astype(jnp.int32)
-        logits = self.out(self.drop(jax.nn.relu(self.hidden(features)), rngs=rngs))
+        hidden = self.hidden(features)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        logits = self.out(self.drop(jax.nn.relu(hidden), rngs=rngs))
         return logits, self.seen[example]
 
 
@@ -96,7 +106,8 @@ y = (features[:, 0] + features[:, 1] > 0).astype(np.int32)
 optimizer = optax.multi_transform(
     {"train": optax.adam(1e-2), "count": optax.sgd(-float(BATCH))}, labels
 )
-strategy = spmd.MultiWorkerMirroredStrategy()
+strategy = spmd.MultiWorkerMirroredStrategy(global_batch_size=BATCH if args.dividing else None)
+say("mesh", replicas=strategy.num_replicas_in_sync)
 with strategy.scope():  # the model's parameters are made over every process's devices
     trainer = spmd.Trainer(Net(nnx.Rngs(0)), optimizer, loss)
 callbacks = [spmd.callbacks.BackupAndRestore(args.backup_dir, save_freq=1), Report()]

@@ -46,15 +46,35 @@ def _epoch_losses(events: list[dict]) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def one_device_fit(tmp_path_factory) -> tuple[dict, dict]:
-    """The Trainer job's oracle: one process with one device, never interrupted."""
-    folder = tmp_path_factory.mktemp("elastic_fit_oracle")
-    out = folder / "one.npz"
-    results = run_processes(
-        _fit_command(folder / "backup", out), 1, devices_per_process=1, env=child_env()
+def one_device_fit(tmp_path_factory):
+    """The Trainer job's oracle for some flags: one process with one device, never interrupted."""
+    made: dict[tuple, tuple[dict, dict]] = {}
+
+    def oracle(*flags: str) -> tuple[dict, dict]:
+        if flags not in made:
+            folder = tmp_path_factory.mktemp("elastic_fit_oracle")
+            out = folder / "one.npz"
+            command = _fit_command(folder / "backup", out, *flags)
+            results = run_processes(command, 1, devices_per_process=1, env=child_env())
+            lines = results[0].stdout.splitlines()
+            events = [json.loads(line) for line in lines if line.startswith("{")]
+            made[flags] = dict(np.load(out)), _epoch_losses(events)
+        return made[flags]
+
+    return oracle
+
+
+def _assert_fit_as_oracle(out: Path, events: list[dict], oracle: tuple[dict, dict]) -> None:
+    """Each example trained on once an epoch; the parameters and epoch losses of the oracle."""
+    want, want_losses = oracle
+    got = dict(np.load(out))
+    np.testing.assert_array_equal(got["['seen'].value"], np.full(36, 3.0))  # 3 epochs, once each
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(
+        [_epoch_losses(events)[e] for e in range(3)], [want_losses[e] for e in range(3)], rtol=1e-5
     )
-    events = [json.loads(line) for line in results[0].stdout.splitlines() if line.startswith("{")]
-    return dict(np.load(out)), _epoch_losses(events)
 
 
 def test_a_process_lost_for_good_shrinks_the_job_with_the_same_global_batch(
@@ -125,7 +145,6 @@ def test_fit_with_a_global_batch_of_6_on_3_then_2_then_1_processes_equals_one_de
     processes and at iteration 10 of 2. fit pads the batch of 6 to 8 rows at 4 replicas
     on its own; each example is trained on once an epoch (the model counts the weight
     each gets), and the epoch losses and parameters are the one-device oracle's."""
-    want, want_losses = one_device_fit
     out = tmp_path / "final.npz"
     command = _fit_command(tmp_path / "backup", out, "--fail-when", "4:3", "--fail-when", "10:2")
     code = launch(command, 3, 2, max_restarts=0, min_processes=1, timeout=240, env=child_env())
@@ -135,14 +154,25 @@ def test_fit_with_a_global_batch_of_6_on_3_then_2_then_1_processes_equals_one_de
     starts = [(e["processes"], e["step"]) for e in events if e["event"] == "start"]
     assert [n for n, _ in starts] == [3, 2, 1] and starts[0][1] == 0, starts
     assert 3 <= starts[1][1] <= 4 and 9 <= starts[2][1] <= 10, starts  # the newest backups
-    got = dict(np.load(out))
-    np.testing.assert_array_equal(got["['seen'].value"], np.full(36, 3.0))  # 3 epochs, once each
-    assert sorted(got) == sorted(want) and len(want) == 5
-    for key in want:
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    np.testing.assert_allclose(
-        [_epoch_losses(events)[e] for e in range(3)], [want_losses[e] for e in range(3)], rtol=1e-5
-    )
+    assert [e["replicas"] for e in events if e["event"] == "mesh"] == [6, 4, 2], events
+    _assert_fit_as_oracle(out, events, one_device_fit())
+
+
+def test_fit_with_batchnorm_over_the_devices_that_divide_the_batch_shrinks_to_the_oracle(
+    tmp_path, one_device_fit, capfd
+):
+    """A model with BatchNorm statistics cannot train on padded rows: over
+    MultiWorkerMirroredStrategy(global_batch_size=6) it needs none. 3 processes of 2
+    devices lose one at iteration 4; the 2 left take 3 devices (2 in process 0, 1 in
+    process 1) and finish, as one device does, gathering the state on both."""
+    out = tmp_path / "final.npz"
+    command = _fit_command(tmp_path / "backup", out, "--dividing", "--fail-when", "4:3")
+    code = launch(command, 3, 2, max_restarts=0, min_processes=2, timeout=240, env=child_env())
+    output, errors = capfd.readouterr()
+    assert code == 0, output + errors
+    events = _events(output)
+    assert [e["replicas"] for e in events if e["event"] == "mesh"] == [6, 3], events
+    _assert_fit_as_oracle(out, events, one_device_fit("--dividing"))
 
 
 def test_a_later_launch_on_more_processes_grows_the_job_back(tmp_path, one_process, capfd):
