@@ -235,6 +235,9 @@ def test_the_devices_that_divide_a_batch_are_the_most_spread_over_every_process(
     with pytest.raises(spmd.ConfigurationError) as info:  # 2 devices for 3 processes
         dividing_devices(_devices(3, 2), 2)
     assert "largest_dividing_count=2" in str(info.value) and "num_processes=3" in str(info.value)
+    assert len(spmd.MultiWorkerMirroredStrategy(global_batch_size=7).devices) == 7
+    with pytest.raises(spmd.ConfigurationError, match="global_batch_size"):
+        spmd.MultiWorkerMirroredStrategy(global_batch_size=0)
 
 
 def test_unequal_blocks_are_fed_by_data_sharding_only():

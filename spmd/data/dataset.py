@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from spmd.data.grain_source import grain_shard_options, is_grain, plan_grain
-from spmd.data.host_batches import _UNEQUAL_BLOCKS, pipeline_rows, placed_rows
+from spmd.data.host_batches import check_equal_parts, pipeline_rows, placed_rows
 from spmd.data.input_context import (
     AutoShardPolicy,
     BlockContext,
@@ -125,8 +125,7 @@ def distribute_datasets_from_function(
             )
         )
     own = input_context(strategy)
-    if isinstance(own, BlockContext):
-        raise ConfigurationError(_UNEQUAL_BLOCKS)
+    check_equal_parts(own)
     ctx = _AskedContext(*dataclasses.astuple(own), padding=options.padding)
     first = [dataset_fn(ctx)]
 

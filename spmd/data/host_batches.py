@@ -16,6 +16,7 @@ from spmd.errors import BatchError, ConfigurationError, message, received
 
 __all__ = [
     "HostBatch",
+    "check_equal_parts",
     "batch_mask",
     "fingerprint",
     "fingerprint_leaves",
@@ -144,8 +145,7 @@ def local_batches(
     padding pads each pipeline's part at its end.
     """
     pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
-    if isinstance(ctx, BlockContext):
-        raise ConfigurationError(_UNEQUAL_BLOCKS)
+    check_equal_parts(ctx)
     for index, leaves, treedef, expected, real in _sized(
         elements, remainder, start, batch_size, resumed
     ):
@@ -204,9 +204,8 @@ def pipeline_rows(size: int, ctx: InputContext, padding: Padding) -> int:
         over the replicas.
     """
     placed_rows(size, ctx.num_replicas_in_sync, padding, None)
+    check_equal_parts(ctx)
     pipelines = ctx.num_input_pipelines
-    if isinstance(ctx, BlockContext):
-        raise ConfigurationError(_UNEQUAL_BLOCKS)
     if size % pipelines:
         raise BatchError(
             message(
@@ -222,15 +221,28 @@ def pipeline_rows(size: int, ctx: InputContext, padding: Padding) -> int:
     return size // pipelines
 
 
-_UNEQUAL_BLOCKS = message(
-    "Where each process reads its own part of the data (FILE or OFF sharding, a dataset "
-    "function), every process feeds an equal part of the global batch; this strategy's "
-    "processes hold unequal numbers of replicas (a mesh over the devices that divide the "
-    "global batch).",
-    received(policy="FILE, OFF or a dataset function", replica_blocks="unequal"),
-    "read with AutoShardPolicy.DATA (strategy.distribute_dataset of global batches: every "
-    "process keeps its rows), or use a strategy over every device and let spmd pad the batch.",
-)
+def check_equal_parts(ctx: InputContext) -> None:
+    """Raises where processes hold unequal parts of the global batch (a `BlockContext`):
+    a pipeline that reads its own part (FILE, OFF, a dataset function) cannot feed one.
+
+    Raises:
+      ConfigurationError: naming DATA sharding as the way.
+    """
+    if isinstance(ctx, BlockContext):
+        raise ConfigurationError(
+            message(
+                "Where each process reads its own part of the data (FILE or OFF sharding, a "
+                "dataset function), every process feeds an equal part of the global batch; "
+                "this strategy's processes hold unequal numbers of replicas (a mesh over the "
+                "devices that divide the global batch).",
+                received(
+                    replica_block=ctx.replica_block, num_replicas_in_sync=ctx.num_replicas_in_sync
+                ),
+                "read with AutoShardPolicy.DATA (strategy.distribute_dataset of global "
+                "batches: every process keeps its rows), or use a strategy over every device "
+                "and let spmd pad the batch.",
+            )
+        )
 
 
 def _sized(

@@ -147,16 +147,27 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
         devices: its hosts and their chips make the mesh (the strategy
         compiles and explains steps; it cannot run them).
       global_batch_size: use the most devices whose count divides it (an
-        elastic job keeps its global batch, unpadded, at any process count).
+        elastic job keeps its global batch, unpadded, at any process count);
+        not with `topology`.
 
     Raises:
       ConfigurationError: processes have different device counts, NCCL is
-        asked for on a platform without it, or the largest count of devices
-        that divides `global_batch_size` leaves a process without one.
+        asked for on a platform without it, the largest count of devices
+        that divides `global_batch_size` leaves a process without one, or
+        both `topology` and `global_batch_size` are given.
     """
     check_initialized_under_launcher()
     options = communication_options or CommunicationOptions()
     if topology is not None:
+        if global_batch_size is not None:
+            raise ConfigurationError(
+                message(
+                    "A topology's strategy compiles for all its chips; global_batch_size "
+                    "picks devices of this job to run on.",
+                    received(topology=topology, global_batch_size=global_batch_size),
+                    "pass one of them.",
+                )
+            )
         devices = resolve_devices(topology)
         hosts = len({d.process_index for d in devices})
         mesh = make_mesh({"host": hosts, "replica": len(devices) // hosts}, devices)
