@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh
 from spmd.errors import ConfigurationError, message, received
 from spmd.validate import is_integer
 
-__all__ = ["make_mesh", "order_devices", "prime_factors", "resolve_devices"]
+__all__ = ["dividing_devices", "make_mesh", "order_devices", "prime_factors", "resolve_devices"]
 
 _DEVICE_STRING = re.compile(
     r"^(?:/job:(?P<job>[a-z_]+))?(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?"
@@ -119,6 +119,47 @@ def order_devices(devices: Sequence[Any]) -> list[Any]:
     and only the outermost axis crosses hosts (DCN).
     """
     return sorted(devices, key=lambda d: (d.process_index, getattr(d, "slice_index", 0), d.id))
+
+
+def dividing_devices(devices: Sequence[Any], global_batch_size: int) -> list[Any]:
+    """The most of `devices` whose count divides `global_batch_size`, spread evenly over
+    their processes (the first processes take one more where it does not divide), each
+    process's lowest ids first, ordered hosts outermost.
+
+    Every replica of a strategy over them gets the same whole rows of the global
+    batch, nothing padded; the devices left out stay idle.
+
+    Raises:
+      ConfigurationError: the largest such count is smaller than the number of
+        processes, so a process would hold no device of the mesh (in JAX's
+        multi-controller model every process runs each step on its own devices).
+    """
+    by_process: dict[int, list[Any]] = {}
+    for device in order_devices(devices):
+        by_process.setdefault(device.process_index, []).append(device)
+    count = max(n for n in range(1, len(devices) + 1) if global_batch_size % n == 0)
+    processes = len(by_process)
+    if count < processes:
+        raise ConfigurationError(
+            message(
+                "A strategy over the most devices that divide the global batch gives every "
+                "process at least one of them: each process runs every step on its own devices.",
+                received(
+                    global_batch_size=global_batch_size,
+                    largest_dividing_count=count,
+                    num_processes=processes,
+                    num_devices=len(devices),
+                ),
+                f"use a global batch size with a divisor from {processes} to {len(devices)}, or "
+                "leave the batch as it is and let spmd pad it (the Trainer does; a custom loop "
+                'passes InputOptions(uneven_batch="pad")).',
+            )
+        )
+    share, extra = divmod(count, processes)
+    chosen = []
+    for i, own in enumerate(by_process.values()):
+        chosen += own[: share + (1 if i < extra else 0)]
+    return chosen
 
 
 def _is_tpu(devices: Sequence[Any]) -> bool:
