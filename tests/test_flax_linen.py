@@ -21,9 +21,14 @@ DOC = pathlib.Path(__file__).parent.parent / "docs" / "flax.md"
 HEADING = "## Flax linen: a MaxText-style state"
 
 
+def _doc_snippets() -> list[str]:
+    """The section's python blocks: the decoder, then its state unboxed as MaxText does."""
+    section = DOC.read_text().split(HEADING, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
 def _doc_snippet() -> str:
-    section = DOC.read_text().split(HEADING, 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return _doc_snippets()[0]
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +219,16 @@ def test_a_rule_or_a_named_strategy_wins_over_an_unboxed_leafs_sharding(doc):
     # MirroredStrategy replicates every leaf it has no annotation for, as tf.distribute.
     mirrored = spmd.MirroredStrategy().put(state)
     assert all(leaf.sharding.spec == P() for leaf in jax.tree.leaves(mirrored))
+
+
+def test_the_docs_unboxed_state_runs_as_written(doc, capsys):
+    namespace = dict(doc)
+    exec(compile(_doc_snippets()[1], str(DOC), "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2:] == ["P(None, None, 'model')", "placed sharding"]
+    wi = namespace["unboxed"].params["layers"]["wi"]
+    assert not isinstance(wi, nn.LogicallyPartitioned)
+    assert wi.sharding.spec == P(None, None, "model")  # after a step too
 
 
 def test_partitioned_boxes_name_mesh_axes(doc):
