@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -19,11 +20,21 @@ from spmd.clusters.jax_state import coordination_client
 from spmd.errors import BatchError, ConfigurationError, message, received
 from spmd.rules import path_str
 from spmd.strategy import nnx_state
+from spmd.validate import positive_number
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["agree_on_batch", "check_arguments", "data_names", "register", "static_key"]
+__all__ = [
+    "AGREE_TIMEOUT_S",
+    "ENV_AGREE_TIMEOUT",
+    "agree_on_batch",
+    "agree_timeout",
+    "check_arguments",
+    "data_names",
+    "register",
+    "static_key",
+]
 
 # The last strategy built on each mesh, to say which one placed a state.
 _BY_MESH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -35,8 +46,10 @@ NNX_OUTSIDE_STATE = (
 )
 
 
-# How long a process waits for the others to reach a step with a new batch signature.
+# How long a process waits for the others to reach a step with a new batch signature,
+# unless the environment variable ENV_AGREE_TIMEOUT says otherwise (seconds).
 AGREE_TIMEOUT_S = 300.0
+ENV_AGREE_TIMEOUT = "SPMD_BATCH_AGREE_TIMEOUT"
 # Each new batch signature of any step takes the next number, in the same order on
 # every process (their steps run the same programs in the same order).
 _AGREEMENTS = itertools.count()
@@ -77,7 +90,7 @@ def agree_on_batch(fn: Any, data: tuple) -> None:
 
     Raises:
       BatchError: the processes' signatures differ, or one did not reach the step
-        within `AGREE_TIMEOUT_S`.
+        within `agree_timeout()` seconds.
     """
     client = coordination_client()
     if client is None:
@@ -88,8 +101,30 @@ def agree_on_batch(fn: Any, data: tuple) -> None:
         f"{name}: {_describe(entry)}" for name, entry in zip(names, data, strict=False)
     )
     record = {"batch": f"{described} ({len(leaves)} arrays, {treedef})"}
-    check = _BatchSignatures(client, AGREE_TIMEOUT_S, f"spmd/step/{next(_AGREEMENTS)}")
+    check = _BatchSignatures(client, agree_timeout(), f"spmd/step/{next(_AGREEMENTS)}")
     check.agree(0, record)
+
+
+def agree_timeout() -> float:
+    """The seconds a process waits for the others at a step's new batch signature:
+    `SPMD_BATCH_AGREE_TIMEOUT` where it is set, else `AGREE_TIMEOUT_S`.
+
+    Raises:
+      ConfigurationError: the variable is set to something else than a positive number.
+    """
+    value = os.environ.get(ENV_AGREE_TIMEOUT, "").strip()
+    if not value:
+        return AGREE_TIMEOUT_S
+    try:
+        seconds: object = float(value)
+    except ValueError:
+        seconds = value
+    return positive_number(
+        seconds,
+        ENV_AGREE_TIMEOUT,
+        fix=f"set {ENV_AGREE_TIMEOUT} to a number of seconds, e.g. 60, or unset it for "
+        f"the default, {AGREE_TIMEOUT_S:g} s.",
+    )
 
 
 def _describe(entry: Any) -> str:
