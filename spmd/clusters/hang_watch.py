@@ -55,6 +55,7 @@ HUNG = "hung:"  # how a hang's failure reason starts (the peers exit with HANG_E
 GONE = "gone:"  # how the reason given for a process that stopped publishing starts
 _KEY = "spmd/progress/"  # key prefix: each process's Record, as JSON
 _VERDICT = "spmd/behind"  # the process that process 0 found behind, which then ends itself
+RUNNING = threading.Event()  # set once this process's hang watch has started
 _ARMED_AT = 2  # from the second Step call on, any time without a step call is a stall
 _STACK_FRAMES = 12  # innermost frames of the main thread's stack that are shown
 _OTHER_FRAMES = 3  # innermost frames shown of each other thread
@@ -463,4 +464,5 @@ def start(
     thread = threading.Thread(target=watch.run, args=(stopping,), name="spmd-hang-watch")
     thread.daemon = True
     thread.start()
+    RUNNING.set()
     return watch.quietest

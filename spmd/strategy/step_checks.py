@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from spmd.clusters import hang_watch
 from spmd.clusters.agreement import Agreement
 from spmd.clusters.jax_state import coordination_client
 from spmd.errors import BatchError, ConfigurationError, message, received
@@ -46,8 +48,8 @@ NNX_OUTSIDE_STATE = (
 )
 
 
-# How long a process waits for the others to reach a step with a new batch signature,
-# unless the environment variable ENV_AGREE_TIMEOUT says otherwise (seconds).
+# How long a process waits for the others to reach a step with a new batch signature
+# where no hang watch bounds the wait, unless ENV_AGREE_TIMEOUT says otherwise (seconds).
 AGREE_TIMEOUT_S = 300.0
 ENV_AGREE_TIMEOUT = "SPMD_BATCH_AGREE_TIMEOUT"
 # Each new batch signature of any step takes the next number, in the same order on
@@ -106,15 +108,22 @@ def agree_on_batch(fn: Any, data: tuple) -> None:
 
 
 def agree_timeout() -> float:
-    """The seconds a process waits for the others at a step's new batch signature:
-    `SPMD_BATCH_AGREE_TIMEOUT` where it is set, else `AGREE_TIMEOUT_S`.
+    """The seconds a process waits for the others at a step's new batch signature.
+
+    `SPMD_BATCH_AGREE_TIMEOUT` where it is set. Otherwise no bound of its own
+    (infinity) while this process's hang watch runs: a process that never comes
+    to the step is a hung process, which the watch names with its stack within
+    `hang_timeout` (exit code 75, restarted by `spmd launch`), where a timeout
+    here would blame the batch (a BatchError, exit code 78, not restarted).
+    Without a hang watch (no `spmd.initialize()` of several processes),
+    `AGREE_TIMEOUT_S`.
 
     Raises:
       ConfigurationError: the variable is set to something else than a positive number.
     """
     value = os.environ.get(ENV_AGREE_TIMEOUT, "").strip()
     if not value:
-        return AGREE_TIMEOUT_S
+        return math.inf if hang_watch.RUNNING.is_set() else AGREE_TIMEOUT_S
     try:
         seconds: object = float(value)
     except ValueError:
@@ -123,7 +132,7 @@ def agree_timeout() -> float:
         seconds,
         ENV_AGREE_TIMEOUT,
         fix=f"set {ENV_AGREE_TIMEOUT} to a number of seconds, e.g. 60, or unset it for "
-        f"the default, {AGREE_TIMEOUT_S:g} s.",
+        "the default (the hang watch's bound).",
     )
 
 

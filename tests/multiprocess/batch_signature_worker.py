@@ -10,13 +10,15 @@ when training finished; a BatchError is printed as "BatchError: <message>" and
 exits with code 3.
 
 SCENARIO absent: process 1 never calls the step (it sleeps); process 0 prints how
-long it waited ("waited S s") with its BatchError. SCENARIO steady: 6 steps with
+long it waited ("waited S s") with its BatchError. AGREE_DEFAULT_S in the
+environment replaces the agreement's default bound (AGREE_TIMEOUT_S). SCENARIO steady: 6 steps with
 8-row batches, 3 with 16 rows, 3 with 8 again; each process writes to OUT.<index>.json
 how many batch agreements it took part in and how many coordination-service calls
 the step's checks made, after the first step and after each phase.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -25,8 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import spmd
+from spmd.strategy import step_checks
 
 scenario, out = sys.argv[1], sys.argv[2]
+if "AGREE_DEFAULT_S" in os.environ:  # a shorter default bound than the hang timeout
+    step_checks.AGREE_TIMEOUT_S = float(os.environ["AGREE_DEFAULT_S"])
 spmd.initialize()
 strategy = spmd.MultiWorkerMirroredStrategy()
 me = jax.process_index()
