@@ -2,8 +2,9 @@
 
 tf.distribute's `evaluator` (Keras' SidecarEvaluator): a job of its own, beside the
 training job. The workers run `Trainer.fit` with a `ModelCheckpoint`; the evaluator,
-told by TF_CONFIG that it is the "evaluator" task, runs `spmd.SidecarEvaluator` on
-one device over the same directory: it restores each step as it is committed (the
+told by TF_CONFIG that it is the "evaluator" task, runs `spmd.SidecarEvaluator` (the
+model with its loss and metrics, as Keras takes a compiled model) on one device over
+the same directory: it restores each step as it is committed (the
 workers' 4 devices resharded onto its 1), evaluates it exactly, writes TensorBoard
 scalars, and stops after the step fit marks as its last.
 
@@ -108,13 +109,24 @@ if info.task_type == "evaluator":
     assert jax.process_count() == 1  # not part of the training group
     logging.basicConfig(level=logging.INFO, format="[evaluator] %(message)s")  # a line a step
     logging.getLogger("absl").setLevel(logging.ERROR)
-    trainer = make_trainer(spmd.OneDeviceStrategy(jax.devices()[0]))
+    one_device = spmd.OneDeviceStrategy(jax.devices()[0])
     val = dataset(1000, 1)  # 1000 rows: the last batch is padded, never counted
     history = spmd.SidecarEvaluator(
-        trainer, val, CKPT, batch_size=BATCH, log_dir=LOGS, poll_interval=0.2, timeout=300
+        MLP(nnx.Rngs(1)),  # the model, with what Keras' model.compile would give it
+        val,
+        CKPT,
+        loss="sparse_categorical_crossentropy",
+        metrics=("accuracy",),
+        strategy=one_device,
+        batch_size=BATCH,
+        log_dir=LOGS,
+        poll_interval=0.2,
+        timeout=300,
     ).start()
     last = max(history)
-    # The oracle: the final checkpoint, restored and evaluated here by hand.
+    # The oracle: the final checkpoint, restored into a Trainer and evaluated here by hand.
+    trainer = make_trainer(one_device)
+    trainer.build()
     reader = spmd.CheckpointManager(CKPT, read_only=True)
     trainer.load_state(reader.restore(last, target=trainer.state))
     again = trainer.evaluate(val, batch_size=BATCH)

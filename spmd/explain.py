@@ -176,6 +176,7 @@ class Explanation:
             ("state (device memory)", _human(self.state_bytes)),
             ("state (host memory)", _human(self.state_host_bytes)),
             ("one batch", _human(self.input_bytes)),
+            *(_memory_rows(self) if self.chip is not None else ()),
             ("temporaries", _human(self.temp_bytes)),
             ("peak (upper bound)", _human(self.peak_bytes)),
             ("FLOPs (XLA's estimate)", f"{self.flops:,.0f}"),
@@ -193,6 +194,16 @@ class Explanation:
         lines = [f"{self.strategy}, per device:"]
         lines += [f"  {name:<{width}}  {value}" for name, value in rows]
         return "\n".join(lines)
+
+
+def _memory_rows(e: Explanation) -> list[tuple[str, str]]:
+    """The TPU compiler's memory analysis, each part on its own row (peak adds them up)."""
+    return [
+        ("arguments", _human(e.argument_bytes)),
+        ("outputs", _human(e.output_bytes)),
+        ("aliased (outputs in donated arguments)", _human(e.alias_bytes)),
+        ("code", _human(e.code_bytes)),
+    ]
 
 
 def _chip_rows(e: Explanation) -> list[tuple[str, str]]:
@@ -253,9 +264,7 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
         ),
         data,
     )
-    return explain_traced(
-        repr(strategy), traced, sized, batches, list(strategy.mesh.devices.flat)
-    )
+    return explain_traced(repr(strategy), traced, sized, batches, list(strategy.mesh.devices.flat))
 
 
 def explain_traced(

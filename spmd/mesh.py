@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh
 from spmd.errors import ConfigurationError, message, received
 from spmd.validate import is_integer
 
-__all__ = ["make_mesh", "order_devices", "prime_factors", "resolve_devices"]
+__all__ = ["dividing_devices", "make_mesh", "order_devices", "prime_factors", "resolve_devices"]
 
 _DEVICE_STRING = re.compile(
     r"^(?:/job:(?P<job>[a-z_]+))?(?:/replica:(?P<replica>\d+))?(?:/task:(?P<task>\d+))?"
@@ -121,22 +121,141 @@ def order_devices(devices: Sequence[Any]) -> list[Any]:
     return sorted(devices, key=lambda d: (d.process_index, getattr(d, "slice_index", 0), d.id))
 
 
+def dividing_devices(devices: Sequence[Any], global_batch_size: int) -> list[Any]:
+    """The most of `devices` whose count divides `global_batch_size`, spread evenly over
+    their processes (the first processes take one more where it does not divide), each
+    process's lowest ids first, ordered hosts outermost.
+
+    Every replica of a strategy over them gets the same whole rows of the global
+    batch, nothing padded; the devices left out stay idle.
+
+    Raises:
+      ConfigurationError: the largest such count is smaller than the number of
+        processes, so a process would hold no device of the mesh (in JAX's
+        multi-controller model every process runs each step on its own devices).
+    """
+    by_process: dict[int, list[Any]] = {}
+    for device in order_devices(devices):
+        by_process.setdefault(device.process_index, []).append(device)
+    count = max(n for n in range(1, len(devices) + 1) if global_batch_size % n == 0)
+    processes = len(by_process)
+    if count < processes:
+        raise ConfigurationError(
+            message(
+                "A strategy over the most devices that divide the global batch gives every "
+                "process at least one of them: each process runs every step on its own devices.",
+                received(
+                    global_batch_size=global_batch_size,
+                    largest_dividing_count=count,
+                    num_processes=processes,
+                    num_devices=len(devices),
+                ),
+                f"use a global batch size with a divisor from {processes} to {len(devices)}, or "
+                "leave the batch as it is and let spmd pad it (the Trainer does; a custom loop "
+                'passes InputOptions(uneven_batch="pad")).',
+            )
+        )
+    share, extra = divmod(count, processes)
+    chosen = []
+    for i, own in enumerate(by_process.values()):
+        chosen += own[: share + (1 if i < extra else 0)]
+    return chosen
+
+
 def _is_tpu(devices: Sequence[Any]) -> bool:
     return bool(devices) and all(getattr(d, "platform", "") == "tpu" for d in devices)
 
 
 def _tpu_device_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
-    """Lays TPU devices out in physical topology order, as a hybrid mesh across slices."""
+    """Lays TPU devices out in physical order; several slices as a hybrid mesh, slices outermost."""
+    slices: dict[int, list[Any]] = {}
+    for device in devices:
+        slices.setdefault(getattr(device, "slice_index", 0), []).append(device)
+    granules = [slices[k] for k in sorted(slices)]
+    dcn = _dcn_shape(shape, granules)
+    ici = tuple(s // d for s, d in zip(shape, dcn, strict=True))
+    if len(granules) == 1:
+        return _slice_array(ici, granules[0])
+    blocks = np.empty(dcn, dtype=object)
+    for index, granule in zip(np.ndindex(*dcn), granules, strict=True):
+        blocks[index] = _slice_array(ici, granule)
+    return np.block(blocks.tolist())
+
+
+def _dcn_shape(shape: tuple[int, ...], granules: list[list[Any]]) -> tuple[int, ...]:
+    """How many slices each axis spans: the slices fill the outermost axes they divide."""
+    sizes = sorted({len(g) for g in granules})
+    if len(sizes) > 1:
+        raise ConfigurationError(
+            message(
+                "A mesh over several TPU slices takes slices of equal size: its outermost "
+                "axes span the slices (DCN), the rest stay inside one slice (ICI).",
+                received(axes=shape, slices=len(granules), devices_per_slice=sizes),
+                "pass every device of each slice (e.g. the whole spmd.topology(...)), or "
+                "the devices of one slice.",
+            )
+        )
+    dcn, left = [], len(granules)
+    for size in shape:  # the product is the device count: the slices always fit
+        dcn.append(math.gcd(size, left))
+        left //= dcn[-1]
+    return tuple(dcn)
+
+
+def _slice_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
+    """One slice's devices as an array of `shape`, the inner axes on the nearest chips.
+
+    `mesh_utils` first (its ring orders for small slices; a physical axis split
+    between logical axes where the sizes ask for it), then the torus mapped
+    here for what it refuses (v4's two TensorCores per chip); devices that are
+    no whole slice (a subset of it) keep their id order.
+    """
     from jax.experimental import mesh_utils
 
-    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    # The slices go on the outermost axis they divide (the first, unless it is too small).
-    outer = next((i for i, s in enumerate(shape) if s % num_slices == 0), None)
-    if num_slices > 1 and outer is not None:
-        dcn = tuple(num_slices if i == outer else 1 for i in range(len(shape)))
-        ici = tuple(s // d for s, d in zip(shape, dcn, strict=True))
-        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
-    return mesh_utils.create_device_mesh(shape, devices=devices)
+    try:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except (NotImplementedError, AssertionError, ValueError):
+        grid = _torus(devices)
+    if grid is None:
+        return np.asarray(order_devices(devices), dtype=object).reshape(shape)
+    return _on_torus(grid, shape)
+
+
+def _torus(devices: Sequence[Any]) -> np.ndarray | None:
+    """The devices at their (x, y, z, core) coordinates; None unless they fill a cuboid."""
+    try:
+        coords = np.array([(*d.coords, d.core_on_chip) for d in devices], dtype=np.int64)
+    except (AttributeError, TypeError):
+        return None
+    coords -= coords.min(axis=0)
+    grid = np.empty(tuple(coords.max(axis=0) + 1), dtype=object)
+    if grid.size != len(devices):
+        return None
+    for device, at in zip(devices, coords, strict=True):
+        grid[tuple(at)] = device
+    return None if any(d is None for d in grid.flat) else grid
+
+
+def _on_torus(grid: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Logical axes onto a torus: the innermost (busiest) axis onto the nearest devices.
+
+    Every physical dimension is cut into its prime factors, the minor factor
+    being the nearest neighbours. Each logical axis, innermost first, takes
+    the nearest factors it needs: a chip's cores, then z, y, x, minor first.
+    """
+    factors = [(dim, p) for dim, size in enumerate(grid.shape) for p in prime_factors(size)]
+    split = grid.reshape([p for _, p in factors] or [1])
+    nearest = sorted(range(len(factors)), key=lambda j: (-factors[j][0], -j))
+    taken: list[list[int]] = [[] for _ in shape]
+    for axis in reversed(range(len(shape))):
+        need = shape[axis]
+        for j in nearest:
+            if need > 1 and need % factors[j][1] == 0:
+                taken[axis].append(j)
+                need //= factors[j][1]
+        nearest = [j for j in nearest if j not in taken[axis]]
+    order = [j for axis in taken for j in sorted(axis)]
+    return split.transpose(order).reshape(shape) if order else split.reshape(shape)
 
 
 def make_mesh(
@@ -148,8 +267,9 @@ def make_mesh(
     """Builds a named device mesh.
 
     Devices are placed hosts outermost (the first axis crosses hosts, the inner
-    axes stay inside one); TPU devices follow the chips' physical topology, and
-    several TPU slices form a hybrid mesh with the slices on the first axis.
+    axes stay inside one). TPU devices follow the chips' physical topology for
+    any axis sizes, the innermost axis on the nearest chips, and several TPU
+    slices form a hybrid mesh whose outermost axes span the slices.
 
     Args:
       axes: axis name to size, outermost first; one size may be -1 to infer it.
@@ -161,8 +281,9 @@ def make_mesh(
       A `jax.sharding.Mesh`.
 
     Raises:
-      ConfigurationError: an axis name is not a string identifier, or the axis
-        sizes do not multiply to the device count.
+      ConfigurationError: an axis name is not a string identifier, the axis
+        sizes do not multiply to the device count, or TPU slices of different
+        sizes are given.
 
     Example:
       >>> mesh = spmd.make_mesh({"data": -1, "model": 2})

@@ -27,9 +27,20 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from spmd.topologies import Chip
 
-__all__ = ["Roofline", "Traffic", "estimate", "traffic"]
+__all__ = [
+    "Flow",
+    "Roofline",
+    "Traffic",
+    "estimate",
+    "flows",
+    "replica_groups",
+    "ring_bytes",
+    "traffic",
+]
 
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTR = re.compile(
@@ -44,8 +55,17 @@ _CALLS = re.compile(
 )
 _SHAPE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+[a-z0-9]*)\[(?P<dims>[\d,]*)\]")
 _BITS = {"pred": 8}
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<dims>[\d,]+)\]<=")
+_GROUPS = re.compile(
+    r"(replica_groups|source_target_pairs)=(\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)"
+)
+_IOTA = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:, device_ids=\(\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?\))? \{(?P<grouped>[^}]*)\}"
+)
+_TARGET_GROUPS = re.compile(r"_xla_megascale_target=\{(?P<groups>(?:\{[\d,]*\},?)+)\}")
+_TARGET_SLICES = re.compile(r'_xla_megascale_target="\{(?P<slices>[\d,]+)\}x')
+_SLICE_ID = 100_000  # a megascale target names device d of slice s (from 0) (s + 1) * 100000 + d
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="(?P<key>[^"]+)"')
 _CHANNEL = re.compile(r"\bchannel_id=(?P<id>\d+)")
@@ -70,6 +90,28 @@ class Traffic:
     count: int
     bytes: int
     wire_bytes: float
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One collective of a compiled program, per device (an async pair or a DCN transfer once).
+
+    Attributes:
+      kind, link: as `Traffic`.
+      times: how many times it runs per step (its loops' trip counts).
+      bytes: the bytes it produces on each device, one run.
+      wire_bytes: the bytes each device sends for it, one run.
+      groups: the devices it joins: over ICI, groups of the program's device
+        ids (its replica groups or permute pairs); over DCN, groups of slice
+        indices (its megascale target).
+    """
+
+    kind: str
+    link: str
+    times: int
+    bytes: int
+    wire_bytes: float
+    groups: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -147,16 +189,66 @@ def _first(type_text: str) -> str:
     return match.group(0) if match else ""
 
 
-def _group_size(line: str, default: int) -> int:
-    if match := _GROUPS_LIST.search(line):
-        return max(1, len([x for x in match["first"].split(",") if x]))
-    if match := _GROUPS_IOTA.search(line):
-        dims = [int(d) for d in match["dims"].split(",")]
-        return dims[-1] if dims else default
-    return default
+def replica_groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The device groups of one collective's HLO line: replica groups or permute pairs.
+
+    Reads the three forms XLA writes: explicit (`{{0,1},{2,3}}`), iota
+    (`[2,2]<=[4]`, `[2,2]<=[2,2]T(1,0)`) and mesh axes
+    (`mesh['a'=2,'b'=4], device_ids=([2,4]T(1,0)) {'b'}`). A collective that
+    names none joins all `num_devices` devices of the program.
+    """
+    if found := _MESH_GROUPS.search(line):
+        return _mesh_groups(found)
+    found = _GROUPS.search(line)
+    if found is None:
+        return (tuple(range(num_devices)),)
+    value = found.group(2)
+    if iota := _IOTA.fullmatch(value):
+        shape = [int(x) for x in iota.group(1).split(",")]
+        ids = _iota(iota.group(2), iota.group(3))
+        return tuple(tuple(g) for g in ids.reshape(shape[0], -1).tolist())
+    groups = [
+        tuple(int(x) for x in g.split(",") if x.strip())
+        for g in re.findall(r"\{([\d,\s]*)\}", value)
+    ]
+    return tuple(g for g in groups if g) or (tuple(range(num_devices)),)
 
 
-def _wire(kind: str, nbytes: int, group: int) -> float:
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """Device ids 0..n-1 laid out in `dims`, transposed by `perm`, flattened."""
+    shape = [int(d) for d in dims.split(",")]
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    return (ids.transpose([int(p) for p in perm.split(",")]) if perm else ids).reshape(-1)
+
+
+def _mesh_groups(found: re.Match) -> tuple[tuple[int, ...], ...]:
+    """Groups named by mesh axes: the devices that differ only along the named axes."""
+    axes = re.findall(r"'(\w+)'=(\d+)", found["axes"])
+    sizes = [int(s) for _, s in axes]
+    order = _iota(found["dims"], found["perm"]) if found["dims"] else np.arange(math.prod(sizes))
+    named = set(re.findall(r"'(\w+)'", found["grouped"]))
+    grouped = [i for i, (name, _) in enumerate(axes) if name in named]
+    rest = [i for i in range(len(axes)) if i not in grouped]
+    size = math.prod(sizes[i] for i in grouped)
+    ids = order.reshape(sizes).transpose(rest + grouped).reshape(-1, size)
+    return tuple(tuple(g) for g in ids.tolist())
+
+
+def _slice_groups(line: str, slices: int) -> tuple[tuple[int, ...], ...]:
+    """The slices a DCN transfer joins, from its megascale target; all of them where it names none."""
+    if found := _TARGET_GROUPS.search(line):
+        groups = {
+            tuple(sorted({int(x) // _SLICE_ID - 1 for x in g.split(",") if x}))
+            for g in re.findall(r"\{([\d,]*)\}", found["groups"])
+        }
+        return tuple(sorted(groups))
+    if found := _TARGET_SLICES.search(line):
+        return (tuple(int(x) - 1 for x in found["slices"].split(",")),)
+    return (tuple(range(slices)),)
+
+
+def ring_bytes(kind: str, nbytes: float, group: int) -> float:
+    """The bytes each device sends for a collective of `nbytes` over `group` devices (rings)."""
     if group <= 1:
         return 0.0
     if kind == "all-reduce":
@@ -221,49 +313,59 @@ def _multipliers(comps: dict[str, list[str]]) -> dict[str, int]:
     return runs
 
 
-def traffic(hlo: str, num_partitions: int, slices: int = 1) -> tuple[Traffic, ...]:
-    """The collectives of an optimized HLO module, by kind and link, per device and step.
+def flows(hlo: str, num_partitions: int, slices: int = 1) -> tuple[Flow, ...]:
+    """The collectives of an optimized HLO module, each once, with how often a step runs it.
 
     A collective split over several computations (an async start and done)
     counts once, by its channel; a DCN transfer once, by its rendezvous.
     """
     comps = _computations(hlo)
     runs = _multipliers(comps)
-    seen: dict[tuple[str, str], tuple] = {}
+    seen: dict[tuple[str, str], Flow] = {}
     for comp, lines in comps.items():
         if comp == "__entry__":
             continue
         times = runs.get(comp, 1)
         for line in lines:
             match = _INSTR.match(line)
-            if not match:
+            if not match or (match["op"] == "send" and not _MEGASCALE.search(line)):
                 continue
-            if match["op"] == "send":
-                mega = _MEGASCALE.search(line)
-                if not mega:
-                    continue
-                kind = mega["kind"].lower().replace("_", "-")
-                kind = kind if kind in _KINDS else "collective-permute"
-                key = ("DCN", (_RENDEZVOUS.search(line) or match)[0])
-                nbytes = _bytes(_first(match["type"]))
-                wire = _wire(kind, nbytes, slices)
-                link = "DCN"
-            else:
-                kind = match["op"]
-                channel = _CHANNEL.search(line)
-                key = ("ICI", channel["id"] if channel else f"{comp}/{match['name']}")
-                nbytes = _bytes(_result(match["type"], bool(match["start"])))
-                wire = _wire(kind, nbytes, _group_size(line, num_partitions))
-                link = "ICI"
+            key, flow = _flow(line, match, comp, times, num_partitions, slices)
             previous = seen.get(key)
-            if previous is None or previous[2] < times:
-                seen[key] = (kind, link, times, nbytes, wire)
+            if previous is None or previous.times < times:
+                seen[key] = flow
+    return tuple(seen.values())
+
+
+def _flow(
+    line: str, match: re.Match, comp: str, times: int, num_partitions: int, slices: int
+) -> tuple[tuple[str, str], Flow]:
+    """One collective instruction (or megascale send) as (its key, its `Flow`)."""
+    if match["op"] == "send":
+        kind = _MEGASCALE.search(line)["kind"].lower().replace("_", "-")
+        kind = kind if kind in _KINDS else "collective-permute"
+        groups = _slice_groups(line, slices)
+        nbytes = _bytes(_first(match["type"]))
+        key = ("DCN", (_RENDEZVOUS.search(line) or match)[0])
+        return key, Flow(
+            kind, "DCN", times, nbytes, ring_bytes(kind, nbytes, len(groups[0])), groups
+        )
+    kind = match["op"]
+    channel = _CHANNEL.search(line)
+    groups = replica_groups(line, num_partitions)
+    nbytes = _bytes(_result(match["type"], bool(match["start"])))
+    key = ("ICI", channel["id"] if channel else f"{comp}/{match['name']}")
+    return key, Flow(kind, "ICI", times, nbytes, ring_bytes(kind, nbytes, len(groups[0])), groups)
+
+
+def traffic(hlo: str, num_partitions: int, slices: int = 1) -> tuple[Traffic, ...]:
+    """The collectives of an optimized HLO module, by kind and link, per device and step."""
     totals: dict[tuple[str, str], list[float]] = {}
-    for kind, link, times, nbytes, wire in seen.values():
-        row = totals.setdefault((kind, link), [0, 0, 0.0])
-        row[0] += times
-        row[1] += times * nbytes
-        row[2] += times * wire
+    for f in flows(hlo, num_partitions, slices):
+        row = totals.setdefault((f.kind, f.link), [0, 0, 0.0])
+        row[0] += f.times
+        row[1] += f.times * f.bytes
+        row[2] += f.times * f.wire_bytes
     return tuple(
         Traffic(kind, link, int(c), int(b), float(w))
         for (kind, link), (c, b, w) in sorted(totals.items())

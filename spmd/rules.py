@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd.errors import ConfigurationError, message, received
 from spmd.logical import Annotation, LogicalRules, annotations, check_mapped, to_spec
@@ -183,6 +183,7 @@ def _check_spec(path: str, leaf: Any, spec: PartitionSpec, mesh: Mesh, source: s
     shape = tuple(getattr(leaf, "shape", ()))
     by_rule = source.startswith("rule")
     what = f"The rule for '{path}'" if by_rule else f"The {source} of '{path}'"
+    placed = source == "placed sharding"
     if len(spec) > len(shape):
         raise ConfigurationError(
             message(
@@ -208,6 +209,9 @@ def _check_spec(path: str, leaf: Any, spec: PartitionSpec, mesh: Mesh, source: s
                 "shard another dimension, pad the variable, or add an earlier rule "
                 "that replicates it (spec None)."
                 if by_rule
+                else "add a rule for the path (a spec that divides, or None to replicate it), "
+                "or place the leaf on a mesh whose axes divide it."
+                if placed
                 else "change the annotation, map its name to None (or another axis) in "
                 "logical_axis_rules, pad the variable, or add a rule for the path that "
                 "replicates it (spec None)."
@@ -232,13 +236,15 @@ def resolve_specs(
     is_leaf: Callable[[Any], bool] | None = None,
     logical_axis_rules: LogicalRules = (),
     replicate_unmapped: bool = True,
+    keep_placed: bool = False,
 ) -> Any:
     """Gives every leaf of `tree` its `PartitionSpec`: a rule, its annotation, or replicated.
 
     Precedence, per leaf: a rule giving a spec (or None) wins; else the leaf's
     flax annotation (`nnx.with_partitioning` names, through `logical_axis_rules`)
     if it shards anything; else a partitioner rule; else the annotation's
-    (replicated) layout or the default, replicated. A rule that overrides an
+    (replicated) layout; else, with `keep_placed`, the layout the leaf arrives
+    with (see `Placed`); else the default, replicated. A rule that overrides an
     annotation which would shard differently warns (`LayoutConflictWarning`).
 
     A rule's regex is matched with `re.fullmatch` on the '/'-joined path and on
@@ -257,16 +263,27 @@ def resolve_specs(
       replicate_unmapped: annotation names neither mapped nor mesh axes are
         replicated; if False they are an error (one listing them all), unless
         the logical rules hold `(spmd.logical.REST, None)`.
+      keep_placed: a leaf no rule or annotation lays out keeps the sharding it
+        carries (an array's, or a `ShapeDtypeStruct`'s), read by its axis names.
 
     Returns:
       A pytree of `PartitionSpec`, the structure of `tree`.
 
     Raises:
-      ConfigurationError: a rule or annotation does not fit its leaf, or
-        `strict` and nothing covers a leaf.
+      ConfigurationError: a rule, annotation or kept sharding does not fit its
+        leaf, `strict` and nothing covers a leaf, or (`keep_placed`) a leaf no
+        rule or annotation lays out is sharded over axes `mesh` lacks.
     """
     specs, _, treedef = _resolve(
-        tree, rules, mesh, strict, shard_axes, is_leaf, logical_axis_rules, replicate_unmapped
+        tree,
+        rules,
+        mesh,
+        strict,
+        shard_axes,
+        is_leaf,
+        logical_axis_rules,
+        replicate_unmapped,
+        keep_placed,
     )
     return jax.tree_util.tree_unflatten(treedef, specs)
 
@@ -279,10 +296,19 @@ def resolve_sources(
     shard_axes: Sequence[tuple[str, int]] = (),
     logical_axis_rules: LogicalRules = (),
     replicate_unmapped: bool = True,
+    keep_placed: bool = False,
 ) -> Any:
     """Like `resolve_specs`, but each leaf is a `LeafLayout`: its spec and where it came from."""
     specs, sources, treedef = _resolve(
-        tree, rules, mesh, False, shard_axes, None, logical_axis_rules, replicate_unmapped
+        tree,
+        rules,
+        mesh,
+        False,
+        shard_axes,
+        None,
+        logical_axis_rules,
+        replicate_unmapped,
+        keep_placed,
     )
     layouts = [LeafLayout(spec, source) for spec, source in zip(specs, sources, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, layouts)
@@ -291,7 +317,7 @@ def resolve_sources(
 @dataclass(frozen=True)
 class LeafLayout:
     """A leaf's `PartitionSpec` and its source: "rule '<regex>'", "annotation (...)",
-    "partitioner (rule '<regex>')" or "default"."""
+    "partitioner (rule '<regex>')", "placed sharding" or "default"."""
 
     spec: PartitionSpec
     source: str
@@ -307,7 +333,9 @@ def _matches(regex: re.Pattern, path: str) -> bool:
     return any(regex.fullmatch(path[i + 1 :]) for i, c in enumerate(path) if c == "/")
 
 
-def _resolve(tree, rules, mesh, strict, shard_axes, is_leaf, logical_rules, replicate_unmapped):
+def _resolve(
+    tree, rules, mesh, strict, shard_axes, is_leaf, logical_rules, replicate_unmapped, keep_placed
+):
     compiled = [(re.compile(pattern), pattern, spec) for pattern, spec in rules]
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     notes = annotations(tree) if is_leaf is None else [None] * len(leaves)
@@ -340,6 +368,8 @@ def _resolve(tree, rules, mesh, strict, shard_axes, is_leaf, logical_rules, repl
                 )
             )
         spec, source = _choose(path, leaf, rule, pattern, noted, annotated, shard_axes)
+        if source == "default" and keep_placed:
+            spec, source = _kept(path, leaf, mesh)
         _check_spec(path, leaf, spec, mesh, source)
         specs.append(_trim(spec))
         sources.append(source)
@@ -403,6 +433,51 @@ def _choose(path, leaf, rule, pattern, noted, annotated, shard_axes):
 
 
 _UNMATCHED = object()
+
+
+def _carried(leaf: Any) -> NamedSharding | None:
+    """The `NamedSharding` on a concrete mesh that an array or `ShapeDtypeStruct` carries."""
+    if isinstance(leaf, jax.core.Tracer) or not isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
+        return None
+    sharding = leaf.sharding
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        return sharding
+    return None
+
+
+def _kept(path: str, leaf: Any, mesh: Mesh) -> tuple[PartitionSpec, str]:
+    """The layout of a leaf no rule or annotation lays out: the sharding it carries,
+    read on `mesh` by its axis names (an unboxed linen state's only annotation left).
+
+    Raises:
+      ConfigurationError: the leaf is sharded over axes `mesh` does not have, which
+        no layout of this strategy can keep.
+    """
+    sharding = _carried(leaf)
+    spec = PartitionSpec() if sharding is None else _trim(sharding.spec)
+    if not len(spec):
+        return PartitionSpec(), "default"
+    names = [n for entry in spec for n in (entry if isinstance(entry, tuple) else (entry,)) if n]
+    missing = [n for n in names if n not in mesh.shape]
+    if not missing:
+        return spec, "placed sharding"
+    raise ConfigurationError(
+        message(
+            f"A state leaf that no rule or annotation lays out keeps the sharding it arrives "
+            f"with; '{path}' arrives sharded over mesh axes {missing}, which this strategy's "
+            "mesh does not have, so it could only be replicated, dropping its layout.",
+            received(
+                leaf=path,
+                sharding=spec,
+                its_mesh=dict(sharding.mesh.shape),
+                mesh_axes=tuple(mesh.shape),
+            ),
+            "build the strategy on the mesh the state was placed on, add a rule for the path "
+            "(a PartitionSpec over this mesh's axes, or None to replicate it), or keep flax "
+            "linen's boxes (nn.LogicallyPartitioned) in the state so that logical_axis_rules "
+            "lay it out.",
+        )
+    )
 
 
 def _trim(spec: PartitionSpec) -> PartitionSpec:

@@ -24,6 +24,7 @@ __all__ = [
     "CHIPS",
     "Chip",
     "Topology",
+    "check_placeable",
     "check_runnable",
     "chip_of",
     "compile_only",
@@ -356,18 +357,33 @@ def check_runnable(strategy: Any, what: str) -> None:
     if "_compile_only" not in cache:
         cache["_compile_only"] = compile_only(list(strategy.mesh.devices.flat))
     if cache["_compile_only"]:
-        from spmd.errors import ConfigurationError as Error
+        raise _cannot_run(what, strategy=repr(strategy))
 
-        raise Error(
-            message(
-                f"{what} needs devices this process has; this strategy is built on an abstract "
-                "TPU topology, which compiles but cannot run.",
-                received(strategy=repr(strategy), what=what),
-                "use strategy.abstract_state(...) for the state and strategy.explain(...) or "
-                "step.lower(...).compile() for the program; run on the TPU slice itself with "
-                "a strategy built on its devices (spmd.TPUStrategy()).",
-            )
+
+def check_placeable(tree: Any, what: str) -> None:
+    """Raises if some leaf of `tree` is laid out on an abstract topology's devices."""
+    import jax
+
+    devices = {
+        device
+        for leaf in jax.tree.leaves(tree)
+        for device in getattr(getattr(leaf, "sharding", None), "device_set", ())
+    }
+    if devices and compile_only(sorted(devices, key=lambda d: d.id)):
+        raise _cannot_run(what, target=f"a state laid out on {len(devices)} abstract TPU devices")
+
+
+def _cannot_run(what: str, **got: Any) -> ConfigurationError:
+    return ConfigurationError(
+        message(
+            f"{what} needs devices this process has; this strategy is built on an abstract "
+            "TPU topology, which compiles but cannot run.",
+            received(**got, what=what),
+            "use strategy.abstract_state(...) for the state and strategy.explain(...) or "
+            "step.lower(...).compile() for the program; run on the TPU slice itself with "
+            "a strategy built on its devices (spmd.TPUStrategy()).",
         )
+    )
 
 
 _SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"

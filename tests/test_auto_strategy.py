@@ -33,6 +33,7 @@ def _step(state, x):
 
 
 X = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+BIG = jax.ShapeDtypeStruct((1024, 256), jnp.float32)  # a row for every chip of 2 v5e-256
 
 
 @pytest.mark.slow
@@ -101,6 +102,38 @@ def test_a_small_model_on_a_small_slice_is_ranked_in_seconds():
     assert sorted(c.name for c in plan.ranked) == ["FSDP over 2", "data parallel"]
     assert all(c.roofline.chip.name == "v5e" and c.step_seconds > 0 for c in plan.ranked)
     assert best is plan.best.strategy and best.mesh.devices.flat[0].platform == "tpu"
+
+
+def test_tensor_parallel_layouts_are_built_and_ranked_on_a_slice():
+    # v5e:4x4: an axis of 2 takes half of a physical axis of 4
+    best, plan = spmd.auto_strategy(
+        _create, _step, X, "v5e:4x4", only=["TP over 2", "FSDP 8 x TP 2"]
+    )
+    assert sorted(c.name for c in plan.ranked) == ["FSDP 8 x TP 2", "TP over 2"]
+    assert not plan.dropped and all(c.step_seconds > 0 for c in plan.ranked)
+    tp, both = (next(c for c in plan.ranked if c.name == n) for n in ("TP over 2", "FSDP 8 x TP 2"))
+    # the matrices split in 2 by TP, in 16 by FSDP x TP: the compiled programs' layouts
+    assert tp.explanation.state_bytes == pytest.approx(8 * both.explanation.state_bytes, rel=0.01)
+
+
+@pytest.mark.slow  # compiles 17 candidates for 512 chips: about a minute on 2 shared cores
+def test_every_layout_builds_on_two_v5e_256_slices():
+    best, plan = spmd.auto_strategy(_create, _step, BIG, "v5e:16x16", slices=2)
+    assert not plan.dropped, str(plan)
+    names = {c.name for c in plan.ranked}
+    assert {"TP over 2", "TP over 4", "TP over 8"} <= names
+    assert {"FSDP 128 x TP 2", "FSDP 64 x TP 4", "FSDP 32 x TP 8", "FSDP over 2"} <= names
+    times = [c.step_seconds for c in plan.ranked]
+    assert times == sorted(times) and best is plan.best.strategy
+    tp = next(c for c in plan.ranked if c.name == "FSDP 64 x TP 4").strategy
+    assert {d.slice_index for d in tp.mesh.devices[0].flat} == {0}  # data over DCN
+
+
+@pytest.mark.slow  # compiles for 128 and 64 chips
+@pytest.mark.parametrize("target", ["v5p-256", "v6e-64"])
+def test_layouts_over_two_devices_build_on_large_slices(target):
+    _, plan = spmd.auto_strategy(_create, _step, BIG, target, only=["TP over 2", "FSDP over 2"])
+    assert sorted(c.name for c in plan.ranked) == ["FSDP over 2", "TP over 2"], str(plan)
 
 
 def test_nothing_fits_is_an_error_holding_the_table():

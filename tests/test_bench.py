@@ -51,6 +51,26 @@ def test_bench_quick_writes_the_performance_page(tmp_path):
 
 
 @pytest.mark.bench
+def test_bench_quick_measures_the_step_with_and_without_the_hang_watch(tmp_path):
+    out = tmp_path / "performance.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    argv = [sys.executable, "-m", "bench", "--quick", "--output", str(out)]
+    result = subprocess.run(
+        [*argv, "--only", "bench_hang_watch"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    [row] = [line for line in out.read_text().splitlines() if "hang watch every 0.25 s" in line]
+    ratios = [cell.strip() for cell in row.split("|") if cell.strip().endswith("x")]
+    assert len(ratios) == 2, row  # against the floor, and against the step without the watch
+
+
+@pytest.mark.bench
 @pytest.mark.parametrize("peer", ["tf-loop", "tf-fit"])
 def test_tensorflow_peer_trains_and_reports_its_step_time(peer):
     # TensorFlow is in the test extra, so the peers' TensorFlow rows run in CI.

@@ -1,8 +1,10 @@
 """CheckpointManager(read_only=True): a reader beside the writer that never writes, on any disk."""
 
+import json
 import logging
 import shutil
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import numpy as np
 import pytest
 
 import spmd
+from tests.gcs_emulator import GcsEmulator
+from tests.multiprocess.procs import child_env
 from tests.test_checkpoint_faults import _assert_equal, _target, flip_bytes, make_state
 
 
@@ -174,3 +178,83 @@ def test_a_reader_follows_a_writer_that_keeps_few_steps(tmp_path):
             assert reader.all_steps() == [step]
             np.testing.assert_array_equal(reader.restore()["x"], np.full((4,), float(step)))
         reader.close()
+
+
+# -- on an object store: a GCS emulator on loopback, writer and reader in processes of their own
+
+JOB = Path(__file__).with_name("object_store_job.py")
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    emulator = GcsEmulator()
+    try:
+        yield emulator
+    finally:
+        emulator.stop()
+
+
+def _job(gcs, *args, wait=True):
+    env = {**child_env(), **gcs.env(), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, str(JOB), *args]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if not wait:
+        return process
+    output = process.communicate(timeout=300)[0].decode()
+    return process.returncode, output
+
+
+def _state_values(step):
+    return {"b": (np.arange(16.0) + step).tolist(), "w": np.full((8, 4), float(step)).tolist()}
+
+
+@pytest.mark.slow
+def test_a_reader_in_another_process_follows_a_writer_on_an_object_store(gcs, tmp_path):
+    """gs:// has no rename: a step is committed by its commit_success.txt, and a reader in
+    another process must list the bucket anew (fsspec caches listings) to see it."""
+    seen_file = tmp_path / "seen.json"
+    reader = _job(gcs, "read", "gs://spmd/follow", str(seen_file), "--deadline", "150", wait=False)
+    try:
+        code, output = _job(
+            gcs, "write", "gs://spmd/follow", "--steps", "6", "--keep", "2", "--pause", "1.5"
+        )
+        assert code == 0, output[-3000:]
+        reader_output = reader.communicate(timeout=200)[0].decode()
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait(timeout=60)
+    assert reader.returncode == 0, reader_output[-3000:]
+    seen = json.loads(seen_file.read_text())
+    assert seen["final"] == 6, seen["listings"]  # it saw the run end
+    assert any(steps and steps[-1] < 6 for steps in seen["listings"]), seen["listings"]
+    assert {int(s) for s in seen["restored"]} | {int(s) for s in seen["unreadable"]} >= {5, 6}
+    for step, values in seen["restored"].items():
+        assert values == _state_values(int(step)), step
+    for why in seen["unreadable"].values():  # only steps max_to_keep removed after the listing
+        assert "complete_steps=" in why, why
+    assert seen["damaged"] == {}
+    names = gcs.objects("follow/")
+    assert "follow/6/commit_success.txt" in names  # Orbax's commit marker: no rename on gs://
+    assert not any(n.startswith(("follow/1/", "follow/2/")) for n in names)  # max_to_keep
+
+
+@pytest.mark.slow
+def test_a_step_without_its_commit_marker_on_an_object_store_is_never_listed(gcs, tmp_path):
+    """A step whose objects are all there but commit_success.txt (a save in flight on gs://,
+    or cut short): not listed, not restored, left as it is."""
+    code, output = _job(gcs, "write", "gs://spmd/cut", "--steps", "2", "--no-final")
+    assert code == 0, output[-3000:]
+    for name in gcs.objects("cut/2/"):  # step 3: step 2's objects, without the marker
+        if not name.endswith("/commit_success.txt"):
+            gcs.write(name.replace("cut/2/", "cut/3/", 1), gcs.read(name))
+    before = gcs.objects("cut/")
+    assert "cut/3/state/_METADATA" in before and "cut/3/commit_success.txt" not in before
+    seen_file = tmp_path / "seen.json"
+    code, output = _job(gcs, "read", "gs://spmd/cut", str(seen_file), "--deadline", "3")
+    assert code == 0, output[-3000:]
+    seen = json.loads(seen_file.read_text())
+    assert seen["listings"] == [[1, 2]] and sorted(seen["restored"]) == ["1", "2"]  # polled 3 s
+    assert seen["final"] is None and seen["damaged"] == {}
+    assert seen["restored"]["2"] == _state_values(2)
+    assert gcs.objects("cut/") == before  # the reader wrote nothing and deleted nothing

@@ -241,6 +241,31 @@ def test_jax_detection_slurm(monkeypatch):
     assert info.coordinator_address is None  # JAX picks it in jax.distributed.initialize()
 
 
+def test_a_tf_config_evaluator_wins_over_slurms_variables(monkeypatch):
+    """docs/multihost.md's Slurm evaluator step: srun sets SLURM_* for its one task (and the
+    job's 3 nodes), and passes TF_CONFIG on; the task is the evaluator, a job of its own."""
+    slurm = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_STEP_NODELIST": "n2",
+        "SLURM_JOB_NODELIST": "n[0-2]",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    for name, v in slurm.items():
+        monkeypatch.setenv(name, v)
+    assert resolve().source == "slurm"  # without TF_CONFIG: a one-task Slurm step
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        '{"cluster": {"worker": ["n0:2222"], "evaluator": ["n2:2222"]}, '
+        '"task": {"type": "evaluator"}}',  # the recipe's, without an index: the only evaluator
+    )
+    info = resolve()
+    assert (info.task_type, info.task_index, info.source) == ("evaluator", 0, "TF_CONFIG")
+    assert (info.process_index, info.process_count, info.is_chief) == (0, 1, True)
+    assert info.coordinator_address is None  # no jax.distributed: it waits for no one
+
+
 # ------------------------------------------------------------------ initialize, in fresh processes
 
 

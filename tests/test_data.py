@@ -122,9 +122,10 @@ def test_numpy_shuffle_is_deterministic_per_seed_and_epoch(strategy):
 @pytest.mark.cpu_mesh
 def test_numpy_dataset_bad_input(strategy):
     x, y, _ = _data()
-    with pytest.raises(spmd.BatchError) as info:
-        strategy.make_numpy_dataset((x, y), 66)
+    with pytest.raises(spmd.BatchError) as info:  # known before reading: no batch needed
+        strategy.distribute_dataset(strategy.make_numpy_dataset((x, y), 66))
     _assert_teaches(info.value, "66", "72")
+    assert 'uneven_batch="pad"' in str(info.value)
     with pytest.raises(spmd.BatchError) as info:
         strategy.make_numpy_dataset((x, y[:-1]), 64)
     _assert_teaches(info.value, "[1000, 1001]")

@@ -87,8 +87,9 @@ def test_inner_steps_move_nothing_across_islands_and_the_sync_one_all_reduce():
     assert report.inner.collectives  # (the all-reduce inside each island is there)
     params_bytes = sum(v.nbytes for v in jax.tree.leaves(state.params))
     assert set(report.sync_crossing) == {"all-reduce"}
-    assert report.sync_crossing["all-reduce"].bytes == params_bytes
-    assert report.synchronous_bytes_across_islands_per_step >= params_bytes
+    # each of an island's 4 devices carries a quarter of every parameter across
+    assert report.sync_crossing["all-reduce"].bytes == params_bytes // 4
+    assert report.synchronous_bytes_across_islands_per_step >= params_bytes // 4
     assert report.ratio == pytest.approx(1 / 10, rel=0.01)
     assert "per step" in str(report)
     gathered = strategy.explain(strategy.step(make_step(), gather_metrics=True), state, x, y)
@@ -243,6 +244,44 @@ def test_restore_or_init_and_scope_take_a_diloco_strategy(tmp_path):
     ckpt.close()
 
 
+def _wide(key):
+    """A state whose leaves fill TPU tiles, so that no padding blurs the bytes."""
+    params = {"w": jax.random.normal(key, (256, 512)), "b": jax.numpy.zeros(512)}
+    return {"params": params, "opt": optax.sgd(0.1).init(params)}
+
+
+def _wide_step(state, x):
+    def loss(p):
+        return ((x @ p["w"] + p["b"]) ** 2).mean()
+
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    updates, opt = optax.sgd(0.1).update(grads, state["opt"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+
+@pytest.mark.slow  # compiles three programs for two TPU slices: seconds on 2 shared cores
+def test_on_tpu_slices_the_sync_sends_one_hth_of_synchronous_trainings_dcn_bytes():
+    pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
+    two = spmd.topology("v5e-4", slices=2)  # an island per slice, joined over DCN
+    strategy = spmd.DiLoCo(spmd.TPUStrategy(topology=two), islands=2, sync_every=10)
+    state = strategy.abstract_state(_wide, jax.random.key(0))
+    x = jax.ShapeDtypeStruct((64, 256), np.float32)
+    report = strategy.explain(_wide_step, state, x)
+    assert report.inner.chip == report.sync[0].chip == "v5e"  # the TPU compiler's reports
+    assert report.inner_crossing == {}
+    assert not [t for t in report.inner.traffic if t.link == "DCN"]
+    dcn = [t for t in report.sync[0].traffic if t.link == "DCN"]
+    assert dcn and report.sync_crossing["all-reduce"].bytes == sum(t.wire_bytes for t in dcn)
+    # each of a slice's 4 chips sends its quarter of the parameters (in 4 KiB TPU tiles)
+    quarter = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params)) / 4
+    assert quarter <= report.sync_crossing["all-reduce"].bytes <= quarter + 4096
+    assert report.ratio == pytest.approx(1 / 10, rel=0.01)
+
+
+def _module(*lines):
+    return "HloModule m\n\nENTRY %main () -> f32[] {\n  " + "\n  ".join(lines) + "\n}\n"
+
+
 def test_crossing_reads_every_replica_group_format():
     from spmd.strategy.islands import crossing
 
@@ -252,13 +291,42 @@ def test_crossing_reads_every_replica_group_format():
         "iota_across": "%c = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups=[2,2]<=[2,2]T(1,0)",
         "explicit_across": "%d = f32[2]{0} all-reduce(f32[2]{0} %x), replica_groups={{0,2},{1,3}}",
         "permute": "%e = f32[1]{0} collective-permute(f32[1]{0} %x), source_target_pairs={{0,2}}",
-        "all": "%f = f32[3]{0} all-reduce(f32[3]{0} %x), replica_groups={}",
+        "all": "%f = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups={}",
+        "mesh_inside": "%g = f32[8]{0} all-reduce(f32[8]{0} %x), channel_id=9, "
+        "replica_groups=mesh['a'=2,'b'=2], device_ids=([4]) {'b'}, to_apply=%add",
+        "mesh_across": "%h = f32[6]{0} all-reduce(f32[6]{0} %x), channel_id=10, "
+        "replica_groups=mesh['a'=2,'b'=2], device_ids=([4]) {'a'}, to_apply=%add",
     }
-    assert crossing(lines["inside"] + "\n" + lines["iota_inside"], 2, 4) == {}
-    found = crossing("\n".join(lines.values()), 2, 4)
-    assert found["all-reduce"].count == 3
-    assert found["all-reduce"].bytes == (4 + 2 + 3) * 4
+    devices = jax.devices()[:4]
+    inside = [lines[k] for k in ("inside", "iota_inside", "mesh_inside")]
+    assert crossing(_module(*inside), 2, devices) == {}
+    found = crossing(_module(*lines.values()), 2, devices)
+    assert found["all-reduce"].count == 4
+    # groups of one device per island carry their bytes; the group of all 4
+    # devices (2 in each island) carries half of them across: a ring of 2 islands
+    assert found["all-reduce"].bytes == (4 + 2 + 6) * 4 + 4 * 4 // 2
     assert found["collective-permute"].bytes == 4
+
+
+def test_crossing_reads_the_slices_of_dcn_transfers():
+    """A megascale send joins slices: its target names them, or every slice."""
+    from types import SimpleNamespace
+
+    from spmd.strategy.islands import crossing
+
+    attrs = '_xla_host_transfer_rendezvous="{}",_xla_megascale_transfer_type="ALL_REDUCE"'
+    pairs = "{{100000,200000},{300000,400000}}"
+    send = (
+        "%s{i} = (f32[64]{{0}}, u32[], token[]) send(f32[64]{{0}} %x, token[] %t), "
+        "is_host_transfer=true, frontend_attributes={{{attrs},_xla_megascale_target={target}}}"
+    )
+    devices = [SimpleNamespace(slice_index=s) for s in range(4) for _ in range(2)]
+    across_all = send.format(i=1, attrs=attrs.format("r1"), target='"{1,2,3,4}x{0:1}"')
+    inside = send.format(i=2, attrs=attrs.format("r2"), target=pairs)
+    assert crossing(_module(inside), 2, devices) == {}  # slices 0+1 and 2+3: one island each
+    assert crossing(_module(inside), 4, devices)["all-reduce"].bytes == 256
+    found = crossing(_module(across_all, inside), 2, devices)
+    assert found["all-reduce"].count == 1 and found["all-reduce"].bytes == 256 // 2
 
 
 def test_a_trainer_on_diloco_says_to_write_the_loop():

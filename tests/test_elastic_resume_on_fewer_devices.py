@@ -43,16 +43,21 @@ def test_fit_with_dropout_and_steps_per_execution_killed_on_4_devices_resumes_on
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-def _numpy_dataset(strategy, batch: int):
+def _numpy_dataset(strategy, batch: int, options=None):
     ids = np.arange(96, dtype=np.int32)
     return strategy.distribute_dataset(
-        strategy.make_numpy_dataset(ids, batch, shuffle=True, seed=3)
+        strategy.make_numpy_dataset(ids, batch, shuffle=True, seed=3), options
     )
 
 
 @pytest.mark.cpu_mesh
-def test_a_global_batch_the_smaller_mesh_cannot_split_is_a_named_error():
-    """8 rows on 3 replicas (4 processes of 1 device, one lost): an error naming both, no guess."""
+def test_a_global_batch_the_smaller_mesh_cannot_split_is_padded_when_asked_else_named():
+    """8 rows on 3 replicas (4 processes of 1 device, one lost).
+
+    A custom loop that did not opt in gets an error naming the batch, the
+    replicas and both ways out; one that did (uneven_batch="pad") goes on from
+    the 4-replica position with the same examples, padded to 9 rows, 1 masked.
+    """
     import jax
 
     strategy = spmd.MirroredStrategy(jax.devices()[:3])
@@ -60,6 +65,16 @@ def test_a_global_batch_the_smaller_mesh_cannot_split_is_a_named_error():
         next(iter(_numpy_dataset(strategy, 8)))
     text = str(info.value)
     assert "global_batch_size=8" in text and "num_replicas_in_sync=3" in text, text
+    assert 'uneven_batch="pad"' in text, text
+    options = spmd.InputOptions(uneven_batch="pad")
+    before = iter(_numpy_dataset(spmd.MirroredStrategy(jax.devices()[:4]), 8, options))
+    next(before), next(before)
+    saved, want = before.get_state(), next(before)
+    after = _numpy_dataset(strategy, 8, options)
+    after.set_state(saved)
+    got = next(iter(after))
+    np.testing.assert_array_equal(np.asarray(got.inputs[0])[:8], want.inputs[0])
+    np.testing.assert_array_equal(got.mask, [1] * 8 + [0])
 
 
 def test_a_position_restored_with_a_rounded_up_global_batch_is_an_error():

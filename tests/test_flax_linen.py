@@ -1,4 +1,5 @@
-"""Flax linen states (MaxText's boxed TrainState) laid out by their annotations and rules."""
+"""Flax linen states (MaxText's TrainState, boxed or unboxed) laid out by their annotations
+and rules, and activations constrained by the same rules inside a compiled step."""
 
 import pathlib
 import re
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -19,9 +21,14 @@ DOC = pathlib.Path(__file__).parent.parent / "docs" / "flax.md"
 HEADING = "## Flax linen: a MaxText-style state"
 
 
+def _doc_snippets() -> list[str]:
+    """The section's python blocks: the decoder, then its state unboxed as MaxText does."""
+    section = DOC.read_text().split(HEADING, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
 def _doc_snippet() -> str:
-    section = DOC.read_text().split(HEADING, 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return _doc_snippets()[0]
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +113,124 @@ def test_boxed_trainstate_losses_equal_one_device(doc, mesh):
     _check_leaf_by_leaf(state, expected)  # the layout survives the steps
 
 
+def _unboxed(tree):
+    """MaxText's max_utils.unbox_logicallypartioned: every nn.LogicallyPartitioned unboxed."""
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    return jax.tree.map(lambda x: x.unbox() if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def _maxtext_state(create, mesh, rules):
+    """What MaxText's setup_initial_state returns: the state made under jax.jit with
+    out_shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh,
+    rules) (get_abstract_state), then unboxed: plain arrays, each sharded on `mesh`."""
+    flax_rules = [rule for rule in rules if rule[0] != REST]
+    with nn.logical_axis_rules(flax_rules):
+        abstract = jax.eval_shape(create, jax.random.key(0))
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, flax_rules)
+        state = jax.jit(create, out_shardings=shardings)(jax.random.key(0))
+    return _unboxed(state)
+
+
+@pytest.mark.parametrize("mesh", ["data4_model2", "fsdp8"])
+def test_maxtext_unboxed_state_keeps_its_layout_through_put_and_steps(doc, mesh):
+    """The unboxed, pre-sharded state of MaxText's setup_initial_state: its leaves' own
+    shardings are the only annotation left, and put and the step keep them."""
+    strategy = _strategies(doc)[mesh]
+    expected = _flax_shardings(strategy, strategy.logical_axis_rules, doc["create"])
+    state = _maxtext_state(doc["create"], strategy.mesh, strategy.logical_axis_rules)
+    want = P(None, None, "model") if mesh == "data4_model2" else P(None, "fsdp")
+    assert state.params["layers"]["wi"].sharding.is_equivalent_to(
+        NamedSharding(strategy.mesh, want), 3
+    )
+    state = strategy.put(state)
+    _check_leaf_by_leaf(state, expected)
+    sources = jax.tree.leaves(strategy.state_spec(state, sources=True))
+    assert {layout.source for layout in sources} == {"placed sharding", "default"}
+    step = strategy.step(doc["train_step"])
+    oracle_state = jax.jit(doc["create"])(jax.random.key(0))
+    oracle_step = jax.jit(doc["train_step"])
+    losses, oracle = [], []
+    for _ in range(4):
+        state, loss = step(state, TOKENS)
+        oracle_state, oracle_loss = oracle_step(oracle_state, TOKENS)
+        losses.append(float(loss))
+        oracle.append(float(oracle_loss))
+    np.testing.assert_allclose(losses, oracle, rtol=2e-5)
+    _check_leaf_by_leaf(state, expected)  # every leaf, the optimizer's moments too
+    assert step.cache_size() == 1
+
+
+def test_an_unboxed_state_on_a_host_placed_strategy_keeps_its_layout_in_host_memory(doc):
+    strategy = spmd.Strategy(
+        spmd.make_mesh({"data": 4, "model": 2}),
+        batch_axes=("data",),
+        logical_axis_rules=doc["RULES"],
+        placement="host",
+    )
+    state = strategy.put(_maxtext_state(doc["create"], strategy.mesh, doc["RULES"]))
+    wi = state.params["layers"]["wi"]
+    assert wi.sharding.spec == P(None, None, "model")
+    assert wi.sharding.memory_kind == "pinned_host"
+
+
+def test_an_unboxed_state_placed_on_another_device_order_keeps_its_layout(doc):
+    """A mesh of the same axes over the devices in another order (MaxText builds its
+    own): the layout is read by axis names and laid out on the strategy's mesh."""
+    strategy = _strategies(doc)["data4_model2"]
+    mesh = Mesh(np.asarray(jax.devices()[::-1]).reshape(4, 2), ("data", "model"))
+    state = strategy.put(_maxtext_state(doc["create"], mesh, doc["RULES"]))
+    expected = _flax_shardings(strategy, strategy.logical_axis_rules, doc["create"])
+    _check_leaf_by_leaf(state, expected)
+    assert state.params["layers"]["wi"].sharding.mesh == strategy.mesh
+
+
+def test_an_unboxed_leaf_sharded_over_axes_the_mesh_lacks_is_an_error(doc):
+    """MaxText's mesh calls the model axis "tensor": a strategy on {data, model} cannot
+    keep that layout, and says so rather than replicate the leaf."""
+    strategy = _strategies(doc)["data4_model2"]
+    tensor_mesh = spmd.make_mesh({"data": 4, "tensor": 2})
+    rules = [(name, "tensor" if target == "model" else target) for name, target in doc["RULES"]]
+    state = _maxtext_state(doc["create"], tensor_mesh, rules)
+    with pytest.raises(spmd.ConfigurationError) as error:
+        strategy.put(state)
+    text = str(error.value)
+    assert "leaf='params/embedding'" in text  # the first such leaf, by path
+    assert "['tensor']" in text and "its_mesh={'data': 4, 'tensor': 2}" in text
+    assert "add a rule for the path" in text
+    # A rule for the paths lays them out; nothing is guessed.
+    ruled = spmd.Strategy(
+        strategy.mesh,
+        rules=[(r".*", None)],
+        batch_axes=("data",),
+        logical_axis_rules=doc["RULES"],
+    )
+    assert ruled.put(state).params["layers"]["wi"].sharding.spec == P()
+
+
+def test_a_rule_or_a_named_strategy_wins_over_an_unboxed_leafs_sharding(doc):
+    strategy = _strategies(doc)["data4_model2"]
+    state = _maxtext_state(doc["create"], strategy.mesh, doc["RULES"])
+    ruled = spmd.Strategy(
+        strategy.mesh, rules=[(r".*wi", P("model"))], logical_axis_rules=doc["RULES"]
+    )
+    placed = ruled.put(state)
+    assert placed.params["layers"]["wi"].sharding.spec == P("model")
+    assert placed.params["layers"]["wo"].sharding.spec == P(None, "model")  # kept
+    # MirroredStrategy replicates every leaf it has no annotation for, as tf.distribute.
+    mirrored = spmd.MirroredStrategy().put(state)
+    assert all(leaf.sharding.spec == P() for leaf in jax.tree.leaves(mirrored))
+
+
+def test_the_docs_unboxed_state_runs_as_written(doc, capsys):
+    namespace = dict(doc)
+    exec(compile(_doc_snippets()[1], str(DOC), "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-2:] == ["P(None, None, 'model')", "placed sharding"]
+    wi = namespace["unboxed"].params["layers"]["wi"]
+    assert not isinstance(wi, nn.LogicallyPartitioned)
+    assert wi.sharding.spec == P(None, None, "model")  # after a step too
+
+
 def test_partitioned_boxes_name_mesh_axes(doc):
     def create(key):
         init = nn.with_partitioning(nn.initializers.ones, (None, "model"))
@@ -116,14 +241,23 @@ def test_partitioned_boxes_name_mesh_axes(doc):
     assert state["kernel"].value.sharding.spec == P(None, "model")
 
 
-def test_create_fn_that_unboxes_itself_is_an_error(doc):
+def test_create_fn_that_unboxes_itself_keeps_its_boxes_layout(doc):
+    """nn.meta.unbox inside create_fn constrains each leaf to its box's layout: kept."""
     strategy = _strategies(doc)["data4_model2"]
-    with pytest.raises(
-        spmd.ConfigurationError, match=r"sharding constraint(.|\n)*leaf=.params/embedding"
-    ):
+    expected = _flax_shardings(strategy, strategy.logical_axis_rules, doc["create"])
+    unboxing = lambda key: nn.meta.unbox(doc["create"](key))  # noqa: E731
+    _check_leaf_by_leaf(strategy.init(unboxing, jax.random.key(0)), expected)
+    abstract = strategy.abstract_state(unboxing, jax.random.key(0))
+    for leaf, sharding in zip(jax.tree.leaves(abstract), expected, strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, len(leaf.shape))
+
+
+def test_create_fn_that_unboxes_itself_is_an_error_on_a_named_strategy(doc):
+    """A named strategy lays leaves out by its own policy: an unboxed leaf it would
+    replicate, whose box asked for a sharded layout, is an error naming the leaf."""
+    strategy = spmd.MirroredStrategy(logical_axis_rules=[("mlp", "replica")])
+    with pytest.raises(spmd.ConfigurationError, match=r"nn.meta.unbox(.|\n)*leaf='params/layers"):
         strategy.init(lambda key: nn.meta.unbox(doc["create"](key)), jax.random.key(0))
-    with pytest.raises(spmd.ConfigurationError, match="nn.meta.unbox"):
-        strategy.abstract_state(lambda key: nn.meta.unbox(doc["create"](key)), jax.random.key(0))
 
 
 def test_a_rule_over_the_path_lays_out_an_unboxed_leaf(doc):
@@ -146,6 +280,88 @@ def test_logical_constraints_in_a_step_follow_the_strategy_rules(doc):
         jaxpr = jax.make_jaxpr(constrain)(jnp.ones((8, 4, 2)))
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "sharding_constraint"]
     assert eqn.params["sharding"].spec == P("data", "model", None)
+
+
+@pytest.mark.parametrize(
+    "mesh, hidden",
+    [("data4_model2", '[{"data"}, {}, {"model"}]'), ("fsdp8", '[{"fsdp"}, {}, {}]')],
+)
+def test_the_decoders_logical_constraints_reach_its_compiled_step(doc, mesh, hidden):
+    """The decoder's nn.with_logical_constraint calls (in its scanned layers) are in the
+    program the step compiles, mapped by the strategy's rules."""
+    strategy = _strategies(doc)[mesh]
+    state = strategy.init(doc["create"], jax.random.key(0))
+    lowered, _ = strategy.step(doc["train_step"]).lower(state, TOKENS)
+    text = lowered.as_text()
+    # the MLP activation: (batch, length, mlp) = (8, 8, 32)
+    assert re.search(
+        rf"sdy.sharding_constraint %\S+ <@mesh, {re.escape(hidden)}> : tensor<8x8x32xf32>", text
+    ), mesh
+
+
+class _Probe(nn.Module):
+    """One linen layer whose activation is constrained by logical names, then inspected."""
+
+    report: object  # called with the activation's sharding, as the compiler lays it out
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.5), ("embed", "mlp"))
+        hidden = x @ self.param("wi", init, (16, 32))
+        hidden = nn.with_logical_constraint(hidden, ("activation_batch", "activation_mlp"))
+        jax.debug.inspect_array_sharding(hidden, callback=self.report)
+        return jnp.tanh(hidden).sum(axis=-1)
+
+
+@pytest.mark.parametrize(
+    "mesh, want", [("data4_model2", P("data", "model")), ("fsdp8", P("fsdp", None))]
+)
+def test_a_logical_constraint_lays_out_the_activation_in_the_compiled_step(doc, mesh, want):
+    """jax.debug.inspect_array_sharding reports the layout the compiled step gives the
+    constrained activation: the strategy's rules' mapping; the numbers are one device's."""
+    strategy = _strategies(doc)[mesh]
+    seen: list = []
+    model = _Probe(seen.append)
+    x = np.random.default_rng(1).normal(size=(8, 16)).astype(np.float32)
+    y = np.random.default_rng(2).normal(size=(8,)).astype(np.float32)
+
+    def train_step(params, x, y):
+        def loss_fn(p):
+            return jnp.mean((model.apply({"params": p}, x) - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), loss
+
+    create = lambda key: model.init(key, jnp.ones((1, 16)))["params"]  # noqa: E731
+    params = strategy.init(create, jax.random.key(0))
+    oracle_params = jax.jit(create)(jax.random.key(0))
+    step, oracle_step = strategy.step(train_step), jax.jit(train_step)
+    for _ in range(3):
+        params, loss = step(params, x, y)
+        oracle_params, oracle_loss = oracle_step(oracle_params, x, y)
+        np.testing.assert_allclose(float(loss), float(oracle_loss), rtol=1e-5)
+    compiled = [s for s in seen if len(s.device_set) == len(strategy.devices)]
+    assert compiled, seen
+    assert compiled[0].is_equivalent_to(NamedSharding(strategy.mesh, want), 2), compiled[0]
+
+
+def test_a_boxed_state_round_trips_through_a_checkpoint(doc, tmp_path):
+    """Saved after a step and restored into abstract_state: the boxes, every leaf's
+    layout and value come back, and training goes on as if never stopped."""
+    strategy = _strategies(doc)["data4_model2"]
+    step = strategy.step(doc["train_step"], donate=False)
+    state, _ = step(strategy.init(doc["create"], jax.random.key(0)), TOKENS)
+    with spmd.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        restored = ckpt.restore(target=strategy.abstract_state(doc["create"], jax.random.key(0)))
+    assert isinstance(restored.params["layers"]["wi"], nn.LogicallyPartitioned)
+    for before, after in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        assert after.sharding.is_equivalent_to(before.sharding, before.ndim)
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+    _, loss = step(state, TOKENS)
+    _, restored_loss = step(restored, TOKENS)
+    assert float(restored_loss) == float(loss)
 
 
 def test_every_unmapped_name_is_listed_in_one_error(doc):

@@ -1,16 +1,20 @@
 """The hang watch's rule (who is behind), its settings, and the roll call's verdicts."""
 
 import math
+import threading
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import spmd
+from spmd.clusters import hang_watch
 from spmd.clusters.hang_watch import Record, behind, check_hang_timeout, interval_for
 from spmd.clusters.roll_call import Verdict
 
 
-def rec(step, stalled, *, waiting=False, limit=10.0, done=False):
-    return Record(1, step, stalled, limit, step >= 2, waiting, done)
+def rec(step, stalled, *, waiting=False, limit=10.0, done=False, waited=0.0):
+    return Record(1, step, stalled, limit, step >= 2, waiting, done, waited)
 
 
 def test_nobody_is_behind_while_every_process_advances():
@@ -39,6 +43,34 @@ def test_a_process_not_yet_armed_can_be_named_once_an_armed_one_is_past_its_limi
     assert behind(records) == 1
 
 
+def test_before_its_first_step_a_process_is_named_once_a_peer_has_waited_in_spmd_for_it():
+    # process 0 waits in its first step (or a restore's barrier); process 1 never came
+    records = {0: rec(1, 40.0, waiting=True, waited=10.5), 1: rec(0, 40.0)}
+    assert behind(records) == 1
+
+
+def test_processes_that_all_work_before_their_first_step_are_never_named():
+    # every process loads data or restores for longer than the limit: nobody waits
+    assert behind({0: rec(0, 900.0), 1: rec(0, 900.0), 2: rec(0, 880.0)}) is None
+
+
+def test_a_short_wait_after_long_work_names_nobody():
+    # all worked 900 s before the first step; process 0 has waited 4 s for process 1
+    assert behind({0: rec(1, 900.0, waiting=True, waited=4.0), 1: rec(0, 900.0)}) is None
+
+
+def test_before_the_first_steps_a_process_that_waits_itself_is_not_named():
+    # both in JAX (a collective every one of them entered): nobody to blame
+    records = {0: rec(0, 50.0, waiting=True, waited=20.0), 1: rec(0, 50.0, waiting=True)}
+    assert behind(records) is None
+
+
+def test_a_process_still_compiling_its_first_step_is_not_named():
+    # process 0 compiled and waits in the step; process 1 compiles (its stall starts again)
+    records = {0: rec(1, 30.0, waiting=True, waited=12.0), 1: rec(1, 0.3)}
+    assert behind(records) is None
+
+
 def test_a_process_behind_by_little_time_is_not_named_yet():
     records = {0: rec(9, 10.5, waiting=True), 1: rec(3, 2.0, limit=10.0)}
     assert behind(records) is None  # stalled for under half its limit
@@ -47,6 +79,70 @@ def test_a_process_behind_by_little_time_is_not_named_yet():
 def test_no_record_past_its_limit_means_no_verdict_even_with_an_infinite_one():
     records = {0: rec(5, 3.0), 1: Record(0, 0, 100.0, math.inf, False, False)}
     assert behind(records) is None
+
+
+def watch(hang_timeout: float | None = 10.0) -> hang_watch._Watch:
+    return hang_watch._Watch(0, 2, hang_timeout, 5.0, 1.0, None, lambda *_: None, moved_at=0.0)
+
+
+def looks(monkeypatch, **activity) -> None:
+    """Every look at the main thread finds `activity` (waiting, compiling, in_spmd)."""
+    found = hang_watch._Activity(
+        **{"waiting": False, "compiling": False, "in_spmd": False, **activity}
+    )
+    monkeypatch.setattr(hang_watch, "_activity", lambda: found)
+
+
+def test_time_waiting_in_spmd_adds_up_and_starts_again_at_a_step(monkeypatch):
+    w = watch()
+    looks(monkeypatch, waiting=True, in_spmd=True)
+    assert w.sample(10.0, False).waited == 0.0
+    assert w.sample(14.0, False).waited == 4.0
+    monkeypatch.setattr(hang_watch, "STEPS", [1])
+    record = w.sample(15.0, False)
+    assert record.waited == 0.0 and record.step == 1 and record.stalled == 0.0
+
+
+def test_waiting_in_jax_outside_spmd_or_working_is_no_wait(monkeypatch):
+    w = watch()
+    looks(monkeypatch, waiting=True)  # a program's own jax.jit, no spmd call around it
+    w.sample(1.0, False)
+    assert w.sample(30.0, False).waited == 0.0
+    looks(monkeypatch, in_spmd=True)  # a restore reading its files
+    assert w.sample(60.0, False).waited == 0.0
+
+
+def test_tracing_and_compiling_are_progress(monkeypatch):
+    w = watch()
+    looks(monkeypatch, compiling=True, in_spmd=True)
+    assert w.sample(500.0, False).stalled == 0.0
+    looks(monkeypatch)
+    assert w.sample(503.0, False).stalled == 3.0
+
+
+def test_before_any_step_the_limit_is_the_hang_timeout_or_its_floor(monkeypatch):
+    looks(monkeypatch)
+    assert watch(None).sample(1.0, False).limit == hang_watch.MIN_HANG_TIMEOUT
+    assert watch(42.0).sample(1.0, False).limit == 42.0
+
+
+def test_a_look_at_the_main_thread_sees_jax_compile():
+    seen, done = [], threading.Event()
+
+    def look():
+        while not done.is_set():
+            seen.append(hang_watch._activity())
+
+    thread = threading.Thread(target=look, name="spmd-hang-watch")
+    thread.start()
+    try:
+        unrolled = lambda x: [x := jnp.sin(x) @ x for _ in range(60)][-1]  # noqa: E731
+        jax.jit(unrolled)(jnp.ones((8, 8))).block_until_ready()
+    finally:
+        done.set()
+        thread.join()
+    compiling = [a for a in seen if a.compiling]
+    assert compiling and not any(a.waiting for a in compiling)
 
 
 @pytest.mark.parametrize("bad", [0, -1, "soon", True, float("nan"), [5]])

@@ -212,11 +212,15 @@ def test_a_batch_whose_structure_changes_mid_stream_keeps_its_own_structure(inpu
             assert h.dtype == w.dtype and np.array_equal(h, w)
 
 
-def test_the_shapes_record_processes_compare_is_unchanged():
+def test_the_shapes_record_processes_compare_names_global_shapes():
+    """Processes may hold unequal parts of one global batch (a mesh over the devices that
+    divide it): what they compare is each leaf's global shape, and the padding."""
     x, y = _batch(0)
     batch = HostBatch({"x": x, "y": y}, np.ones(N, np.float32), 32)
     treedef = jax.tree.structure({"x": x, "y": y})
-    assert _describe(batch) == f"{treedef}: float32[16, 4], int32[16] + mask of global 32"
+    assert _describe(batch) == f"{treedef}: float32[32, 4], int32[32] + mask of global 32"
+    padded = HostBatch({"x": x, "y": y}, np.ones(N, np.float32), 32, batch_size=30)
+    assert _describe(padded).endswith("+ mask of global 32 (30 padded)")
     assert jax.tree.all(jax.tree.map(np.array_equal, batch.tree, {"x": x, "y": y}))
 
 

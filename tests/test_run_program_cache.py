@@ -3,13 +3,18 @@
 Functions whose traced programs print alike share one compiled program; what
 the printed program leaves out (the output structure, the Python functions of
 callbacks) is part of the key, so each function gets its own structure and its
-own Python code; custom derivative rules are not, as a shared program only runs. The oracle is plain numpy: the
-value each replica sees and the sum over replicas.
+own Python code. A shared program only runs on concrete arrays: a `run` that
+reads a traced value (differentiated by an enclosing `jax.grad`, its arguments
+or a value its function closes over) runs its function's own program, so each
+function is differentiated with its own custom derivative rules. The oracles
+are plain numpy (the value each replica sees and the sum over replicas) and the
+same per-replica function on one device under `jax.vmap`.
 """
 
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -121,7 +126,8 @@ def test_pure_callbacks_of_equal_programs_compute_their_own_values(strategy):
         np.testing.assert_array_equal(np.asarray(out.values).ravel(), X * k)
 
 
-def test_custom_derivative_rules_of_equal_programs_are_their_own(strategy):
+def test_custom_derivative_rules_used_inside_fn_are_their_own(strategy):
+    # jax.grad inside fn: the rule's arithmetic is in each function's own jaxpr.
     def with_backward_scale(k):
         @jax.custom_vjp
         def ident(v):
@@ -144,6 +150,56 @@ def test_a_new_lambda_calling_a_function_with_a_custom_derivative_shares_one_pro
         out = strategy.run(lambda v: jax.nn.relu(v - 2.0), args=(X,))
         np.testing.assert_array_equal(np.asarray(out.values).ravel(), np.maximum(X - 2.0, 0))
     assert len(per_replica._BY_JAXPR) == programs
+
+
+def _doubling_with_backward_scale(k):
+    """2 * v with a custom_vjp whose backward rule says k: every k traces to one jaxpr."""
+
+    @jax.custom_vjp
+    def double(v):
+        return v * 2.0
+
+    def backward(_, g):
+        return (g * k,)
+
+    double.defvjp(lambda v: (v * 2.0, None), backward)
+    return double
+
+
+def test_functions_of_equal_jaxprs_differentiated_through_run_use_their_own_rules(strategy):
+    """fn closes over the value jax.grad differentiates (w): each function's gradient is
+    its own backward rule's, in any order, after its program ran (and was shared)
+    on concrete values; the oracle is the same function on one device."""
+    doubles = {k: _doubling_with_backward_scale(k) for k in (10.0, 100.0)}
+    assert str(jax.make_jaxpr(doubles[10.0])(X)) == str(jax.make_jaxpr(doubles[100.0])(X))
+    for k in (10.0, 100.0, 10.0, 100.0):
+        double = doubles[k]
+        strategy.run(lambda v, double=double: double(v * 3.0), args=(X,))  # shared
+
+        def total(w, double=double):
+            per = strategy.run(lambda v: double(v * w), args=(X,))
+            return strategy.reduce("SUM", per).sum()
+
+        want = jax.grad(lambda w, double=double: double(jnp.asarray(X) * w).sum())(3.0)
+        assert float(want) == k * X.sum()
+        assert float(jax.grad(total)(3.0)) == float(want)
+
+
+def test_run_differentiated_inside_a_step_with_fn_closing_over_the_state(strategy):
+    """The same inside a compiled step: fn closes over the state being differentiated."""
+
+    @strategy.step
+    def step(w, x):
+        def loss(w):
+            per = strategy.run(lambda v: v * w, args=(X,))
+            return strategy.reduce("SUM", per).sum() + 0.0 * x.sum()
+
+        grad = jax.grad(loss)(w)
+        return w - 0.01 * grad, grad
+
+    w, grad = step(np.float32(1.0), np.ones(N, np.float32))
+    assert float(grad) == X.sum()
+    assert float(w) == pytest.approx(1.0 - 0.01 * X.sum())
 
 
 def test_differentiating_through_run_uses_each_functions_own_derivative_rule(strategy):
@@ -181,50 +237,69 @@ def test_named_scopes_of_equal_programs_name_their_own_ops(strategy):
         assert name in program.lower(X).as_text(debug_info=True)
 
 
-# Structures with the two leaves "own" and "total" somewhere, None leaves between.
-_KEYS = st.sampled_from(["a", "b", "c", "loss", "x"])
+# Structures 1 to 3 containers deep holding the leaves "own" and "total" (in either
+# order) and up to two None leaves, anywhere.
+_KEYS = ["a", "b", "c", "loss", "x"]
 
 
-def _with_leaves(leaves):
-    """A random container (dict, tuple, list, namedtuple) around `leaves` and Nones."""
-
-    def wrap(children):
-        return st.one_of(
-            st.just(tuple(children)),
-            st.just(list(children)),
-            st.lists(_KEYS, min_size=len(children), max_size=len(children), unique=True).map(
-                lambda keys: dict(zip(keys, children, strict=True))
-            ),
-            *(
-                [st.just(Pair(*children)), st.just(OtherPair(*children))]
-                if len(children) == 2
-                else []
-            ),
-        )
-
-    return (
-        st.lists(st.just(None), max_size=1)
-        .flatmap(lambda nones: st.permutations(list(leaves) + nones))
-        .flatmap(
-            lambda children: st.one_of(
-                wrap(children),
-                # nested: the first child inside a container of its own
-                wrap([children[0]]).flatmap(lambda inner: wrap([inner, *children[1:]])),
-            )
-        )
-    )
+def _wrap(draw, children):
+    """One random container (tuple, list, dict, namedtuple) around `children`."""
+    kinds = ["tuple", "list", "dict"] + (["pair", "other_pair"] if len(children) == 2 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "dict":
+        keys = draw(st.permutations(_KEYS))[: len(children)]
+        return dict(zip(keys, children, strict=True))
+    wrap = {"tuple": tuple, "list": list, "pair": lambda c: Pair(*c)}
+    return wrap.get(kind, lambda c: OtherPair(*c))(children)
 
 
-_STRUCTURES = st.one_of(
-    _with_leaves(["own", "total"]),
-    _with_leaves(["total", "own"]),
-)
+def _nest(draw, items, depth):
+    """`items` in a container whose consecutive runs of items may nest `depth - 1` deeper."""
+    children, start = [], 0
+    while start < len(items):
+        size = draw(st.integers(1, len(items) - start))
+        run = items[start : start + size]
+        start += size
+        if depth > 1 and draw(st.booleans()):
+            children.append(_nest(draw, run, depth - 1))
+        else:
+            children += run
+    return _wrap(draw, children)
+
+
+@st.composite
+def _structures(draw):
+    leaves = draw(st.permutations(["own", "total"]))
+    nones = draw(st.integers(0, 2))
+    items = list(leaves) + [None] * nones
+    positions = draw(st.permutations(range(len(items))))
+    return _nest(draw, [items[i] for i in positions], draw(st.integers(1, 3)))
+
+
+def _one_device_oracle(structure):
+    """The per-replica function on one device: jax.vmap over the replicas, psum for the
+    all-reduce, its leaves put in `structure`."""
+
+    def replica(v):
+        values = {"own": v, "total": jax.lax.psum(v, "replicas")}
+        return jax.tree.map(lambda name: values[name][None], structure)
+
+    with jax.default_device(jax.devices()[0]):
+        return jax.jit(jax.vmap(replica, axis_name="replicas"))(X)
 
 
 @settings(max_examples=25, deadline=None)
-@given(structures=st.lists(_STRUCTURES, min_size=2, max_size=4), order=st.randoms())
+@given(structures=st.lists(_structures(), min_size=2, max_size=4), order=st.randoms())
 def test_any_structures_in_any_order_match_the_oracle(strategy, structures, order):
     calls = [i for i in range(len(structures)) for _ in range(2)]
     order.shuffle(calls)
+    oracles = [_one_device_oracle(structure) for structure in structures]
     for i in calls:
-        _assert_matches(strategy.run(_returning(structures[i]), args=(X,)), structures[i])
+        out = strategy.run(_returning(structures[i]), args=(X,))
+        _assert_matches(out, structures[i])
+        oracle = oracles[i]
+        got = jax.tree.map(
+            lambda x: np.asarray(x.values), out, is_leaf=lambda x: isinstance(x, spmd.PerReplica)
+        )
+        assert jax.tree.structure(got) == jax.tree.structure(oracle)
+        jax.tree.map(np.testing.assert_array_equal, got, jax.tree.map(np.asarray, oracle))

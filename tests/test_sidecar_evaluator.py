@@ -1,5 +1,6 @@
 """SidecarEvaluator in one process: each checkpoint fit writes, evaluated exactly, on any device count."""
 
+import json
 import logging
 import shutil
 import threading
@@ -12,6 +13,7 @@ import pytest
 from flax import nnx
 
 import spmd
+from spmd.trainer import sidecar
 from tests.test_callbacks import MLP, _read_events
 
 
@@ -157,6 +159,88 @@ def test_damaged_steps_are_skipped_with_a_log_line(trained, tmp_path, caplog):
     assert "the training run ended at step 9" in caplog.text
 
 
+def _uncommit(step_dir):
+    """The step's folder as a save that renamed it but never committed it leaves it."""
+    record = step_dir / "_CHECKPOINT_METADATA"
+    meta = json.loads(record.read_text())
+    committed = meta.pop("commit_timestamp_nsecs")
+    record.write_text(json.dumps(meta))
+    return lambda: record.write_text(json.dumps({**meta, "commit_timestamp_nsecs": committed}))
+
+
+def _no_integrity_record(step_dir):
+    """The step's folder without spmd's record (its checksums), written in the commit."""
+    shutil.rmtree(step_dir / "metadata")
+
+
+def _no_commit_record(step_dir):
+    (step_dir / "_CHECKPOINT_METADATA").unlink()
+
+
+@pytest.fixture
+def restored_steps(monkeypatch):
+    """The steps a CheckpointManager's restore is asked to read, in order."""
+    asked = []
+    restore = spmd.CheckpointManager.restore
+
+    def spy(self, step=None, *args, **kwargs):
+        asked.append(step)
+        return restore(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(spmd.CheckpointManager, "restore", spy)
+    return asked
+
+
+@pytest.mark.parametrize(
+    "uncommit, why",
+    [
+        (_uncommit, "_CHECKPOINT_METADATA has no commit time"),
+        (_no_commit_record, "no _CHECKPOINT_METADATA"),
+        (_no_integrity_record, "missing metadata/metadata"),
+    ],
+    ids=["renamed-not-committed", "no-commit-record", "no-integrity-record"],
+)
+def test_a_step_folder_never_committed_is_never_read(
+    trained, tmp_path, caplog, restored_steps, uncommit, why
+):
+    history = _evaluate_copy(trained, tmp_path, caplog, lambda copy: uncommit(copy / "6"))
+    assert list(history) == [3, 9]
+    assert restored_steps == [3, 9]  # step 6's files were never opened
+    assert "skipping checkpoint step 6: not a complete checkpoint" in caplog.text
+    assert why in caplog.text
+
+
+def test_a_newest_step_not_yet_committed_is_read_once_its_commit_lands(
+    trained, tmp_path, caplog, restored_steps, monkeypatch
+):
+    """The newest step folder may be a save in flight (on gs:// a step is written in its own
+    folder before its commit marker): not skipped, not read, until it is committed."""
+    nine = tmp_path / "ckpt" / "9"
+    commit = []
+
+    def in_flight(copy):  # arrays still being written, no commit time, the run not ended
+        commit.append(_uncommit(copy / "9"))
+        damage_values(copy / "9")
+        (copy / "spmd-final-step.json").unlink()
+
+    class Clock:  # the writer's commit lands while the evaluator waits between two looks
+        monotonic = staticmethod(time.monotonic)
+
+        @staticmethod
+        def sleep(seconds):
+            if commit:
+                damage_values(nine)  # the same flip again: the bytes as saved
+                commit.pop()()
+                (nine.parent / "spmd-final-step.json").write_text('{"step": 9}')
+            time.sleep(seconds)
+
+    monkeypatch.setattr(sidecar, "time", Clock)
+    history = _evaluate_copy(trained, tmp_path, caplog, in_flight)
+    assert list(history) == [3, 6, 9] and restored_steps == [3, 6, 9]
+    assert "skipping checkpoint step 9" not in caplog.text
+    np.testing.assert_allclose(history[9]["loss"], _oracle(trained[1][9])["loss"], rtol=1e-6)
+
+
 def test_a_step_removed_before_it_was_read_is_skipped(trained, tmp_path, caplog):
     class RemoveNine(spmd.callbacks.Callback):  # as the writer's max_to_keep does
         def on_test_end(self, logs=None):  # step 9 was listed before step 3 was evaluated
@@ -215,16 +299,66 @@ class Wider(nnx.Module):
         return self.out(jax.nn.relu(self.hidden(x)))
 
 
-def test_a_checkpoint_of_another_model_is_an_error_naming_the_paths(trained):
+class Renamed(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.dense(x)))
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (Wider, r"shape_or_dtype_differs=\['params/hidden/bias/value: saved float32\[16\], target"),
+        (
+            Renamed,
+            r"in_target_not_in_checkpoint=\['params/dense/bias/value', 'params/dense/kernel/value'",
+        ),
+    ],
+    ids=["wider", "renamed"],
+)
+@pytest.mark.parametrize("bare", [True, False], ids=["model", "trainer"])
+def test_a_checkpoint_of_another_model_is_an_error_naming_the_leaves(trained, model, match, bare):
     directory, _ = trained
-    other = spmd.Trainer(
-        Wider(nnx.Rngs(0)),
-        optax.adam(1e-2),
-        "sparse_categorical_crossentropy",
-        strategy=_one_device(),
+    loss = "sparse_categorical_crossentropy"
+    if bare:
+        evaluator = spmd.SidecarEvaluator(
+            model(nnx.Rngs(0)),
+            VAL,
+            str(directory),
+            loss=loss,
+            strategy=_one_device(),
+            batch_size=32,
+        )
+    else:
+        other = spmd.Trainer(model(nnx.Rngs(0)), optax.adam(1e-2), loss, strategy=_one_device())
+        evaluator = spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32)
+    with pytest.raises(spmd.CheckpointError, match=match):
+        evaluator.start()
+    assert evaluator.history == {}  # nothing evaluated with a part of the weights
+
+
+def test_a_dataset_that_never_ends_needs_steps(trained):
+    tf = pytest.importorskip("tensorflow")
+    directory, saved = trained
+    endless = tf.data.Dataset.from_tensor_slices(VAL).batch(32).repeat()
+    make = lambda steps: spmd.SidecarEvaluator(  # noqa: E731
+        MLP(nnx.Rngs(0)),
+        endless,
+        str(directory),
+        steps=steps,
+        loss="sparse_categorical_crossentropy",
     )
-    with pytest.raises(spmd.CheckpointError, match="(?s)shape_or_dtype_differs.*hidden"):
-        spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32).start()
+    with pytest.raises(spmd.ConfigurationError, match="(?s)never ends.*Received: steps=None"):
+        make(None).start()
+    history = make(2).start()
+    trainer = _trainer(_one_device())
+    trainer.build()
+    trainer.load_state(saved[9])
+    want = trainer.evaluate((VAL[0][:64], VAL[1][:64]), batch_size=32)
+    np.testing.assert_allclose(history[9]["loss"], want["loss"], rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -251,9 +385,69 @@ def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
         spmd.SidecarEvaluator(_trainer(_one_device()), batches, str(tmp_path))
 
 
-def test_a_bare_model_is_a_clear_error(tmp_path):
-    with pytest.raises(spmd.ConfigurationError, match="(?s)spmd.Trainer.*Received: model_or"):
+def test_a_bare_model_with_loss_and_metrics_is_evaluated_as_keras_does(trained, tmp_path):
+    """Keras' form: the model, with what model.compile gave it (loss, metrics); its weights
+    are each checkpoint's, and a TensorBoard callback gets Keras' tags at each train step."""
+    directory, saved = trained
+    model = MLP(nnx.Rngs(1))  # other initial weights: each checkpoint replaces them
+    seen = []
+
+    class Steps(spmd.callbacks.Callback):
+        def on_test_end(self, logs=None):
+            seen.append((self.trainer.iterations, int(self.trainer.state["step"])))
+
+    evaluator = spmd.SidecarEvaluator(
+        model,
+        VAL,
+        str(directory),
+        loss="sparse_categorical_crossentropy",
+        metrics=("accuracy",),
+        strategy=spmd.MirroredStrategy(),  # 8 devices, as the training job
+        callbacks=[Steps(), spmd.callbacks.TensorBoard(str(tmp_path / "logs"))],
+        batch_size=32,
+    )
+    history = evaluator.start()
+    assert list(history) == [3, 6, 9]
+    for step, metrics in history.items():
+        want = _oracle(saved[step])
+        assert metrics.keys() == want.keys() == {"loss", "accuracy"}
+        for key in want:
+            np.testing.assert_allclose(metrics[key], want[key], rtol=1e-6, atol=1e-7)
+    assert seen == [(3, 3), (6, 6), (9, 9)]  # iterations: the train step each was saved at
+    assert evaluator.model is model  # the model given, holding the last checkpoint's weights
+    kernel = saved[9]["params"]["hidden"]["kernel"]
+    kernel = kernel.get_value() if hasattr(kernel, "get_value") else kernel
+    np.testing.assert_array_equal(np.asarray(model.hidden.kernel[...]), np.asarray(kernel))
+    (events_file,) = (tmp_path / "logs" / "validation").glob("events.out.tfevents.*")
+    tags = {(v.tag, e.step) for e in _read_events(events_file) for v in e.summary.value}
+    assert ("evaluation_accuracy_vs_iterations", 9) in tags
+    assert ("evaluation_loss_vs_iterations", 3) in tags
+
+
+def test_a_bare_model_without_a_loss_is_a_clear_error_saying_what_to_pass(tmp_path):
+    with pytest.raises(spmd.ConfigurationError) as error:
         spmd.SidecarEvaluator(MLP(nnx.Rngs(0)), VAL, str(tmp_path))
+    text = str(error.value)
+    assert "Received: model_or_trainer='MLP', loss=None" in text
+    assert 'loss="sparse_categorical_crossentropy"' in text and "metrics=" in text
+
+
+@pytest.mark.parametrize(
+    "value, kwargs, match",
+    [
+        ("model.ckpt", {"loss": "mse"}, "(?s)nnx.Module.*Received: model_or_trainer='str'"),
+        (
+            "trainer",
+            {"loss": "mse", "strategy": None},
+            "(?s)brings its own loss.*Received: model_or_trainer='Trainer', loss='mse'",
+        ),
+        ("trainer", {"metrics": ("accuracy",)}, "(?s)brings its own.*metrics=\\('accuracy',\\)"),
+    ],
+)
+def test_what_is_not_a_model_or_a_trainer_alone_is_a_clear_error(tmp_path, value, kwargs, match):
+    value = _trainer(_one_device()) if value == "trainer" else value
+    with pytest.raises(spmd.ConfigurationError, match=match):
+        spmd.SidecarEvaluator(value, VAL, str(tmp_path), **kwargs)
 
 
 @pytest.mark.slow

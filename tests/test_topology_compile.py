@@ -1,11 +1,14 @@
 """spmd.topology: Cloud TPU names parsed, abstract slices built, strategies on them compile only."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import spmd
+from spmd.explain import _human
 from spmd.topologies import CHIPS, parse
 
 pytestmark = pytest.mark.cpu_mesh
@@ -101,6 +104,60 @@ def test_strategies_on_a_topology_lay_out_slices_outermost():
     assert state["w"].sharding.shard_shape((256, 512)) == (32, 512)
 
 
+def _slice(device):
+    return getattr(device, "slice_index", 0)  # one slice's devices have none
+
+
+def _chip_hops(group):
+    """The most links between consecutive devices of a mesh axis (0: two cores of one chip)."""
+    coords = [np.asarray(d.coords) for d in group]
+    return max(int(np.abs(a - b).sum()) for a, b in zip(coords, coords[1:], strict=False))
+
+
+@pytest.mark.parametrize(
+    ("name", "slices", "axes"),
+    [
+        ("v5p-256", 1, {"data": -1, "model": 2}),  # 4x4x8: an axis of 2 splits a physical one
+        ("v5p-256", 1, {"data": -1, "fsdp": 2}),
+        ("v5e:16x16", 2, {"data": -1, "model": 4}),
+        ("v5e-256", 2, {"data": 2, "fsdp": 32, "model": 8}),
+        ("v6e-64", 1, {"data": -1, "model": 8, "expert": 2}),
+        ("v4-32", 2, {"data": -1, "model": 4}),  # v4 shows two TensorCores per chip
+    ],
+)
+def test_any_axis_sizes_lay_out_with_inner_axes_on_neighbouring_chips(name, slices, axes):
+    topo = spmd.topology(name, slices=slices)
+    mesh = spmd.make_mesh(axes, devices=topo)
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in topo)
+    inner = mesh.devices.reshape(-1, mesh.devices.shape[-1])
+    for group in inner:  # the busiest axis: a line of neighbouring chips in one slice
+        assert len({_slice(d) for d in group}) == 1 and _chip_hops(group) <= 1
+    for index, part in enumerate(mesh.devices):  # the slices are the outermost axis
+        assert {_slice(d) for d in part.flat} == {index * slices // len(mesh.devices)}
+
+
+@pytest.mark.parametrize("name", ["v5p-128", "v5e-256", "v6e-64"])
+def test_parameter_server_strategy_lays_out_on_realistic_slices(name):
+    topo = spmd.topology(name)
+    ps = spmd.ParameterServerStrategy(spmd.partitioners.FixedShardsPartitioner(8), devices=topo)
+    assert set(ps.mesh.shape.values()) == {2} and ps.mesh.devices.size == len(topo)
+    state = ps.abstract_state(_create, jax.random.key(0))
+    assert state["w"].sharding.shard_shape((256, 512)) == (32, 512)
+
+
+def test_devices_that_are_no_whole_slice_keep_their_order():
+    topo = spmd.topology("v5e:4x4")
+    mesh = spmd.make_mesh({"data": 3}, devices=topo[:3])
+    assert list(mesh.devices.flat) == sorted(topo[:3], key=lambda d: d.id)
+
+
+def test_slices_of_different_sizes_are_a_clear_error():
+    two = spmd.topology("v5e-4", slices=2)
+    with pytest.raises(spmd.ConfigurationError, match="slices of equal size") as info:
+        spmd.make_mesh({"data": 2, "model": 3}, devices=list(two)[:6])
+    assert "devices_per_slice=[2, 4]" in str(info.value) and "To fix" in str(info.value)
+
+
 def test_a_topology_strategy_compiles_with_the_tpu_compiler():
     strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
     step = strategy.step(_train)
@@ -111,16 +168,80 @@ def test_a_topology_strategy_compiles_with_the_tpu_compiler():
     assert compiled.memory_analysis().argument_size_in_bytes >= 256 * 512 * 4
 
 
-def test_a_topology_strategy_refuses_to_run():
+def _diloco():
+    two = spmd.topology("v5e-4", slices=2)
+    return spmd.DiLoCo(spmd.TPUStrategy(topology=two), islands=2, sync_every=4)
+
+
+def _diloco_create(key):
+    return {"params": _create(key)}
+
+
+def _saved(tmp_path):
+    manager = spmd.CheckpointManager(tmp_path, async_save=False)
+    manager.save(1, {"w": np.zeros((256, 512), np.float32), "b": np.zeros(512, np.float32)})
+    return manager
+
+
+X = np.zeros((32, 256), np.float32)
+WAYS_TO_RUN = {
+    "init": lambda s, tmp: s.init(_create, jax.random.key(0)),
+    "put": lambda s, tmp: s.put({"w": np.zeros((4, 4), np.float32)}),
+    "Calling a step": lambda s, tmp: s.step(_train)(
+        s.abstract_state(_create, jax.random.key(0)), X
+    ),
+    "strategy.run": lambda s, tmp: s.run(lambda x: x * 2, args=(X,)),
+    "distribute_dataset": lambda s, tmp: s.distribute_dataset([X]),
+    "distribute_datasets_from_function": lambda s, tmp: s.distribute_datasets_from_function(
+        lambda ctx: [X]
+    ),
+    "distribute_batch": lambda s, tmp: s.distribute_batch(X),
+    "CheckpointManager.restore": lambda s, tmp: _saved(tmp).restore(
+        1, target=s.abstract_state(_create, jax.random.key(0))
+    ),
+}
+DILOCO_WAYS_TO_RUN = {
+    "init": lambda d, tmp: d.init(_diloco_create, jax.random.key(0)),
+    "Calling a step": lambda d, tmp: d.step(_train)(
+        d.abstract_state(_diloco_create, jax.random.key(0)), X
+    ),
+    "global_state": lambda d, tmp: d.global_state(
+        d.abstract_state(_diloco_create, jax.random.key(0))
+    ),
+    "restore": lambda d, tmp: d.restore(_saved(tmp), _diloco_create, jax.random.key(0)),
+    "distribute_dataset": lambda d, tmp: d.distribute_dataset([X]),
+    "distribute_datasets_from_function": lambda d, tmp: d.distribute_datasets_from_function(
+        lambda ctx: [X]
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(WAYS_TO_RUN))
+def test_every_way_to_run_a_topology_strategy_says_it_compiles_only(what, tmp_path):
     strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
-    step = strategy.step(_train)
-    with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology"):
-        strategy.init(_create, jax.random.key(0))
-    with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology"):
-        strategy.put({"w": np.zeros((4, 4), np.float32)})
+    with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology") as info:
+        WAYS_TO_RUN[what](strategy, tmp_path)
+    assert str(info.value).startswith(what) and "To fix" in str(info.value)
+
+
+@pytest.mark.parametrize("what", list(DILOCO_WAYS_TO_RUN))
+def test_every_way_to_run_diloco_on_a_topology_says_it_compiles_only(what, tmp_path):
+    with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology") as info:
+        DILOCO_WAYS_TO_RUN[what](_diloco(), tmp_path)
+    assert str(info.value).startswith(what)
+
+
+def test_a_topology_strategy_compiles_what_it_cannot_run():
+    """The refusals are for running: inside a step `strategy.run` compiles, and
+    a strategy takes devices or a topology, not both."""
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
+
+    def train(state, x):
+        return state, {"sum": strategy.reduce("SUM", strategy.run(jnp.sum, args=(x,)))}
+
     state = strategy.abstract_state(_create, jax.random.key(0))
-    with pytest.raises(spmd.ConfigurationError, match="Calling a step"):
-        step(state, np.zeros((32, 256), np.float32))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((32, 256), jnp.float32))
+    assert e.chip == "v5e"
     with pytest.raises(spmd.ConfigurationError, match="not both"):
         spmd.TPUStrategy(jax.devices(), topology=spmd.topology("v5e:2x2"))
 
@@ -175,6 +296,15 @@ def test_explain_on_a_topology_reports_hbm_traffic_and_a_roofline():
     assert e.step_seconds == pytest.approx(max(r.compute_s, r.memory_s) + r.ici_s)
     text = str(e)
     assert "fits" in text and "over ICI" in text and "estimated step" in text
+    rows = {
+        "arguments": e.argument_bytes,
+        "outputs": e.output_bytes,
+        "aliased (outputs in donated arguments)": e.alias_bytes,
+        "temporaries": e.temp_bytes,
+        "code": e.code_bytes,
+    }
+    for row, value in rows.items():  # the compiler's memory analysis, part by part
+        assert re.search(rf"^  {re.escape(row)} +{re.escape(_human(value))}$", text, re.M), row
 
 
 def test_a_loop_collective_counts_once_per_iteration():
@@ -215,7 +345,7 @@ def test_explain_on_cpu_devices_has_no_chip_fields():
     state = strategy.abstract_state(create, jax.random.key(0))
     e = strategy.explain(train, state, jax.ShapeDtypeStruct((64, 512), jnp.float32))
     assert (e.chip, e.hbm_capacity, e.fits, e.roofline, e.traffic) == (None, None, None, None, ())
-    assert "HBM" not in str(e)
+    assert "HBM" not in str(e) and "arguments" not in str(e)
 
 
 def test_the_compilers_out_of_hbm_messages_are_read():

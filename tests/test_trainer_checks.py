@@ -143,12 +143,17 @@ def test_named_inputs_are_a_dict_as_x():
 
 
 @pytest.mark.cpu_mesh
-def test_grad_accum_steps_that_do_not_divide_the_per_replica_batch():
+def test_grad_accum_steps_that_do_not_divide_a_distributed_datasets_per_replica_batch():
+    """fit pads arrays for its microbatches itself; a dataset built without them is named."""
     x, y = _data()
     trainer = _trainer(grad_accum_steps=3)  # 64 rows over 8 replicas: 8 each, not 3 parts
+    strategy = trainer.strategy
+    dataset = strategy.distribute_dataset(strategy.make_numpy_dataset((x, y), 64))
     with pytest.raises(spmd.BatchError) as info:
-        trainer.fit((x, y), batch_size=64, verbose=0)
-    assert "grad_accum_steps=3" in str(info.value) and "per_replica_batch_size=8" in str(info.value)
+        trainer.fit(dataset, verbose=0)
+    text = str(info.value)
+    assert "grad_accum_steps=3" in text and "per_replica_batch_size=8" in text, text
+    assert "microbatches=3" in text, text
 
 
 class _Count(spmd.callbacks.Callback):

@@ -20,10 +20,11 @@ from spmd.checkpoint.position import as_json as _json
 from spmd.checkpoint.position import position_of as _position
 from spmd.checkpoint.position import restore_position as _set_position
 from spmd.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
-from spmd.checkpoint.store import make_store
+from spmd.checkpoint.store import forget_listings, make_store
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import CheckpointError, ConfigurationError, message, received
 from spmd.strategy.base import get_strategy
+from spmd.topologies import check_placeable
 from spmd.validate import boolean, positive_int, positive_number
 
 __all__ = ["CheckpointManager"]
@@ -199,6 +200,7 @@ class CheckpointManager:
 
     def final_step(self) -> int | None:
         """The step the training run marked as its last (`mark_final`), or None while it runs."""
+        forget_listings(self.directory)  # the writer may be another process
         return final.read(self.directory)
 
     def mark_final(self, step: int | None = None) -> int:
@@ -363,6 +365,7 @@ class CheckpointManager:
         if target is None:
             result = self._restore_numpy(step)
         else:
+            check_placeable(target, "CheckpointManager.restore")
             result = self._restore_into(step, target, boolean(partial, "partial", fix=_PARTIAL))
         if data is not None:
             _set_position(data, self._saved_position(step), step)

@@ -19,7 +19,7 @@ from spmd.checkpoint import tree as ct
 from spmd.checkpoint.integrity import Damaged, RecordHandler, damage
 from spmd.errors import CheckpointError
 
-__all__ = ["ChiefStore", "SharedStore", "make_store"]
+__all__ = ["ChiefStore", "SharedStore", "forget_listings", "make_store"]
 
 _SAVE = {"state": ocp.args.PyTreeSave, "data": ocp.args.JsonSave, "metadata": ocp.args.JsonSave}
 _RESTORE = {"state": ocp.args.PyTreeRestore, "data": ocp.args.JsonRestore}
@@ -119,6 +119,7 @@ class SharedStore:
     def _reload(self) -> None:
         """Orbax's listing, retried while a folder it listed vanishes before it is read
         (the writer's max_to_keep deleting a step during the listing)."""
+        forget_listings(self.directory)
         for pause in (0.01, 0.05, 0.2, 1.0):
             try:
                 self.manager.reload()
@@ -331,6 +332,19 @@ def make_store(
     if shared_filesystem or jax.process_count() == 1:
         return SharedStore(directory, max_to_keep, interval, async_save, read_only=read_only)
     return ChiefStore(directory, max_to_keep, interval, async_save, read_only)
+
+
+def forget_listings(directory: epath.Path) -> None:
+    """Drops the listings fsspec keeps, so that the next look at `directory` asks the store.
+
+    epath reaches gs:// through fsspec (gcsfs) when TensorFlow is not installed
+    or EPATH_USE_TF=false, and fsspec keeps every listing it made until told:
+    a reader in another process than the writer would never see a new step
+    (nor a removed one go). Local paths and TensorFlow's gfile keep none.
+    """
+    backend = getattr(directory, "_backend", None)  # epath's choice (private: guarded)
+    if "://" in str(directory) and backend is epath.backend.fsspec_backend:
+        backend.fs(str(directory)).invalidate_cache()
 
 
 def _registry(

@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from spmd.clusters import hang_watch, roll_call
+from spmd.clusters import hang_watch, lost_peer, roll_call
 from spmd.clusters.jax_state import global_state
 from spmd.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
@@ -52,6 +52,7 @@ _EXIT_CODE_SIGTERM = 128 + 15
 
 _state: dict[str, Any] = {
     "process": None,
+    "coordinator": None,  # process 0's "host:port"
     "exiting": False,
     "save_grace": None,
     "sigterm": False,
@@ -141,8 +142,9 @@ def _connect_errors_raise() -> Iterator[None]:
     The callback JAX calls on a fatal coordination error replaces its default,
     which is to abort (SIGABRT with a C++ stack). While connecting, the error
     then comes back as an exception from `connect()`. Later, a fatal error
-    (a peer's missed heartbeats) still ends the process with SIGABRT, as JAX's
-    default does: the callback cannot be called from C++ (it throws).
+    (process 0's service lost, a peer's missed heartbeats) reaches the callback
+    on a C++ thread, where it cannot be called (it throws std::bad_cast) and the
+    C++ runtime terminates the process: `lost_peer` names the lost process first.
     """
     try:
         from jax._src.lib import _jax  # private: guarded, JAX may move it
@@ -246,13 +248,16 @@ def join(
             _explain(e, elapsed, (coordinator, index, count), init_timeout)
         ) from e
     _state["process"] = index
+    _state["coordinator"] = coordinator or global_state().coordinator_address
     _exit_promptly_on_errors()
     _record_sys_exit()
     atexit.register(_agree_to_exit, exit_timeout)
     threading.Thread(target=_watch_peers, name="spmd-peer-watch", daemon=True).start()
-    hang_watch.start(
+    quietest = hang_watch.start(
         _client(), (index, count), (hang_timeout, heartbeat_timeout), _end_for, _exiting
     )
+    if _state["coordinator"]:
+        lost_peer.install(_state["coordinator"], index, _end_as_lost, quietest)
 
 
 def _exiting() -> bool:
@@ -274,6 +279,48 @@ def _end_for(culprit: int, reason: str, text: str) -> None:
         _end(HANG_EXIT_CODE, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
     time.sleep(2.5 * PEER_POLL)  # the peers read it and end first: no collective fails on them
     _end(HANG_EXIT_CODE, text)
+
+
+def _end_as_lost(culprit: int | None, reason: str) -> None:
+    """Ends this process for a lost peer that JAX's client reported, naming it where known.
+
+    Process 0 records the failure for the others and keeps its service up a
+    few seconds first: the others ask whether it answers, and must not take
+    its own end for the loss. A process with no culprit of its own names the
+    one process 0 recorded, if it can still read it.
+    """
+    if culprit is None:
+        culprit, reason = _recorded_failure() or (None, reason)
+    if _state["process"] == 0:
+        if culprit is not None:
+            with contextlib.suppress(Exception):
+                _client().key_value_set(f"{_FAILED}{culprit}", reason, allow_overwrite=True)
+        time.sleep(lost_peer.ANSWER_TIMEOUT + 1)
+    if culprit is None:
+        _end(HANG_EXIT_CODE, f"{reason}; ending this process.")
+    _end(HANG_EXIT_CODE, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
+
+
+def _recorded_failure() -> tuple[int, str] | None:
+    """The first failure some process recorded, if the service can still be read."""
+    with contextlib.suppress(Exception):
+        for key, why in _failed_peers(_client()):
+            return int(key.rsplit("/", 1)[1]), why
+    return None
+
+
+def _end_if_coordinator_lost() -> None:
+    """On a process other than 0, after an error: ends naming process 0 if its service is gone.
+
+    A collective or a barrier whose peer (process 0) died fails on the main
+    thread too; the error to report is process 0's, not this one's.
+    """
+    address = _state["coordinator"]
+    if _state["process"] in (0, None) or not address:
+        return
+    why = lost_peer.lost(address)
+    if why is not None:
+        _end_as_lost(0, lost_peer.reason(address, why))
 
 
 def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeout: float) -> None:
@@ -401,6 +448,7 @@ def _exit_promptly_on_errors() -> None:
 
     def hook(kind, value, traceback):
         previous(kind, value, traceback)
+        _end_if_coordinator_lost()
         report_failure(f"{kind.__name__}: {value}")
         deterministic = issubclass(kind, (ConfigurationError, BatchError))
         code = CONFIGURATION_EXIT_CODE if deterministic else 1
@@ -467,6 +515,7 @@ def _agree_to_exit(timeout: int) -> None:
     try:
         client.wait_at_barrier("spmd_exit", int(timeout * 1000))
     except Exception:
+        _end_if_coordinator_lost()
         report_failure(f"process {index} reached the end of its program alone")
         _end(
             1,

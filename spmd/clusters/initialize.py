@@ -222,8 +222,10 @@ def initialize(
         SPMD_GLOO_INTERFACE, else the local address that routes to the
         coordinator, never the hostname's address, which is often loopback).
       hang_timeout: seconds a process may go without a step before every
-        process ends naming it (default: SPMD_HANG_TIMEOUT, else the larger of
-        300 s and 10x the slowest recent step; see docs/multihost.md).
+        process ends naming it, and before its first step, seconds its peers
+        may wait for it in theirs (default: SPMD_HANG_TIMEOUT, else the larger
+        of 300 s and 10x the slowest recent step, 300 s before any step; see
+        docs/multihost.md).
 
     With several processes, a process that fails (an uncaught exception, or
     reaching its end alone) tells the others through the coordination

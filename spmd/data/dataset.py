@@ -10,10 +10,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from spmd.data.grain_source import grain_shard_options, is_grain, plan_grain
+from spmd.data.host_batches import check_equal_parts, pipeline_rows, placed_rows
 from spmd.data.input_context import (
     AutoShardPolicy,
+    BlockContext,
     InputContext,
     InputOptions,
+    Padding,
     input_context,
 )
 from spmd.data.iterator import FUNCTION, DistributedDataset, DistributedIterator, Plan
@@ -77,7 +80,8 @@ def distribute_dataset(
     Raises:
       ConfigurationError: FILE for a dataset without files, or fewer files
         than processes.
-      BatchError: a global batch size that does not split over the replicas.
+      BatchError: a global batch size that does not split over the replicas
+        (unless `options.uneven_batch` pads it), known before reading.
     """
     options = options or InputOptions()
     ctx = input_context(strategy)
@@ -120,16 +124,21 @@ def distribute_datasets_from_function(
                 "ctx.input_pipeline_id and ctx.num_input_pipelines.",
             )
         )
-    ctx = _AskedContext(*dataclasses.astuple(input_context(strategy)))
+    own = input_context(strategy)
+    check_equal_parts(own)
+    ctx = _AskedContext(*dataclasses.astuple(own), padding=options.padding)
     first = [dataset_fn(ctx)]
 
     def elements() -> Iterable[Any]:
         return first.pop() if first else dataset_fn(ctx)
 
     def batches(epoch: int, start: int) -> Iterator[HostBatch]:
-        for index, batch in enumerate(local_batches(elements(), ctx, remainder, start)):
+        padding = options.padding
+        for index, batch in enumerate(
+            local_batches(elements(), ctx, remainder, start, padding=padding)
+        ):
             if not index:
-                ctx.check_rows(batch.global_size // ctx.num_input_pipelines)
+                ctx.check_rows(batch.batch_size // ctx.num_input_pipelines)
             yield batch
 
     remainder = options.remainder or "error"
@@ -146,9 +155,10 @@ class _AskedContext(InputContext):
     times smaller than meant, so its first batch is compared with what it asked.
     """
 
-    def __init__(self, *fields: int):
+    def __init__(self, *fields: int, padding: Padding):
         super().__init__(*fields)
         object.__setattr__(self, "_asked", set())
+        object.__setattr__(self, "_padding", padding)
 
     def __repr__(self) -> str:
         return repr(InputContext(*dataclasses.astuple(self)))
@@ -165,6 +175,13 @@ class _AskedContext(InputContext):
         per_replica = super().get_per_replica_batch_size(global_batch_size)
         self._asked.add(global_batch_size)
         return per_replica
+
+    def get_per_pipeline_batch_size(self, global_batch_size: int) -> int:
+        """The rows this pipeline feeds of each global batch (see `InputContext`); with
+        `InputOptions(uneven_batch=...)` padding, the replicas need not split it."""
+        if self._padding.uneven == "error":
+            return super().get_per_pipeline_batch_size(global_batch_size)
+        return pipeline_rows(global_batch_size, self, self._padding)
 
     def check_rows(self, rows: int) -> None:
         """Raises if `rows` (per pipeline) is a per-replica size that the function asked for.
@@ -204,8 +221,12 @@ def make_numpy_dataset(
 ) -> NumpyDataset:
     """In-memory arrays as a dataset of global batches, for `distribute_dataset`.
 
+    The batch size is checked against the strategy's replicas where the
+    dataset is distributed (`distribute_dataset`), which may pad it
+    (`InputOptions(uneven_batch=...)`).
+
     Args:
-      strategy: checks that `batch_size` splits over its replicas.
+      strategy: the strategy the dataset is for.
       arrays: a pytree of arrays with the examples on the leading axis, e.g. (x, y).
       batch_size: the global batch size.
       shuffle: a new order each epoch, from `seed`, the same on every process.
@@ -217,12 +238,9 @@ def make_numpy_dataset(
       A `NumpyDataset`.
 
     Raises:
-      BatchError: `batch_size` does not split over the replicas, or the
-        arrays have different numbers of examples.
+      BatchError: the arrays have different numbers of examples.
     """
-    InputContext(num_replicas_in_sync=strategy.num_replicas_in_sync).get_per_replica_batch_size(
-        batch_size
-    )
+    del strategy  # the replicas are checked against the batch by distribute_dataset
     return NumpyDataset(
         arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=drop_remainder
     )
@@ -235,21 +253,26 @@ def _plan_dataset(dataset: Any, ctx: InputContext, options: InputOptions) -> Pla
         return plan_tf(dataset, ctx, options)
     policy = _resolve_policy(dataset, ctx, options.auto_shard_policy)
     remainder = options.remainder or getattr(dataset, "remainder", None) or "error"
+    padding = options.padding
     if isinstance(dataset, NumpyDataset):
-        return _plan_numpy(dataset, ctx, policy, remainder)
+        return _plan_numpy(dataset, ctx, policy, remainder, padding)
     if isinstance(dataset, FileDataset):
-        return _plan_files(dataset, ctx, policy, remainder)
+        return _plan_files(dataset, ctx, policy, remainder, padding)
     passes = _passes(dataset)
     batches = global_batches if policy is AutoShardPolicy.DATA else local_batches
     return Plan(
-        lambda epoch, start: batches(passes(), ctx, remainder, start), policy.name, remainder, ctx
+        lambda epoch, start: batches(passes(), ctx, remainder, start, padding=padding),
+        policy.name,
+        remainder,
+        ctx,
     )
 
 
 def _resolve_policy(dataset: Any, ctx: InputContext, policy: AutoShardPolicy) -> AutoShardPolicy:
     files = isinstance(dataset, FileDataset)
     if policy is AutoShardPolicy.AUTO:
-        enough = files and len(dataset.files) >= ctx.num_input_pipelines
+        equal = not isinstance(ctx, BlockContext)  # unequal parts: DATA only
+        enough = equal and files and len(dataset.files) >= ctx.num_input_pipelines
         policy = AutoShardPolicy.FILE if enough else AutoShardPolicy.DATA
         if jax.process_index() == 0:
             logger.info(
@@ -308,23 +331,25 @@ strategy.distribute_datasets_from_function(lambda ctx: make_generator()), which
 calls the function again for each pass."""
 
 
-def _plan_numpy(ds: NumpyDataset, ctx: InputContext, policy, remainder) -> Plan:
-    ctx.get_per_replica_batch_size(ds.batch_size)
+def _plan_numpy(ds: NumpyDataset, ctx: InputContext, policy, remainder, padding: Padding) -> Plan:
     if policy is AutoShardPolicy.OFF:  # this process's own arrays: its part of each batch
-        own = NumpyDataset(
-            ds.arrays, ds.batch_size // ctx.num_input_pipelines, shuffle=ds.shuffle, seed=ds.seed
-        )
+        per = pipeline_rows(ds.batch_size, ctx, padding)
+        own = NumpyDataset(ds.arrays, per, shuffle=ds.shuffle, seed=ds.seed)
+        # this pipeline alone, over its replicas: its part padded at its end
+        mine = InputContext(1, 0, ctx.num_replicas_in_sync // ctx.num_input_pipelines)
 
         def batches(epoch: int, start: int) -> Iterator[HostBatch]:
-            for b in own.host_batches(epoch, start, InputContext(), remainder):
-                yield HostBatch(b.tree, b.mask, ds.batch_size)
+            for b in own.host_batches(epoch, start, mine, remainder, padding):
+                rows = b.global_size * ctx.num_input_pipelines
+                yield HostBatch(b.tree, b.mask, rows, batch_size=ds.batch_size)
 
         count = _count(own.num_examples, own.batch_size, remainder)
     else:
+        placed_rows(ds.batch_size, ctx.num_replicas_in_sync, padding, None)
         count = _count(ds.num_examples, ds.batch_size, remainder)
 
         def batches(epoch: int, start: int) -> Iterator[HostBatch]:
-            return ds.host_batches(epoch, start, ctx, remainder)
+            return ds.host_batches(epoch, start, ctx, remainder, padding)
 
     known = policy is not AutoShardPolicy.OFF or ctx.num_input_pipelines == 1
     if remainder == "drop":
@@ -359,24 +384,25 @@ def _count(examples: int, size: int, remainder: str) -> int:
     return whole + (1 if rest and remainder == "pad" else 0)
 
 
-def _plan_files(ds: FileDataset, ctx: InputContext, policy, remainder) -> Plan:
-    per = ctx.get_per_pipeline_batch_size(ds.batch_size)
-    if policy is AutoShardPolicy.FILE:
-        mine = ds.files_for(ctx)
-
-        def batches(epoch: int, start: int) -> Iterator[HostBatch]:
-            return local_batches(ds.rows(mine, per), ctx, remainder, start, per)
-
-    elif policy is AutoShardPolicy.OFF:
-
-        def batches(epoch: int, start: int) -> Iterator[HostBatch]:
-            return local_batches(ds.rows(ds.files, per), ctx, remainder, start, per)
-
-    else:
+def _plan_files(ds: FileDataset, ctx: InputContext, policy, remainder, padding: Padding) -> Plan:
+    if policy is AutoShardPolicy.DATA:
+        placed_rows(ds.batch_size, ctx.num_replicas_in_sync, padding, None)
 
         def batches(epoch: int, start: int) -> Iterator[HostBatch]:
             return global_batches(
-                ds.rows(ds.files, ds.batch_size), ctx, remainder, start, ds.batch_size
+                ds.rows(ds.files, ds.batch_size),
+                ctx,
+                remainder,
+                start,
+                ds.batch_size,
+                padding=padding,
             )
 
-    return Plan(batches, policy.name, remainder, ctx, global_batch_size=ds.batch_size)
+        return Plan(batches, policy.name, remainder, ctx, global_batch_size=ds.batch_size)
+    per = pipeline_rows(ds.batch_size, ctx, padding)
+    files = ds.files_for(ctx) if policy is AutoShardPolicy.FILE else ds.files
+
+    def own(epoch: int, start: int) -> Iterator[HostBatch]:
+        return local_batches(ds.rows(files, per), ctx, remainder, start, per, padding=padding)
+
+    return Plan(own, policy.name, remainder, ctx, global_batch_size=ds.batch_size)

@@ -89,7 +89,7 @@ def plan_grain(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
 
     def read(epoch: int, start: int) -> Iterator[HostBatch]:
         elements, skip = positions.open(epoch, start)
-        return batches(elements, ctx, remainder, skip, resumed=start > 0)
+        return batches(elements, ctx, remainder, skip, resumed=start > 0, padding=options.padding)
 
     return Plan(
         read,

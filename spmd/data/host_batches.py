@@ -11,11 +11,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from spmd.data.input_context import InputContext, Remainder
-from spmd.errors import BatchError, message, received
+from spmd.data.input_context import BlockContext, InputContext, Padding, Remainder, rows_of
+from spmd.errors import BatchError, ConfigurationError, message, received
 
 __all__ = [
     "HostBatch",
+    "check_equal_parts",
     "batch_mask",
     "fingerprint",
     "fingerprint_leaves",
@@ -23,7 +24,11 @@ __all__ = [
     "leading_size",
     "local_batches",
     "partial_message",
+    "pipeline_rows",
+    "placed_rows",
 ]
+
+NO_PADDING = Padding()  # a global batch the replicas do not split is an error
 
 
 class HostBatch:
@@ -36,13 +41,16 @@ class HostBatch:
       leaves: the rows' leaves (numpy arrays, batch axis first).
       treedef: the structure `leaves` unflatten into.
       mask: 1.0 for real rows and 0.0 for padding, when the dataset pads.
-      global_size: the leading size of the global batch the rows belong to.
+      global_size: the leading size of the global array the rows are placed
+        in: the global batch, padded where the replicas do not split it.
       content: under DATA sharding, computes a fingerprint of the whole global
         batch (which every process reads), for the check that the processes
         read the same one; None where each process reads its own data.
+      batch_size: the global batch size as the data has it (what a position
+        counts in): `global_size` less the rows padded for the replicas.
     """
 
-    __slots__ = ("content", "global_size", "leaves", "mask", "treedef")
+    __slots__ = ("batch_size", "content", "global_size", "leaves", "mask", "treedef")
 
     def __init__(
         self,
@@ -50,10 +58,12 @@ class HostBatch:
         mask: np.ndarray | None,
         global_size: int,
         content: Callable[[], str] | None = None,
+        batch_size: int | None = None,
     ):
         leaves, self.treedef = jax.tree.flatten(tree)
         self.leaves = [np.asarray(x) for x in leaves]
         self.mask, self.global_size, self.content = mask, global_size, content
+        self.batch_size = global_size if batch_size is None else batch_size
 
     @classmethod
     def of_leaves(
@@ -63,11 +73,13 @@ class HostBatch:
         mask: np.ndarray | None,
         global_size: int,
         content: Callable[[], str] | None = None,
+        batch_size: int | None = None,
     ) -> HostBatch:
         """A batch of already flattened rows (every leaf a numpy array)."""
         batch = cls.__new__(cls)
         batch.leaves, batch.treedef = leaves, treedef
         batch.mask, batch.global_size, batch.content = mask, global_size, content
+        batch.batch_size = global_size if batch_size is None else batch_size
         return batch
 
     @property
@@ -84,8 +96,12 @@ def global_batches(
     batch_size: int | None = None,
     *,
     resumed: bool = False,
+    padding: Padding = NO_PADDING,
 ) -> Iterator[HostBatch]:
     """This process's rows of each global batch of `elements` (DATA sharding).
+
+    A global batch the replicas do not split evenly is padded at its end
+    (`padding`), before it is cut per process: each real row keeps its place.
 
     Args:
       elements: global batches (pytrees of arrays, batch axis first); every
@@ -96,21 +112,21 @@ def global_batches(
       batch_size: the global batch size, if known before the first batch.
       resumed: `elements` start where a saved position left off (not at the
         start of the data), so that having none is not an empty dataset.
+      padding: what to do with a global batch the replicas do not split evenly.
     """
     pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
     per_pipeline = _sized(elements, remainder, start, batch_size, resumed)
     for index, leaves, treedef, expected, real in per_pipeline:
-        if expected % replicas:
-            _check_divisible(expected, replicas, index)
-        whole, mask = _pad(leaves, real, expected, remainder)
+        rows = placed_rows(expected, replicas, padding, index)
+        masked = remainder == "pad" or padding.masked(expected, replicas)
+        whole, mask = _pad(leaves, real, rows, masked)
         mine = whole
         if pipelines > 1:
-            per = expected // pipelines
-            low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
+            low, high = rows_of(ctx, rows)
             mine = [x[low:high] if x.ndim else x for x in whole]
             mask = None if mask is None else mask[low:high]
         content = functools.partial(fingerprint_leaves, whole, treedef)
-        yield HostBatch.of_leaves(mine, treedef, mask, expected, content)
+        yield HostBatch.of_leaves(mine, treedef, mask, rows, content, expected)
 
 
 def local_batches(
@@ -121,19 +137,112 @@ def local_batches(
     batch_size: int | None = None,
     *,
     resumed: bool = False,
+    padding: Padding = NO_PADDING,
 ) -> Iterator[HostBatch]:
     """Each element is already this pipeline's part of a global batch (FILE, OFF, a function).
 
-    Args are as for `global_batches`, with `batch_size` the rows per pipeline.
+    Args are as for `global_batches`, with `batch_size` the rows per pipeline;
+    padding pads each pipeline's part at its end.
     """
     pipelines, replicas = ctx.num_input_pipelines, ctx.num_replicas_in_sync
+    check_equal_parts(ctx)
     for index, leaves, treedef, expected, real in _sized(
         elements, remainder, start, batch_size, resumed
     ):
-        if expected * pipelines % replicas:
-            _check_divisible(expected * pipelines, replicas, index, per_pipeline=expected)
-        leaves, mask = _pad(leaves, real, expected, remainder)
-        yield HostBatch.of_leaves(leaves, treedef, mask, expected * pipelines)
+        size = expected * pipelines
+        rows = placed_rows(size, replicas, padding, index, per_pipeline=expected)
+        masked = remainder == "pad" or padding.masked(size, replicas)
+        leaves, mask = _pad(leaves, real, rows // pipelines, masked)
+        yield HostBatch.of_leaves(leaves, treedef, mask, rows, batch_size=size)
+
+
+def placed_rows(
+    size: int, replicas: int, padding: Padding, index: int | None, per_pipeline: int | None = None
+) -> int:
+    """The rows a global batch of `size` is placed as (`Padding.rows`).
+
+    Raises:
+      BatchError: the replicas (times the microbatches) do not split it, and
+        `padding` does not pad: naming both ways out.
+    """
+    rows = padding.rows(size, replicas)
+    if rows:
+        return rows
+    multiple = replicas * padding.microbatches
+    where = {} if index is None else {"batch_index": index}
+    extra = {} if per_pipeline is None else {"per_pipeline_batch_size": per_pipeline}
+    micro = {} if padding.microbatches == 1 else {"microbatches": padding.microbatches}
+    parts = f"{replicas} replicas" + (
+        f" x {padding.microbatches} microbatches" if padding.microbatches > 1 else ""
+    )
+    raise BatchError(
+        message(
+            f"The global batch must split evenly over the {parts}.",
+            received(
+                **where,
+                global_batch_size=size,
+                **extra,
+                num_replicas_in_sync=replicas,
+                **micro,
+            ),
+            f"batch with a global batch size that is a multiple of {multiple} (e.g. "
+            f"{math.ceil(size / multiple) * multiple}; in a dataset function, batch by "
+            "ctx.get_per_pipeline_batch_size(global_batch_size)), or keep this one and pad "
+            'it: InputOptions(uneven_batch="pad") pads each global batch at its end with '
+            "masked rows and makes every batch a spmd.PaddedBatch, whose mask the loss "
+            "weighs (docs/input.md).",
+        )
+    )
+
+
+def pipeline_rows(size: int, ctx: InputContext, padding: Padding) -> int:
+    """The rows each input pipeline feeds of a global batch of `size`, where each
+    reads its own part (FILE, OFF, a dataset function): `size / num_input_pipelines`.
+
+    Raises:
+      BatchError: `size` does not split over the pipelines, or (not padding)
+        over the replicas.
+    """
+    placed_rows(size, ctx.num_replicas_in_sync, padding, None)
+    check_equal_parts(ctx)
+    pipelines = ctx.num_input_pipelines
+    if size % pipelines:
+        raise BatchError(
+            message(
+                "Where each process reads its own part of the data (FILE or OFF sharding, a "
+                f"dataset function), the global batch splits evenly over the {pipelines} "
+                "input pipelines (processes); padding evens it over the replicas, not these.",
+                received(global_batch_size=size, num_input_pipelines=pipelines),
+                f"use a global batch size that is a multiple of {pipelines}, or "
+                "AutoShardPolicy.DATA: every process reads each global batch and keeps its "
+                "rows, which padding splits at any size.",
+            )
+        )
+    return size // pipelines
+
+
+def check_equal_parts(ctx: InputContext) -> None:
+    """Raises where processes hold unequal parts of the global batch (a `BlockContext`):
+    a pipeline that reads its own part (FILE, OFF, a dataset function) cannot feed one.
+
+    Raises:
+      ConfigurationError: naming DATA sharding as the way.
+    """
+    if isinstance(ctx, BlockContext):
+        raise ConfigurationError(
+            message(
+                "Where each process reads its own part of the data (FILE or OFF sharding, a "
+                "dataset function), every process feeds an equal part of the global batch; "
+                "this strategy's processes hold unequal numbers of replicas (a mesh over the "
+                "devices that divide the global batch).",
+                received(
+                    replica_block=ctx.replica_block, num_replicas_in_sync=ctx.num_replicas_in_sync
+                ),
+                "read with AutoShardPolicy.DATA (strategy.distribute_dataset of global "
+                "batches: every process keeps its rows), or use a strategy over every device "
+                "and let spmd pad the batch.",
+            )
+        )
 
 
 def _sized(
@@ -336,16 +445,14 @@ def _no_keys(leaves: list) -> list:
 
 
 def _pad(
-    leaves: list[np.ndarray], real: int, size: int, remainder: Remainder
+    leaves: list[np.ndarray], real: int, size: int, masked: bool
 ) -> tuple[list[np.ndarray], np.ndarray | None]:
     """Pads each leaf to `size` rows by repeating its last real row; the mask marks real rows.
 
     Padding repeats a real example (not zeros) so that what the step computes
     on padding stays finite: a NaN times a zero weight is still NaN.
     """
-    if remainder != "pad":
-        return leaves, None
-    mask = batch_mask(size, real)
+    mask = batch_mask(size, real) if masked else None
     if real == size:
         return leaves, mask
     fill = np.full(size - real, real - 1)
@@ -416,23 +523,6 @@ def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
             f"Every array of a {what} must have the same leading (batch) size.",
             received(**where, leading_sizes=sorted(sizes)),
             "give x, y and every other leaf the same number of examples.",
-        )
-    )
-
-
-def _check_divisible(size: int, replicas: int, index: int, per_pipeline: int | None = None):
-    if size % replicas == 0:
-        return
-    extra = {} if per_pipeline is None else {"per_pipeline_batch_size": per_pipeline}
-    raise BatchError(
-        message(
-            f"The global batch must split evenly over the {replicas} replicas.",
-            received(
-                batch_index=index, global_batch_size=size, **extra, num_replicas_in_sync=replicas
-            ),
-            f"batch with a global batch size that is a multiple of {replicas} "
-            f"(e.g. {math.ceil(size / replicas) * replicas}); in a dataset function, batch by "
-            "ctx.get_per_pipeline_batch_size(global_batch_size).",
         )
     )
 

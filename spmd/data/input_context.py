@@ -7,16 +7,28 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import jax
+
 from spmd.errors import BatchError, ConfigurationError, enum_member, message, received
-from spmd.validate import positive_number
+from spmd.validate import positive_int, positive_number
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["AutoShardPolicy", "InputContext", "InputOptions", "input_context"]
+__all__ = [
+    "AutoShardPolicy",
+    "BlockContext",
+    "InputContext",
+    "InputOptions",
+    "Padding",
+    "input_context",
+    "rows_of",
+]
 
 Remainder = Literal["error", "drop", "pad"]
 _REMAINDERS = ("error", "drop", "pad")
+UnevenBatch = Literal["error", "pad", "pad_if_uneven"]
+_UNEVEN = ("error", "pad", "pad_if_uneven")
 
 
 class AutoShardPolicy(enum.Enum):
@@ -127,6 +139,18 @@ class InputOptions:
         different data (another seed, file order or source) fail instead of
         training on a mix. Large leaves are fingerprinted by sampled rows
         (about 256 KiB a leaf); the cost is measured in bench/bench_input.py.
+      uneven_batch: what to do with a global batch that does not split evenly
+        over the replicas (times `microbatches`), e.g. 6 rows on 4 replicas
+        after an elastic job lost a host: "error" raises a `BatchError`;
+        "pad" pads each global batch at its end with masked rows, to the next
+        multiple (8 rows, 2 per replica), and makes every batch a
+        `PaddedBatch` at every replica count, padded or not, so one loop
+        serves every size (pass its mask to `compute_average_loss`, see
+        docs/input.md); "pad_if_uneven" pads likewise, but only batches that
+        need padding carry a mask (`Trainer` reads both forms, and pads so).
+      microbatches: the equal parts each replica's rows are split into by a
+        step that accumulates gradients (`Trainer(grad_accum_steps=...)`):
+        a padded global batch is a multiple of replicas x microbatches.
     """
 
     auto_shard_policy: AutoShardPolicy | str = AutoShardPolicy.AUTO
@@ -135,6 +159,8 @@ class InputOptions:
     check_hosts: bool = True
     host_timeout: float = 300.0
     check_contents: bool = True
+    uneven_batch: UnevenBatch = "error"
+    microbatches: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "auto_shard_policy", AutoShardPolicy.parse(self.auto_shard_policy))
@@ -155,26 +181,94 @@ class InputOptions:
                 )
             )
         positive_number(self.host_timeout, "host_timeout", fix="pass e.g. host_timeout=300.")
+        if self.uneven_batch not in _UNEVEN:
+            raise ConfigurationError(
+                message(
+                    f"uneven_batch is one of {_UNEVEN}.",
+                    received(uneven_batch=self.uneven_batch),
+                    'pass uneven_batch="pad" to pad a global batch the replicas do not split '
+                    'evenly (its batches then carry a mask), or "error" (the default).',
+                )
+            )
+        positive_int(self.microbatches, "microbatches", fix="pass microbatches=1 or more.")
+
+    @property
+    def padding(self) -> Padding:
+        """What the pipeline does with a global batch the replicas do not split evenly."""
+        return Padding(self.uneven_batch, self.microbatches)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How a pipeline places a global batch of `size` rows over `replicas` replicas.
+
+    Attributes:
+      uneven: `InputOptions.uneven_batch`.
+      microbatches: `InputOptions.microbatches`: each replica's rows split into
+        this many equal parts.
+    """
+
+    uneven: UnevenBatch = "error"
+    microbatches: int = 1
+
+    def rows(self, size: int, replicas: int) -> int:
+        """The rows a global batch of `size` is placed as: `size` if replicas x
+        microbatches divides it, else (padding) the next multiple, or 0 (an error)."""
+        multiple = replicas * self.microbatches
+        if size % multiple == 0:
+            return size
+        return 0 if self.uneven == "error" else _round_up(size, multiple)
+
+    def masked(self, size: int, replicas: int) -> bool:
+        """Whether the batches of `size` rows carry a mask for this padding: under
+        "pad" always, under "pad_if_uneven" when they are padded."""
+        if self.uneven == "pad":
+            return True
+        return self.uneven == "pad_if_uneven" and self.rows(size, replicas) != size
+
+
+@dataclass(frozen=True)
+class BlockContext(InputContext):
+    """An input pipeline whose block of the global batch differs in size from others'.
+
+    A strategy over the devices that divide a global batch
+    (`MultiWorkerMirroredStrategy(global_batch_size=...)`) may give processes
+    unequal numbers of replicas: this pipeline feeds replicas `replica_block`
+    (first, end) of `num_replicas_in_sync`. Only DATA sharding can feed it.
+    """
+
+    replica_block: tuple[int, int] = (0, 1)
+
+
+def rows_of(ctx: InputContext, rows: int) -> tuple[int, int]:
+    """(low, high): the rows of a placed global batch of `rows` this pipeline feeds."""
+    if isinstance(ctx, BlockContext):
+        per_replica = rows // ctx.num_replicas_in_sync
+        first, end = ctx.replica_block
+        return first * per_replica, end * per_replica
+    per = rows // ctx.num_input_pipelines
+    return ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
 
 
 def input_context(strategy: Strategy) -> InputContext:
     """The input pipeline this process is, for a strategy's batch layout.
 
     A process feeds the rows of the global batch its devices hold. Those rows
-    must form one contiguous block; the blocks of all processes cut the batch
-    into `num_input_pipelines` equal parts (processes that hold the same block
-    share a pipeline id and read the same data).
+    must form one contiguous block; processes that hold the same block share a
+    pipeline id and read the same data. Where the blocks differ in size (a
+    strategy over the devices that divide the batch), the context is a
+    `BlockContext`.
 
     Raises:
       ConfigurationError: this process holds no device of the mesh, or its
-        rows are not one aligned block (a batch axis order that interleaves
-        processes).
+        rows are not one contiguous block, or blocks overlap.
     """
     replicas = strategy.num_replicas_in_sync
-    index_map = strategy.batch_sharding(1).addressable_devices_indices_map((replicas,))
-    rows = set()
-    for index in index_map.values():
-        rows.update(range(*index[0].indices(replicas)))
+    index_map = strategy.batch_sharding(1).devices_indices_map((replicas,))
+    held: dict[int, set[int]] = {}
+    for device, index in index_map.items():
+        held.setdefault(device.process_index, set()).update(range(*index[0].indices(replicas)))
+    rows = held.get(jax.process_index(), set())
     if not rows:
         raise ConfigurationError(
             message(
@@ -183,9 +277,10 @@ def input_context(strategy: Strategy) -> InputContext:
                 "build the strategy over devices of every process (e.g. MultiWorkerMirroredStrategy()).",
             )
         )
-    lo, hi = min(rows), max(rows) + 1
-    size = hi - lo
-    if len(rows) != size or replicas % size or lo % size:
+    blocks = sorted({(min(r), max(r) + 1) for r in held.values()})
+    contiguous = all(len(r) == max(r) + 1 - min(r) for r in held.values())
+    overlap = any(a[1] > b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+    if not contiguous or overlap:
         raise ConfigurationError(
             message(
                 "Each process must hold one contiguous block of the global batch.",
@@ -194,7 +289,10 @@ def input_context(strategy: Strategy) -> InputContext:
                 "(hosts outermost, as spmd.make_mesh lays them out).",
             )
         )
-    return InputContext(replicas // size, lo // size, replicas)
+    mine = (min(rows), max(rows) + 1)
+    if len({end - first for first, end in blocks}) == 1:
+        return InputContext(len(blocks), blocks.index(mine), replicas)
+    return BlockContext(len(blocks), blocks.index(mine), replicas, mine)
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
 __all__ = ["FUNCTION", "DistributedDataset", "DistributedIterator", "Plan", "SourcePositions"]
+
+logger = logging.getLogger("spmd.data")
 
 STATE_VERSION = 1
 FUNCTION = "FUNCTION"  # the policy named in the state of a dataset function's iterator
@@ -219,7 +222,7 @@ class DistributedIterator:
             self._cursor.closed = False
             self._source = self._start()
         try:
-            element = next(self._source)
+            element, batch_size = next(self._source)
         except StopIteration:
             self._finish(exhausted=True)
             raise
@@ -229,7 +232,7 @@ class DistributedIterator:
         cursor = self._cursor
         cursor.batch += 1
         if cursor.global_batch_size is None:
-            cursor.global_batch_size = _leading(element)
+            cursor.global_batch_size = batch_size
         return element
 
     def get_state(self) -> dict:
@@ -309,7 +312,9 @@ def _device_batches(
     contents: bool = False,
     global_batch_size: int | None = None,
 ) -> Iterator[Any]:
-    """Places each host batch on the devices, after every process agrees it has one.
+    """(placed batch, its global batch size) for each host batch, after every process
+    agrees it has one. The size is the data's, padding for the replicas not counted:
+    what a position counts in.
 
     Raises:
       ConfigurationError: a batch of another size than `global_batch_size`
@@ -329,9 +334,26 @@ def _device_batches(
             check.agree(step, _record(batch, contents), stop)
         if batch is None:
             return
-        if global_batch_size is not None and batch.global_size != global_batch_size:
-            raise ConfigurationError(_size_message(global_batch_size, batch.global_size))
-        yield place(batch)
+        if global_batch_size is not None and batch.batch_size != global_batch_size:
+            raise ConfigurationError(_size_message(global_batch_size, batch.batch_size))
+        if step == 0 and batch.global_size != batch.batch_size:
+            _note_padding(strategy, batch)
+        yield place(batch), batch.batch_size
+
+
+def _note_padding(strategy: Strategy, batch: HostBatch) -> None:
+    """Logs (chief) that each global batch is padded for the replicas, and what it costs."""
+    if jax.process_index() == 0:
+        padded = batch.global_size - batch.batch_size
+        logger.info(
+            "Each global batch of %d rows is padded to %d over %d replicas: %d masked rows "
+            "(%.0f%% of each step's rows) keep the global batch, and so the training, the same.",
+            batch.batch_size,
+            batch.global_size,
+            strategy.num_replicas_in_sync,
+            padded,
+            100 * padded / batch.global_size,
+        )
 
 
 def _size_message(saved: int, now: int) -> str:
@@ -418,15 +440,16 @@ def _record(batch: HostBatch | None, contents: bool) -> dict:
 
 
 def _describe(batch: HostBatch) -> str:
-    """The structure, shapes and dtypes of a host batch, to compare across processes."""
-    shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in batch.leaves)
+    """The structure, shapes and dtypes of a host batch, to compare across processes.
+
+    Each leaf's shape is its global one (the global batch's rows, then its own
+    axes): processes may hold unequal parts of a batch (a `BlockContext`).
+    """
+    size = batch.global_size
+    shapes = ", ".join(f"{x.dtype}{[size, *x.shape[1:]] if x.ndim else []}" for x in batch.leaves)
     masked = " + mask" if batch.mask is not None else ""
-    return f"{batch.treedef}: {shapes}{masked} of global {batch.global_size}"
-
-
-def _leading(element: Any) -> int | None:
-    sizes = [x.shape[0] for x in jax.tree.leaves(element) if np.ndim(x)]
-    return sizes[0] if sizes else None
+    padded = f" ({batch.batch_size} padded)" if batch.batch_size != batch.global_size else ""
+    return f"{batch.treedef}: {shapes}{masked} of global {batch.global_size}{padded}"
 
 
 def _state(plan: Plan, epoch: int, batch: int, global_batch_size: int | None) -> dict:

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from spmd.data.host_batches import (
+    NO_PADDING,
     HostBatch,
     batch_mask,
     fingerprint,
@@ -19,9 +20,10 @@ from spmd.data.host_batches import (
     leading_size,
     local_batches,
     partial_message,
+    placed_rows,
     unholdable_message,
 )
-from spmd.data.input_context import InputContext, Remainder
+from spmd.data.input_context import InputContext, Padding, Remainder, rows_of
 from spmd.errors import BatchError, ConfigurationError, message, received
 
 __all__ = [
@@ -149,37 +151,54 @@ class NumpyDataset:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
 
     def host_batches(
-        self, epoch: int, start: int, ctx: InputContext, remainder: Remainder
+        self,
+        epoch: int,
+        start: int,
+        ctx: InputContext,
+        remainder: Remainder,
+        padding: Padding = NO_PADDING,
     ) -> Iterator[HostBatch]:
         """This process's rows of batches `start, start + 1, ...` of `epoch`.
 
         Each batch's rows are a copy (a process never hands the devices a view
         of the caller's arrays); without shuffling a whole batch is a slice of
-        them, copied, rather than a gather.
+        them, copied, rather than a gather. A batch the replicas do not split
+        evenly is padded at its end by `padding` (its last real row repeated,
+        masked).
+
+        Raises:
+          BatchError: the replicas do not split the batch and `padding` does not pad.
         """
         order, size = self.order(epoch), self.batch_size
         arrays, (leaves, treedef) = self.fingerprint, jax.tree.flatten(self.arrays)
-        per = size // ctx.num_input_pipelines
-        low, high = ctx.input_pipeline_id * per, (ctx.input_pipeline_id + 1) * per
+        replicas = ctx.num_replicas_in_sync
+        rows = placed_rows(size, replicas, padding, None)
+        masked = remainder == "pad" or padding.masked(size, replicas)
+        low, high = rows_of(ctx, rows)
         rounding = math.floor if remainder == "drop" else math.ceil
         count = int(rounding(self.num_examples / size))
         for b in range(start, count):
-            rows = order[b * size : (b + 1) * size]
-            real = len(rows)
+            picked = order[b * size : (b + 1) * size]
+            real = len(picked)
             if real < size and remainder == "error":
                 raise BatchError(partial_message(b, real, size))
-            mask = None if remainder != "pad" else batch_mask(size, real)[low:high]
-            if real == size and not self.shuffle:  # in order: rows b*size+low .. b*size+high
+            mask = batch_mask(rows, real)[low:high] if masked else None
+            if real == rows and not self.shuffle:  # in order: rows b*size+low .. b*size+high
                 first = b * size
                 mine = [np.array(a[first + low : first + high]) for a in leaves]
             else:
-                index = rows
-                if real < size:
-                    index = np.concatenate([rows, np.full(size - real, rows[-1])])
+                index = picked
+                if real < rows:
+                    index = np.concatenate([picked, np.full(rows - real, picked[-1])])
                 index = index[low:high]
                 mine = [a[index] for a in leaves]
             yield HostBatch.of_leaves(
-                mine, treedef, mask, size, lambda rows=rows: f"{arrays()}:{fingerprint(rows)}"
+                mine,
+                treedef,
+                mask,
+                rows,
+                lambda picked=picked: f"{arrays()}:{fingerprint(picked)}",
+                size,
             )
 
     def fingerprint(self) -> str:

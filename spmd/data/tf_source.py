@@ -20,7 +20,8 @@ from typing import Any
 
 import jax
 
-from spmd.data.input_context import AutoShardPolicy, InputContext, InputOptions
+from spmd.data.host_batches import pipeline_rows
+from spmd.data.input_context import AutoShardPolicy, InputContext, InputOptions, Padding
 from spmd.data.iterator import Plan
 from spmd.data.sources import HostBatch, global_batches, local_batches
 from spmd.errors import BatchError, ConfigurationError, message, received
@@ -46,15 +47,15 @@ def plan_tf(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
     batch_size = per = None
     passes = Passes(dataset)
     if policy is AutoShardPolicy.FILE:
-        dataset, batch_size = _file_sharded(dataset, ctx)
+        dataset, batch_size = _file_sharded(dataset, ctx, options.padding)
         per = batch_size // ctx.num_input_pipelines
         passes = Passes(dataset)  # after the probe for files, which a resumed run makes too
 
     def read(epoch: int, start: int) -> Iterator[HostBatch]:
         elements = passes.open(epoch)
         if policy is AutoShardPolicy.DATA:
-            return global_batches(elements, ctx, remainder, start)
-        return local_batches(elements, ctx, remainder, start, per)
+            return global_batches(elements, ctx, remainder, start, padding=options.padding)
+        return local_batches(elements, ctx, remainder, start, per, padding=options.padding)
 
     count = _cardinality(dataset, remainder) if policy is not AutoShardPolicy.FILE else None
     return Plan(
@@ -179,7 +180,7 @@ def _policy(dataset: Any, policy: AutoShardPolicy) -> AutoShardPolicy:
     return policy
 
 
-def _file_sharded(dataset: Any, ctx: InputContext) -> tuple[Any, int]:
+def _file_sharded(dataset: Any, ctx: InputContext, padding: Padding) -> tuple[Any, int]:
     """tf.distribute's FILE rewrite: per-process batches of this process's files.
 
     Returns:
@@ -202,7 +203,7 @@ def _file_sharded(dataset: Any, ctx: InputContext) -> tuple[Any, int]:
                 "end the pipeline with .batch(global_batch_size), or use AutoShardPolicy.DATA.",
             )
         )
-    per = ctx.get_per_pipeline_batch_size(size)
+    per = pipeline_rows(size, ctx, padding)
     tf_options = tf.data.Options()
     tf_options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
     try:

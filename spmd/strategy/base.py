@@ -72,7 +72,11 @@ class Strategy:
       mesh: the devices, as a `jax.sharding.Mesh` with named axes.
       rules: ordered (regex, spec) rules over '/'-joined state paths; the first
         match wins. A spec is a `PartitionSpec`, None (replicate) or a
-        partitioner from `spmd.partitioners`. Unmatched leaves are replicated.
+        partitioner from `spmd.partitioners`. A leaf no rule or flax annotation
+        lays out keeps the sharding it arrives with (an unboxed linen state, as
+        MaxText's `setup_initial_state` returns it), read by its mesh axis
+        names; a leaf sharded over axes this mesh lacks is an error; the rest
+        are replicated. (The named strategies lay every leaf out their own way.)
       batch_axes: the mesh axes the leading axis of every batch is split over;
         their devices are the data-parallel replicas. The first axis by default.
       placement: where the state lives between steps: "device" memory, or
@@ -212,7 +216,8 @@ class Strategy:
           tree: the state, or flax NNX objects (whose annotations are read).
           sources: if True, each leaf is a record with `.spec` and `.source`
             instead: the spec and where it came from ("rule '<regex>'",
-            "annotation (...)", "partitioner (rule '<regex>')" or "default").
+            "annotation (...)", "partitioner (rule '<regex>')", "placed sharding"
+            or "default").
         """
         pure = nnx_state.pure(tree)
         shard_axes = tuple((a, self.mesh.shape[a]) for a in reversed(self.batch_axes))
@@ -220,6 +225,7 @@ class Strategy:
             "shard_axes": shard_axes,
             "logical_axis_rules": self.logical_axis_rules,
             "replicate_unmapped": self._replicate_unmapped,
+            "keep_placed": self._keeps_placed,
         }
         if sources:
             return resolve_sources(pure, self.rules, self.mesh, **options)
@@ -245,12 +251,32 @@ class Strategy:
             is_leaf=lambda x: isinstance(x, PartitionSpec),
         )
 
+    @property
+    def _keeps_placed(self) -> bool:
+        """Whether a leaf no rule or annotation lays out keeps the sharding it carries.
+
+        A `Strategy` built directly does; a named strategy (`MirroredStrategy`,
+        `ParameterServerStrategy`, ...) lays every leaf out by its own policy.
+        """
+        return not self._replicate_unmapped
+
     def _memory_kind_of(self, leaf: Any) -> str:
         """The placement's memory kind; PRNG keys (refused by `pinned_host`) stay on device."""
         return "device" if self.placement == "host" and is_key(leaf) else self.memory_kind
 
     def put(self, tree: Any) -> Any:
-        """Places an existing state per the rules. NNX objects are updated in place."""
+        """Places an existing state per the rules. NNX objects are updated in place.
+
+        Leaves are laid out as `state_spec` says: by a rule, a flax annotation
+        (linen boxes included) or a partitioner; on a `Strategy` built directly,
+        a leaf none of them covers keeps the sharding it carries (the unboxed
+        state MaxText's `setup_initial_state` returns keeps its layout), always
+        in the strategy's memory kind.
+
+        Raises:
+          ConfigurationError: a leaf none of them covers is sharded over mesh
+            axes this strategy's mesh lacks.
+        """
         check_runnable(self, "put")
         pure = nnx_state.pure(tree)
         placed = jax.tree.map(put_leaf, pure, self.state_sharding(pure))
@@ -297,30 +323,45 @@ class Strategy:
         return nnx_state.merge(graph["def"], placed)
 
     def _trace_create(self, pure_create: Callable[..., Any], args: tuple) -> Any:
-        """The abstract state `pure_create` makes; checks no layout its boxes asked for is lost.
+        """The abstract state `pure_create` makes; no layout its boxes asked for is lost.
+
+        A leaf that comes straight out of a sharding constraint that shards it
+        (`create_fn` unboxed flax linen boxes itself: `nn.meta.unbox` constrains
+        each leaf to its box's layout) carries that layout, which a `Strategy`
+        built directly keeps where no rule or annotation lays the leaf out.
 
         Raises:
-          ConfigurationError: a state leaf comes straight out of a sharding
-            constraint that shards it (`create_fn` unboxed flax linen boxes
-            itself, `nn.meta.unbox`), and no rule or annotation lays it out.
+          ConfigurationError: on a named strategy, such a leaf would come out
+            replicated (no rule or annotation lays it out).
         """
         closed, abstract = jax.make_jaxpr(pure_create, return_shape=True)(*args)
         asked = _constrained_outputs(closed.jaxpr)
         if not asked:
             return abstract
+        if self._keeps_placed:
+            leaves, treedef = jax.tree.flatten(abstract)
+            for index, spec in asked.items():
+                sharding = NamedSharding(self.mesh, spec)
+                leaf = leaves[index]
+                leaves[index] = jax.ShapeDtypeStruct(
+                    leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type
+                )
+            return treedef.unflatten(leaves)
         flat = jax.tree_util.tree_flatten_with_path(abstract)[0]
         layouts = jax.tree.leaves(self.state_spec(abstract, sources=True))
         for index, spec in asked.items():
             if layouts[index].source == "default":
                 raise ConfigurationError(
                     message(
-                        "A state leaf is laid out by a rule or a flax annotation; this one "
-                        "comes out of create_fn through a sharding constraint (what "
-                        "nn.meta.unbox applies to a linen box it unboxes), which spmd cannot "
-                        "read, so it would come out replicated.",
+                        f"{self.name} lays a state leaf out by a rule or a flax annotation; "
+                        "this one comes out of create_fn through a sharding constraint (what "
+                        "nn.meta.unbox applies to a linen box it unboxes), which it does not "
+                        "keep, so it would come out replicated.",
                         received(leaf=path_str(flat[index][0]), unboxed_constraint=spec),
                         "return the boxed state from create_fn (spmd keeps the boxes, and "
-                        "flax's apply reads through them), or add a rule for the path.",
+                        "flax's apply reads through them), add a rule for the path, or use "
+                        "spmd.Strategy(mesh, ...), which keeps the layout an unboxed leaf "
+                        "comes with.",
                     )
                 )
         return abstract
@@ -398,6 +439,7 @@ class Strategy:
           batch: a pytree of arrays whose `axis` is the global batch.
           axis: the batch axis (1 for K batches stacked for one call).
         """
+        check_runnable(self, "distribute_batch")
         self.check_batch(batch, axis)
         return jax.tree.map(lambda x: put_leaf(x, self.batch_sharding(np.ndim(x), axis)), batch)
 
@@ -409,7 +451,7 @@ class Strategy:
         Returns a `spmd.DistributedDataset`; `options` is a `spmd.InputOptions`
         (sharding policy, padding, prefetch). See docs/input.md.
         """
-
+        check_runnable(self, "distribute_dataset")
         return distribute_dataset(self, dataset, options)
 
     def distribute_datasets_from_function(
@@ -424,7 +466,7 @@ class Strategy:
         `ctx.get_per_pipeline_batch_size(global_batch_size)` rows. See
         docs/input.md.
         """
-
+        check_runnable(self, "distribute_datasets_from_function")
         return distribute_datasets_from_function(self, dataset_fn, options)
 
     def make_numpy_dataset(
@@ -570,6 +612,8 @@ class Strategy:
           >>> loss, grads = strategy.run(replica_fn, args=(x, y))
           >>> strategy.reduce("SUM", loss)
         """
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs))):
+            check_runnable(self, "strategy.run")  # eager; inside a step it is compiled with it
         return per_replica.run(self, fn, args, kwargs, axis_name)
 
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:

@@ -19,6 +19,7 @@ from spmd.strategy.base import Strategy
 from spmd.strategy.island_step import IslandStep, explain_islands
 from spmd.strategy.islands import ISLAND, DiLoCoState, island_strategies
 from spmd.strategy.replica import running_strategy
+from spmd.topologies import check_runnable
 from spmd.validate import positive_int
 
 __all__ = ["DiLoCo", "DiLoCoState"]
@@ -175,6 +176,7 @@ class DiLoCo:
         Returns:
           A `DiLoCoState`, placed: islands sharded over the `island` axis.
         """
+        check_runnable(self, "init")
         make = functools.partial(self._make, create_fn, kwargs)
         with self.layout.context():
             abstract = jax.eval_shape(make, *args)
@@ -327,6 +329,7 @@ class DiLoCo:
         Laid out as `synchronous` lays out your state: evaluate it with a step of
         `strategy.synchronous`, or save it as a plain model.
         """
+        check_runnable(self, "global_state")
         island = _island_index(island, self.islands)
         leaves, treedef = jax.tree.flatten(state.islands)
         positions, _ = self._params_of(treedef)
@@ -424,6 +427,7 @@ class DiLoCo:
           data: an iterator or dict whose position is restored too.
           islands: the island count the checkpoint was saved with (this one's by default).
         """
+        check_runnable(self, "restore")
         saved = self.islands if islands is None else positive_int(islands, "islands")
         target = self.abstract_state(create_fn, *args, **kwargs)
         if saved == self.islands:

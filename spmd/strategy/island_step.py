@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from spmd.strategy.islands import ISLAND, DiLoCoState, IslandsExplanation, cross
 from spmd.strategy.replica import in_replica_context
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
 from spmd.strategy.step_layout import conform
+from spmd.topologies import check_runnable
 
 if TYPE_CHECKING:
     from spmd.strategy.diloco import DiLoCo
@@ -51,6 +53,7 @@ class IslandStep:
     def __call__(self, state: DiLoCoState, *data: Any, **kwargs: Any) -> Any:
         if in_replica_context():
             raise ContextError(message(*STEP_IN_RUN))
+        check_runnable(self.strategy, "Calling a step")
         if kwargs:
             raise ConfigurationError(
                 message(
@@ -153,6 +156,12 @@ class _Programs:
         self.inner = jax.jit(self._inner, in_shardings=(self.sharding, batch), donate_argnums=(0,))
         positions, _ = strategy._params_of(jax.tree.structure(state.islands))
         fragments = strategy.fragment_leaves(len(positions))
+        self.spread = [
+            _spread(p.spec, x.shape, strategy.mesh)
+            for p, x in zip(
+                jax.tree.leaves(self.sharding.params), jax.tree.leaves(state.params), strict=True
+            )
+        ]
         self.sync = [
             jax.jit(
                 functools.partial(self._sync, positions, frag, f),
@@ -192,6 +201,11 @@ class _Programs:
         )
         return new, metrics, jnp.zeros((), jnp.int8)  # a handle on 'this call finished'
 
+    def _constrain(self, x: jax.Array, leaf: int, *outer: str) -> jax.Array:
+        """Parameter `leaf` (or its per-island stack, `outer` = island) split as `_spread` says."""
+        spec = PartitionSpec(*outer, *self.spread[leaf])
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.strategy.mesh, spec))
+
     def _sync(self, positions: tuple, fragment: tuple, index: int, state: DiLoCoState):
         """Averages one fragment's deltas over islands, steps the outer optimizer,
         and restarts every island's copy of the fragment from the new global values."""
@@ -200,8 +214,12 @@ class _Programs:
         params, params_def = jax.tree.flatten(state.params)
         current = tuple(params[j] for j in fragment)
         local = tuple(leaves[positions[j]] for j in fragment)
-        # the outer gradient: global - island, averaged over islands (one all-reduce)
-        grads = tuple(jnp.mean(g[None] - x, axis=0) for g, x in zip(current, local, strict=True))
+        # The outer gradient: global - island, averaged over islands by one all-reduce
+        # that each device of an island runs on its own part of every leaf (`_spread`).
+        grads = tuple(
+            self._constrain(jnp.mean(self._constrain(g[None] - x, j, ISLAND), axis=0), j)
+            for j, g, x in zip(fragment, current, local, strict=True)
+        )
         updates, outer = self.strategy.outer_optimizer.update(grads, state.outer[index], current)
         new = optax.apply_updates(current, updates)
         for j, value in zip(fragment, new, strict=True):
@@ -211,6 +229,27 @@ class _Programs:
         return DiLoCoState(
             params_def.unflatten(params), outers, treedef.unflatten(leaves), state.step
         )
+
+
+def _spread(spec: PartitionSpec, shape: tuple[int, ...], mesh: Any) -> PartitionSpec:
+    """A leaf's spec inside an island, also split over the island's axes it leaves free.
+
+    The sync's all-reduce across islands then carries 1/n of the leaf from each
+    of an island's n devices (XLA gathers the result back inside the island),
+    not the whole leaf from every device. The free axes go on the leaf's
+    largest dimension they divide, the outermost dropped until one does.
+    """
+    used = {a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
+    free = [a for a in mesh.axis_names if a not in used | {ISLAND} and mesh.shape[a] > 1]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    while free:
+        size = math.prod(mesh.shape[a] for a in free)
+        dims = [i for i, e in enumerate(entries) if e is None and shape[i] % size == 0]
+        if dims:
+            entries[max(dims, key=lambda i: shape[i])] = tuple(free)
+            break
+        free = free[1:]
+    return PartitionSpec(*entries)
 
 
 def explain_islands(step: IslandStep, state: Any, *data: Any) -> IslandsExplanation:
@@ -229,9 +268,9 @@ def explain_islands(step: IslandStep, state: Any, *data: Any) -> IslandsExplanat
         strategy.state_sharding(state),
     )
     programs = _Programs(step, sized, batches)
-    name = repr(strategy)
-    inner = explain_traced(name, programs.inner.trace(sized, batches), sized, batches)
-    sync = tuple(explain_traced(name, p.trace(sized), sized, ()) for p in programs.sync)
+    name, devices = repr(strategy), list(strategy.mesh.devices.flat)
+    inner = explain_traced(name, programs.inner.trace(sized, batches), sized, batches, devices)
+    sync = tuple(explain_traced(name, p.trace(sized), sized, (), devices) for p in programs.sync)
     user = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), sized.islands)
     user = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -239,11 +278,10 @@ def explain_islands(step: IslandStep, state: Any, *data: Any) -> IslandsExplanat
         strategy.synchronous.state_sharding(user),
     )
     synchronous = strategy.synchronous.explain(step.fn, user, *sizes)
-    per_island = strategy.mesh.devices.size // strategy.islands
-    count = strategy.mesh.devices.size
+    islands = strategy.islands
     sync_crossing: dict[str, Any] = {}
     for report in sync:
-        for kind, c in crossing(report.hlo, per_island, count).items():
+        for kind, c in crossing(report.hlo, islands, devices).items():
             old = sync_crossing.get(kind)
             sync_crossing[kind] = (
                 c if old is None else type(c)(kind, old.count + c.count, old.bytes + c.bytes)
@@ -253,7 +291,7 @@ def explain_islands(step: IslandStep, state: Any, *data: Any) -> IslandsExplanat
         sync=sync,
         synchronous=synchronous,
         sync_every=strategy.sync_every,
-        inner_crossing=crossing(inner.hlo, per_island, count),
+        inner_crossing=crossing(inner.hlo, islands, devices),
         sync_crossing=sync_crossing,
-        synchronous_crossing=crossing(synchronous.hlo, per_island, count),
+        synchronous_crossing=crossing(synchronous.hlo, islands, devices),
     )

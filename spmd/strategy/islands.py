@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -12,8 +12,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from spmd.errors import ConfigurationError, message, received
-from spmd.explain import COLLECTIVES, Collective, Explanation, _shape_bytes
+from spmd.explain import Collective, Explanation
 from spmd.mesh import make_mesh, order_devices, resolve_devices
+from spmd.roofline import flows, ring_bytes
 from spmd.strategy.base import Strategy
 
 __all__ = [
@@ -180,62 +181,47 @@ def _carve(inner: Strategy, islands: int) -> Mesh:
 
 # -- what crosses between islands ----------------------------------------------
 
-_GROUPS = re.compile(
-    r"(replica_groups|source_target_pairs)=(\{[{}\d,\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)"
-)
-_IOTA = re.compile(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_OP = re.compile(
-    r"=\s*(?P<type>\(.*?\)|[\w\[\],{}:]+)\s+(?P<op>"
-    + "|".join(COLLECTIVES)
-    + r")(?P<start>-start)?\("
-)
 
+def crossing(hlo_text: str, islands: int, devices: Sequence[Any]) -> dict[str, Collective]:
+    """The collectives of a compiled program that cross between islands, per device and step.
 
-def _groups(text: str, num_devices: int) -> list[list[int]]:
-    """The device groups of one collective's `replica_groups` (or permute pairs)."""
-    found = _GROUPS.search(text)
-    if found is None:
-        return [list(range(num_devices))]
-    value = found.group(2)
-    iota = _IOTA.fullmatch(value)
-    if iota:
-        shape = [int(x) for x in iota.group(1).split(",")]
-        dims = [int(x) for x in iota.group(2).split(",")]
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(x) for x in iota.group(3).split(",")])
-        return ids.reshape(shape[0], -1).tolist()
-    groups = [
-        [int(x) for x in g.split(",") if x.strip()] for g in re.findall(r"\{([\d,\s]*)\}", value)
-    ]
-    groups = [g for g in groups if g]
-    return groups or [list(range(num_devices))]
-
-
-def crossing(hlo_text: str, devices_per_island: int, num_devices: int) -> dict[str, Collective]:
-    """The collectives of a compiled program whose device groups span several islands.
-
-    Device ids are positions in the program's mesh, islands outermost, so device
-    `d` is in island `d // devices_per_island`.
+    Islands are the outermost equal parts of the program's mesh (`devices`, in
+    mesh order). XLA compiles one program per TPU slice: a collective in it
+    joins devices by their place in the slice (islands outermost), and a
+    data-center-network transfer (a megascale send) joins slices. A
+    collective whose groups span k islands, m devices (or slices) in each,
+    counts the bytes each device sends across when the collective runs
+    inside each island first and across islands second, as XLA's multi-slice
+    collectives do: a ring over the k islands of its part (1/m of an
+    all-reduce's or all-gather's bytes). A loop's collective counts once per
+    iteration.
 
     Returns:
-      kind -> `Collective` (count, bytes produced per device), as `spmd.Explanation`.
+      kind -> `Collective` (count; bytes: sent across islands per device).
     """
-    found: dict[str, list[int]] = {}
-    for line in hlo_text.splitlines():
-        match = _OP.search(line)
-        if not match:
+    n = len(devices)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    found: dict[str, list[float]] = {}
+    for flow in flows(hlo_text, n // slices, slices):
+        span = n if flow.link == "ICI" else slices  # ids in the program, or slice indices
+        spread = _spread(flow.groups, islands, span)
+        if spread is None:
             continue
-        groups = _groups(line, num_devices)
-        if all(len({d // devices_per_island for d in g}) <= 1 for g in groups):
-            continue
-        result = match["type"]
-        if match["start"] and result.startswith("("):
-            result = result[1:-1].split("),")[-1] if ")," in result else result.rsplit(", ", 1)[-1]
-        counts = found.setdefault(match["op"], [0, 0])
-        counts[0] += 1
-        counts[1] += _shape_bytes(result)
-    return {kind: Collective(kind, c, b) for kind, (c, b) in found.items()}
+        k, m = spread
+        part = flow.bytes / m if flow.kind in ("all-reduce", "all-gather") else flow.bytes
+        counts = found.setdefault(flow.kind, [0, 0.0])
+        counts[0] += flow.times
+        counts[1] += flow.times * ring_bytes(flow.kind, part, k)
+    return {kind: Collective(kind, int(c), round(b)) for kind, (c, b) in found.items()}
+
+
+def _spread(groups: Sequence[Sequence[int]], islands: int, span: int) -> tuple[int, int] | None:
+    """(islands, members in each) of the first group that spans islands; None if none does."""
+    for group in groups:
+        members = Counter(member * islands // span for member in group)
+        if len(members) > 1:
+            return len(members), max(members.values())
+    return None
 
 
 @dataclass(frozen=True)

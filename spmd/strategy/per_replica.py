@@ -246,6 +246,11 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     (callbacks) are the same: a new lambda each call
     compiles once and always sees current values, and never gets another
     function's output structure or callback.
+
+    A shared program only runs, on concrete arrays. A call that reads a traced
+    value (an argument, or a value `fn` closes over, of an enclosing `jax.grad`,
+    `jax.vmap` or step) runs `fn`'s own program, traced anew: transforming it
+    (differentiating it, with `fn`'s own custom derivative rules) is then JAX's.
     """
     if any(isinstance(x, jax.core.Tracer) for x in flat):  # inside a step: its trace caches
         return _jitted(fn, structure)
@@ -253,7 +258,10 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     by_fn = (_Identity(fn), structure, signature)
     program = _BY_FUNCTION.get(by_fn)
     if program is None:
-        traced = _jitted(fn, structure).trace(*flat)
+        jitted = _jitted(fn, structure)
+        traced = jitted.trace(*flat)
+        if _reads_traced_values(traced, flat):
+            return jitted
         by_jaxpr = (
             structure,
             signature,
@@ -277,6 +285,19 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
 # function identity -> program, and traced program -> program; bounded, LRU.
 _BY_FUNCTION: collections.OrderedDict = collections.OrderedDict()
 _BY_JAXPR: collections.OrderedDict = collections.OrderedDict()
+
+
+def _reads_traced_values(traced: Any, flat: list) -> bool:
+    """Whether a traced program reads values of an enclosing trace besides `flat`.
+
+    `fn` closing over a tracer (`jax.grad`'s, a step's) gets it as an extra
+    leading input of its jaxpr (or, in older JAX, a constant): its program is
+    transformed with that trace, which a replay of another function's jaxpr
+    could not be (and would do with that function's derivative rules).
+    """
+    if len(traced.jaxpr.in_avals) != len(flat):
+        return True
+    return any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts)
 
 
 def _replay(traced: Any) -> Callable:
@@ -309,8 +330,9 @@ def _functions_key(jaxpr: Any) -> tuple:
     A printed jaxpr names a callback without telling two functions apart, so two
     programs that print alike may call different Python code; their functions
     are part of the key, sub-jaxprs included. A custom derivative's rules are
-    not: a shared program only runs, on concrete arrays (a traced `run` is
-    traced anew), so it never calls them, and each trace wraps them in a new
+    not: a shared program only runs, on concrete arrays (a `run` that reads a
+    traced value, its arguments or its closure's, runs its own program: see
+    `_program`), so it never calls them, and each trace wraps them in a new
     function (a new lambda calling jax.nn.relu would compile every time).
     Each equation's name stack (`jax.named_scope`) is part of it too: the printed
     jaxpr leaves it out, and a profile names its ops by it.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -14,16 +16,27 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from spmd.clusters import hang_watch
 from spmd.clusters.agreement import Agreement
 from spmd.clusters.jax_state import coordination_client
 from spmd.errors import BatchError, ConfigurationError, message, received
 from spmd.rules import path_str
 from spmd.strategy import nnx_state
+from spmd.validate import positive_number
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["agree_on_batch", "check_arguments", "data_names", "register", "static_key"]
+__all__ = [
+    "AGREE_TIMEOUT_S",
+    "ENV_AGREE_TIMEOUT",
+    "agree_on_batch",
+    "agree_timeout",
+    "check_arguments",
+    "data_names",
+    "register",
+    "static_key",
+]
 
 # The last strategy built on each mesh, to say which one placed a state.
 _BY_MESH: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -35,8 +48,10 @@ NNX_OUTSIDE_STATE = (
 )
 
 
-# How long a process waits for the others to reach a step with a new batch signature.
+# How long a process waits for the others to reach a step with a new batch signature
+# where no hang watch bounds the wait, unless ENV_AGREE_TIMEOUT says otherwise (seconds).
 AGREE_TIMEOUT_S = 300.0
+ENV_AGREE_TIMEOUT = "SPMD_BATCH_AGREE_TIMEOUT"
 # Each new batch signature of any step takes the next number, in the same order on
 # every process (their steps run the same programs in the same order).
 _AGREEMENTS = itertools.count()
@@ -77,7 +92,7 @@ def agree_on_batch(fn: Any, data: tuple) -> None:
 
     Raises:
       BatchError: the processes' signatures differ, or one did not reach the step
-        within `AGREE_TIMEOUT_S`.
+        within `agree_timeout()` seconds.
     """
     client = coordination_client()
     if client is None:
@@ -88,8 +103,37 @@ def agree_on_batch(fn: Any, data: tuple) -> None:
         f"{name}: {_describe(entry)}" for name, entry in zip(names, data, strict=False)
     )
     record = {"batch": f"{described} ({len(leaves)} arrays, {treedef})"}
-    check = _BatchSignatures(client, AGREE_TIMEOUT_S, f"spmd/step/{next(_AGREEMENTS)}")
+    check = _BatchSignatures(client, agree_timeout(), f"spmd/step/{next(_AGREEMENTS)}")
     check.agree(0, record)
+
+
+def agree_timeout() -> float:
+    """The seconds a process waits for the others at a step's new batch signature.
+
+    `SPMD_BATCH_AGREE_TIMEOUT` where it is set. Otherwise no bound of its own
+    (infinity) while this process's hang watch runs: a process that never comes
+    to the step is a hung process, which the watch names with its stack within
+    `hang_timeout` (exit code 75, restarted by `spmd launch`), where a timeout
+    here would blame the batch (a BatchError, exit code 78, not restarted).
+    Without a hang watch (no `spmd.initialize()` of several processes),
+    `AGREE_TIMEOUT_S`.
+
+    Raises:
+      ConfigurationError: the variable is set to something else than a positive number.
+    """
+    value = os.environ.get(ENV_AGREE_TIMEOUT, "").strip()
+    if not value:
+        return math.inf if hang_watch.RUNNING.is_set() else AGREE_TIMEOUT_S
+    try:
+        seconds: object = float(value)
+    except ValueError:
+        seconds = value
+    return positive_number(
+        seconds,
+        ENV_AGREE_TIMEOUT,
+        fix=f"set {ENV_AGREE_TIMEOUT} to a number of seconds, e.g. 60, or unset it for "
+        "the default (the hang watch's bound).",
+    )
 
 
 def _describe(entry: Any) -> str:

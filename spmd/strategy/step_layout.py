@@ -44,11 +44,17 @@ def check_layout(strategy: Strategy, pure: Any, shardings: list, is_nnx: bool) -
         if is_nnx
         else "state = strategy.put(state)"
     )
+    if strategy._keeps_placed:  # put keeps the layout of a leaf no rule or annotation covers
+        fix += (
+            "; a leaf that no rule or annotation lays out keeps the layout it arrives with, "
+            "so move it to the expected sharding (jax.device_put(leaf, expected)) or add a "
+            "rule for its path"
+        )
     raise ConfigurationError(
         message(
             f"The state must be placed by this step's strategy, {strategy!r}; an array was "
-            "put into it with another layout (e.g. weights copied from a model another "
-            "strategy placed).",
+            "put into it with another layout than the step's program takes (e.g. weights "
+            "copied from a model another strategy placed).",
             received(leaf=path_str(path), sharding=leaf.sharding, expected=sharding),
             f"place it with this strategy first: {fix}.",
         )

@@ -13,9 +13,10 @@ import numpy as np
 from spmd.clusters.initialize import check_initialized_under_launcher
 from spmd.errors import ConfigurationError, message, received
 from spmd.logical import LogicalRules
-from spmd.mesh import make_mesh, order_devices, prime_factors, resolve_devices
+from spmd.mesh import dividing_devices, make_mesh, order_devices, prime_factors, resolve_devices
 from spmd.rules import MinSizePartitioner, Partitioner
 from spmd.strategy.base import Strategy, _default_strategy
+from spmd.validate import positive_int
 
 __all__ = [
     "CentralStorageStrategy",
@@ -122,12 +123,21 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
     *,
     logical_axis_rules: LogicalRules = (),
     topology: Sequence[Any] | None = None,
+    global_batch_size: int | None = None,
 ) -> Strategy:
     """Synchronous data parallelism over every device of every process.
 
     Mesh axes `(host, replica)`: hosts outermost, so only the outer axis of the
     all-reduce crosses the network. Call `spmd.initialize()` first in every
     process.
+
+    With `global_batch_size`, the mesh takes the most devices whose count
+    divides it, spread evenly over the processes, so every replica gets the
+    same whole rows and nothing is padded; the devices left out stay idle.
+    E.g. a global batch of 6 on 2 processes of 2 devices: 3 replicas, 2 in
+    process 0 and 1 in process 1. Where the processes then hold unequal
+    numbers of replicas, the mesh is one `replica` axis, and input must be
+    DATA-sharded (every process reads each global batch and keeps its rows).
 
     Args:
       communication_options: which all-reduce to use (see `CommunicationOptions`).
@@ -136,14 +146,28 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
       topology: an `spmd.topology(...)` to compile for instead of this job's
         devices: its hosts and their chips make the mesh (the strategy
         compiles and explains steps; it cannot run them).
+      global_batch_size: use the most devices whose count divides it (an
+        elastic job keeps its global batch, unpadded, at any process count);
+        not with `topology`.
 
     Raises:
-      ConfigurationError: processes have different device counts, or NCCL is
-        asked for on a platform without it.
+      ConfigurationError: processes have different device counts, NCCL is
+        asked for on a platform without it, the largest count of devices
+        that divides `global_batch_size` leaves a process without one, or
+        both `topology` and `global_batch_size` are given.
     """
     check_initialized_under_launcher()
     options = communication_options or CommunicationOptions()
     if topology is not None:
+        if global_batch_size is not None:
+            raise ConfigurationError(
+                message(
+                    "A topology's strategy compiles for all its chips; global_batch_size "
+                    "picks devices of this job to run on.",
+                    received(topology=topology, global_batch_size=global_batch_size),
+                    "pass one of them.",
+                )
+            )
         devices = resolve_devices(topology)
         hosts = len({d.process_index for d in devices})
         mesh = make_mesh({"host": hosts, "replica": len(devices) // hosts}, devices)
@@ -173,10 +197,29 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
                 "start every worker with the same devices per process.",
             )
         )
-    mesh = make_mesh({"host": hosts, "replica": per_host})
+    if global_batch_size is None:
+        mesh = make_mesh({"host": hosts, "replica": per_host})
+    else:
+        size = positive_int(global_batch_size, "global_batch_size", fix="pass e.g. 64, or None.")
+        mesh = _dividing_mesh(size)
     return _named(
-        mesh, logical_axis_rules, batch_axes=("host", "replica"), name="MultiWorkerMirroredStrategy"
+        mesh,
+        logical_axis_rules,
+        batch_axes=mesh.axis_names,
+        name="MultiWorkerMirroredStrategy",
     )
+
+
+def _dividing_mesh(global_batch_size: int) -> Any:
+    """`(host, replica)` over the most devices that divide the batch, or one `replica`
+    axis where the processes hold unequal numbers of them."""
+    devices = dividing_devices(jax.devices(), global_batch_size)
+    counts = {p: 0 for p in range(jax.process_count())}
+    for device in devices:
+        counts[device.process_index] += 1
+    if len(set(counts.values())) == 1:
+        return make_mesh({"host": len(counts), "replica": len(devices) // len(counts)}, devices)
+    return make_mesh({"replica": len(devices)}, devices)
 
 
 def _check_cpu_collectives(implementation: CommunicationImplementation, platform: str) -> None:

@@ -32,9 +32,14 @@ class BatchChecks:
         self._checked: set = set()
         self._outputs: dict = {}  # first batches' shapes -> the model's outputs (abstract)
 
-    def check(self, trainer: Trainer, batch: tuple, what: str, first: bool) -> None:
+    def check(
+        self, trainer: Trainer, batch: tuple, what: str, first: bool, placed: bool = True
+    ) -> None:
         """Checks a batch before it runs: rows and microbatches once per batch signature
         (structure and shapes: all they read), labels and outputs on a first batch.
+
+        A batch not `placed` is the data's own first rows, read before the
+        dataset pads them for the replicas: its microbatches are not checked.
 
         Raises:
           BatchError: a batch without rows, rows that do not split into the
@@ -46,10 +51,10 @@ class BatchChecks:
             shapes = [v.shape for v in leaves]
         except AttributeError:
             shapes = [np.shape(v) for v in leaves]
-        signature = (what, treedef, *shapes)
+        signature = (what, placed, treedef, *shapes)
         if not first and signature in self._checked:
             return
-        _check_form(trainer, batch, what)
+        _check_form(trainer, batch, what, placed)
         if len(self._checked) >= _CHECKED_SIZE:
             self._checked.clear()
         self._checked.add(signature)
@@ -83,20 +88,35 @@ class BatchChecks:
         check_label_range(trainer.loss_name, outputs, y, what)  # the values: every first batch
 
 
-def _check_form(trainer: Trainer, batch: tuple, what: str) -> None:
+def _check_form(trainer: Trainer, batch: tuple, what: str, placed: bool) -> None:
     """The checks of a batch's form (rows, microbatches, a mask with BatchNorm)."""
     check_rows(batch, what)
     if what == "fit":
-        check_microbatches(batch, trainer.grad_accum_steps, trainer.strategy.num_replicas_in_sync)
+        if placed:
+            replicas = trainer.strategy.num_replicas_in_sync
+            check_microbatches(batch, trainer.grad_accum_steps, replicas)
         if batch[3] is not None and trainer._model.batch_stats:
-            raise BatchError(_PADDED_BATCH_STATS)
+            raise BatchError(_padded_batch_stats(trainer, batch))
 
 
-_PADDED_BATCH_STATS = message(
-    "Training on padded batches needs a model without BatchNorm statistics: the mask keeps "
-    "the padding out of the loss, but the padded rows would enter the batch statistics.",
-    received(remainder="pad", model_has_batch_stats=True),
-    "train on a dataset that drops the last partial batch (drop_remainder=True, or "
-    'InputOptions(remainder="drop")), or pass the arrays with batch_size (fit drops it); '
-    "keep padding for evaluate and predict.",
-)
+def _padded_batch_stats(trainer: Trainer, batch: tuple) -> str:
+    """Why a model with BatchNorm statistics cannot train on a padded batch, and the ways out."""
+    rows = np.shape(jax.tree.leaves(batch[0])[0])[0]
+    return message(
+        "Training on padded batches needs a model without BatchNorm statistics: the mask keeps "
+        "the padding out of the loss, but the padded rows would enter the batch statistics. "
+        "Batches are padded where the last batch is partial (remainder='pad'), or where the "
+        "global batch does not split evenly over the replicas (x grad_accum_steps).",
+        received(
+            model_has_batch_stats=True,
+            batch_rows=rows,
+            num_replicas_in_sync=trainer.strategy.num_replicas_in_sync,
+            grad_accum_steps=trainer.grad_accum_steps,
+        ),
+        "train on a dataset that drops the last partial batch (drop_remainder=True, or "
+        'InputOptions(remainder="drop"); fit on arrays drops it), with a global batch size '
+        "that splits over the replicas x grad_accum_steps at every process count the job runs "
+        "at (e.g. 12 for 6, 4 and 2 replicas), or over a strategy whose replica count divides "
+        "it: spmd.MultiWorkerMirroredStrategy(global_batch_size=...) uses the most devices "
+        "that do; keep padding for evaluate and predict.",
+    )

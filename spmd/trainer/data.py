@@ -75,11 +75,16 @@ def as_dataset(
     pad: bool,
     seed: int,
     what: str,
+    microbatches: int = 1,
 ) -> DistributedDataset:
     """The distributed dataset of `data`: arrays, an iterable of batches, or one already.
 
     With `pad` (evaluate, predict) a last partial batch is padded and every
     batch is a `PaddedBatch`, so nothing is dropped and padding never counts.
+    A global batch the replicas (times `microbatches`) do not split evenly is
+    padded at its end with masked rows (`uneven_batch="pad_if_uneven"`): the
+    steps weigh only the real rows, so the global batch, and the training,
+    are the same at any replica count.
 
     Raises:
       BatchError: arrays without a batch size, or without examples (or, for
@@ -91,6 +96,7 @@ def as_dataset(
     if isinstance(data, DistributedDataset):
         check_distributed(data, pad=pad, what=what)
         return data
+    uneven = {"uneven_batch": "pad_if_uneven", "microbatches": microbatches}
     if is_arrays(data):
         check_examples(data, batch_size, pad=pad, what=what)
         if batch_size is None:
@@ -98,17 +104,17 @@ def as_dataset(
                 message(
                     f"{what} with arrays needs batch_size: the global batch size.",
                     received(batch_size=None, examples=len(jax.tree.leaves(data[0])[0])),
-                    f"pass batch_size=, a multiple of {strategy.num_replicas_in_sync} "
-                    "(the replicas), e.g. 64.",
+                    f"pass batch_size=, e.g. 64 (a multiple of the {strategy.num_replicas_in_sync} "
+                    "replicas is never padded).",
                 )
             )
         arrays = tuple(jax.tree.map(np.asarray, a) for a in data)
         ds = strategy.make_numpy_dataset(
             arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=not pad
         )
-        return strategy.distribute_dataset(ds)
+        return strategy.distribute_dataset(ds, InputOptions(**uneven))
     if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
-        options = InputOptions(remainder="pad") if pad else None
+        options = InputOptions(remainder="pad" if pad else None, **uneven)
         return strategy.distribute_dataset(data, options)
     raise ConfigurationError(
         message(
@@ -315,7 +321,9 @@ def check_microbatches(batch: tuple, steps: int, replicas: int) -> None:
                     num_replicas_in_sync=replicas,
                 ),
                 f"use a global batch size that is a multiple of {steps * replicas} "
-                f"(grad_accum_steps x replicas), or a grad_accum_steps that divides {per_replica}.",
+                f"(grad_accum_steps x replicas), or a grad_accum_steps that divides "
+                f"{per_replica}, or let the dataset pad it: InputOptions(uneven_batch="
+                f'"pad_if_uneven", microbatches={steps}) (fit pads arrays so by itself).',
             )
         )
 

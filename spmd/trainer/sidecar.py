@@ -6,16 +6,20 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import optax
+from flax import nnx
 
 from spmd.checkpoint import guard
 from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.manager import CheckpointManager
 from spmd.errors import CheckpointError, ConfigurationError, message, received
+from spmd.strategy.base import Strategy
 from spmd.trainer.callbacks import Callback, CallbackList
+from spmd.trainer.losses import Metric
 from spmd.trainer.tensorboard import TensorBoard
 from spmd.trainer.trainer import Trainer
 from spmd.validate import positive_int, positive_number
@@ -49,38 +53,60 @@ class SidecarEvaluator:
     step.
 
     Args:
-      model_or_trainer: a `spmd.Trainer` of the training job's model (the
-        same module and config: its parameters and other model state are
-        read from each checkpoint, never the optimizer state), with the loss
-        and metrics to evaluate, on the evaluator's strategy. Each checkpoint
-        replaces its parameters: give the evaluator a Trainer of its own.
+      model_or_trainer: the training job's model (the same module class and
+        config: its parameters and other model state are read from each
+        checkpoint, never the optimizer state), as Keras takes a compiled
+        model: a flax `nnx.Module` or an (init, apply) pair, with `loss` and
+        `metrics`; or a `spmd.Trainer` of it, which brings its own loss,
+        metrics and strategy. Each checkpoint replaces the model's
+        parameters: give the evaluator a model (or Trainer) of its own.
       data: the evaluation data, as `Trainer.evaluate` takes it (arrays with
         `batch_size`, or a re-iterable of batches): read anew for each step.
       checkpoint_dir: the training job's checkpoint directory (e.g. its
         `ModelCheckpoint` directory); it may not exist yet.
-      steps: evaluate the first `steps` batches of `data` (None: all of it).
+      steps: evaluate the first `steps` batches of `data` (None: all of it);
+        needed for a dataset that never ends (`repeat()`), as in Keras.
       max_evaluations: stop after this many evaluations (None: no limit).
-        Unlike Keras, a count of evaluations, not a checkpoint number.
+        Keras stops after the checkpoint whose number (`ckpt-<k>`, one per
+        save or epoch) reaches it; spmd names checkpoints by train step and
+        evaluates each in turn, so this counts evaluations: with one
+        checkpoint per epoch, `max_evaluations=n` stops after the n-th, as
+        Keras does. Skipped (damaged or removed) steps do not count.
       log_dir: write each step's metrics as TensorBoard scalars
         `evaluation_<metric>_vs_iterations` at the step, under
         `log_dir/validation` (as Keras' TensorBoard callback does).
       callbacks: `spmd.callbacks.Callback`s; `on_test_begin` and
         `on_test_end(logs)` are called around each evaluation, with
-        `trainer.iterations` set to the step.
+        `trainer.iterations` set to the checkpoint's step, the train step it
+        was saved at (Keras restores `optimizer.iterations`).
+        `spmd.callbacks.TensorBoard(log_dir)` here writes what `log_dir` does.
+      loss: with a bare model, the loss to evaluate, as `spmd.Trainer` takes
+        it (a name such as "sparse_categorical_crossentropy", or a callable
+        (outputs, labels) -> per-example loss): Keras' `model.compile(loss=)`.
+      metrics: with a bare model, the metrics, as `spmd.Trainer` takes them
+        (e.g. ("accuracy",)): Keras' `model.compile(metrics=)`.
+      strategy: with a bare model, where to evaluate (the current strategy
+        by default; any device count).
       batch_size: the global batch size, with array data.
       poll_interval: seconds between looks at the directory (at most 600).
       timeout: stop after this many seconds without a new step (None: wait
         for the run's final step).
 
+    Raises:
+      ConfigurationError: a bare model without `loss`, a Trainer with
+        `loss`, `metrics` or `strategy` (it has its own), or an argument out
+        of range.
+
     Example:
-      >>> evaluator = spmd.SidecarEvaluator(trainer, (x_val, y_val), "/ckpt/run",
-      ...                                   batch_size=256, log_dir="/logs/run")  # doctest: +SKIP
+      >>> evaluator = spmd.SidecarEvaluator(
+      ...     Net(nnx.Rngs(0)), (x_val, y_val), "/ckpt/run", loss="sparse_categorical_crossentropy",
+      ...     metrics=("accuracy",), batch_size=256, log_dir="/logs/run")  # doctest: +SKIP
       >>> history = evaluator.start()  # {step: {"loss": ..., "accuracy": ...}}  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        model_or_trainer: Trainer,
+        model_or_trainer: Any,
         data: Any,
         checkpoint_dir: str,
         steps: int | None = None,
@@ -88,20 +114,27 @@ class SidecarEvaluator:
         log_dir: str | None = None,
         callbacks: Sequence[Callback] = (),
         *,
+        loss: str | Callable | None = None,
+        metrics: Sequence[str | Metric] = (),
+        strategy: Strategy | None = None,
         batch_size: int | None = None,
         poll_interval: float = 1.0,
         timeout: float | None = None,
     ) -> None:
-        self.trainer = _check_trainer(model_or_trainer)
+        self.trainer = _as_trainer(model_or_trainer, loss, metrics, strategy)
         self.data, self.batch_size = _check_data(data), batch_size
         self.checkpoint_dir = _check_directory(checkpoint_dir)
         self.steps = _optional_count(steps, "steps", "batches per evaluation")
         self.max_evaluations = _optional_count(max_evaluations, "max_evaluations", "evaluations")
         self.poll_interval = _check_poll(poll_interval)
         self.timeout = None if timeout is None else positive_number(timeout, "timeout")
-        self._board = TensorBoard(log_dir) if log_dir else None
-        self.callbacks = list(callbacks) + ([self._board] if self._board else [])
+        self.callbacks = list(callbacks) + ([TensorBoard(log_dir)] if log_dir else [])
         self.history: dict[int, dict[str, float]] = {}
+
+    @property
+    def model(self) -> Any:
+        """The model, holding the weights of the last checkpoint evaluated (Keras' `model`)."""
+        return self.trainer.model
 
     def start(self) -> dict[int, dict[str, float]]:
         """Evaluates each new checkpoint until the run's final step (see the class).
@@ -110,24 +143,27 @@ class SidecarEvaluator:
           {step: {"loss": ..., metric: ...}} for every step evaluated, oldest first.
 
         Raises:
-          CheckpointError: a checkpoint's model is not the trainer's (the
-            message names the paths), or its files exist but cannot be read
-            (permissions). Damaged and removed steps are skipped.
+          CheckpointError: a checkpoint's model is not the evaluator's (the
+            message names the paths that differ), or its files exist but
+            cannot be read (permissions). Damaged and removed steps are skipped.
           BatchError: `data` has no batch.
+          ConfigurationError: `data` never ends (repeat()) and `steps` is None.
         """
         trainer = self.trainer
         trainer.build()
         dataset = trainer._dataset(
             self.data, self.batch_size, shuffle=False, pad=True, what="SidecarEvaluator data"
         )
+        _check_ends(dataset, self.steps)
         hooks = CallbackList(self.callbacks, trainer, {"steps": self.steps, "verbose": 0})
         reader = CheckpointManager(self.checkpoint_dir, read_only=True)
         try:
             self._loop(reader, dataset, hooks)
         finally:
             reader.close()
-            if self._board is not None:
-                self._board.on_train_end()  # closes its event files
+            for callback in self.callbacks:  # log_dir's, and any given as Keras users do
+                if isinstance(callback, TensorBoard):
+                    callback.on_train_end()  # closes its event files: the last events land
         return self.history
 
     def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:
@@ -242,6 +278,19 @@ def _check_directory(directory: Any) -> str:
     )
 
 
+def _check_ends(dataset: Any, steps: int | None) -> None:
+    """Raises for a dataset that never ends without `steps`: no evaluation would end."""
+    if getattr(dataset, "infinite", False) and steps is None:
+        raise ConfigurationError(
+            message(
+                "SidecarEvaluator on a dataset that never ends (repeat() with no count) needs "
+                "steps: the number of batches of each evaluation (as Keras asks).",
+                received(steps=None, data="infinite"),
+                "pass steps=N, or repeat the dataset a finite number of times.",
+            )
+        )
+
+
 def _check_data(data: Any) -> Any:
     """`data`, unless it is a one-shot iterator: it is read anew for every checkpoint."""
     if hasattr(data, "__next__") and iter(data) is data:
@@ -257,18 +306,51 @@ def _check_data(data: Any) -> Any:
     return data
 
 
-def _check_trainer(value: Any) -> Trainer:
+def _as_trainer(
+    value: Any, loss: Any, metrics: Sequence[Any], strategy: Strategy | None
+) -> Trainer:
+    """The Trainer that evaluates: `value` itself, or one built around a bare model."""
+    given = {k: v for k, v in (("loss", loss), ("metrics", metrics), ("strategy", strategy)) if v}
     if isinstance(value, Trainer):
+        if given:
+            raise ConfigurationError(
+                message(
+                    "A spmd.Trainer brings its own loss, metrics and strategy to SidecarEvaluator.",
+                    received(model_or_trainer="Trainer", **given),
+                    "pass them to the Trainer (spmd.Trainer(model, optimizer, loss, "
+                    "metrics=..., strategy=...)), or pass the bare model with them.",
+                )
+            )
         return value
-    raise ConfigurationError(
-        message(
-            "SidecarEvaluator evaluates with a spmd.Trainer: it knows where the model's "
-            "parameters sit in a saved train state, and the loss and metrics to compute.",
-            received(model_or_trainer=type(value).__name__),
-            "wrap the training job's model on this job's strategy: spmd.Trainer(model, "
-            "optimizer, loss, metrics=...) (any optimizer: its state is not read), and pass it.",
+    if not _is_model(value):
+        raise ConfigurationError(
+            message(
+                "model_or_trainer is the training job's model (a flax nnx.Module, or an "
+                "(init, apply) pair) or a spmd.Trainer of it.",
+                received(model_or_trainer=type(value).__name__),
+                "pass the module the training job trains (a fresh instance of the same class "
+                "and config), with loss=... and metrics=..., or a spmd.Trainer.",
+            )
         )
-    )
+    if loss is None:
+        raise ConfigurationError(
+            message(
+                "SidecarEvaluator evaluates a model's loss (and metrics) on each checkpoint; "
+                "a bare model needs them, as spmd.Trainer does (Keras' SidecarEvaluator takes "
+                "them from model.compile).",
+                received(model_or_trainer=type(value).__name__, loss=None),
+                "pass loss= and metrics= as the Trainer takes them: spmd.SidecarEvaluator(model, "
+                'data, checkpoint_dir, loss="sparse_categorical_crossentropy", '
+                'metrics=("accuracy",)), or pass a spmd.Trainer of the model.',
+            )
+        )
+    # Only the model is read from each checkpoint: an optimizer without state keeps none.
+    return Trainer(value, optax.identity(), loss, metrics, strategy)
+
+
+def _is_model(value: Any) -> bool:
+    pair = isinstance(value, tuple) and len(value) == 2 and all(map(callable, value))
+    return isinstance(value, nnx.Module) or pair
 
 
 def _optional_count(value: Any, name: str, what: str) -> int | None:

@@ -100,7 +100,8 @@ class Trainer:
         dispatches where they dominate.
       grad_accum_steps: split each batch into this many microbatches and
         apply one update with their summed gradients (the same update as the
-        whole batch, with less memory).
+        whole batch, with less memory); a batch each replica's rows do not
+        split into them is padded with masked rows.
       mixed_precision: "bfloat16" (or "float16") computes the forward and
         backward pass in that type; parameters and optimizer state stay float32.
       seed: the seed of an (init, apply) model's parameters and of shuffling.
@@ -218,12 +219,21 @@ class Trainer:
         return self.state["params"] if self.state is not None else self._model.params
 
     def host_state(self) -> Any:
-        """The whole train state as numpy arrays, gathered from every process."""
+        """The whole train state as numpy arrays, gathered from every process (typed PRNG
+        keys, e.g. a Dropout's, as key arrays over their gathered key data)."""
         from jax.experimental import multihost_utils
 
         if jax.process_count() == 1:
             return jax.device_get(self.state)
-        return multihost_utils.process_allgather(self.state, tiled=True)
+        data = jax.tree.map(lambda a: jax.random.key_data(a) if _is_key(a) else a, self.state)
+        gathered = multihost_utils.process_allgather(data, tiled=True)
+        return jax.tree.map(
+            lambda a, g: (
+                jax.random.wrap_key_data(g, impl=jax.random.key_impl(a)) if _is_key(a) else g
+            ),
+            self.state,
+            gathered,
+        )
 
     def load_state(self, tree: Any) -> None:
         """Replaces the train state (e.g. a restored or remembered one), placed per the strategy."""
@@ -330,7 +340,7 @@ class Trainer:
         ):
             batch = host_first(source, size, what)
             if batch is not None:
-                self._check_batch(train_args(batch, what), what, first=True)
+                self._check_batch(train_args(batch, what), what, first=True, placed=False)
 
     def _check_finite(self, wait: bool) -> None:
         """Raises if a step's loss was NaN/inf; reads the flag only once it is computed
@@ -353,15 +363,22 @@ class Trainer:
             cause = int(jax.device_get(self.state.get("nan_cause", NAN_LOSS)))
             raise NonFiniteLossError(_non_finite_message(cause, self.epoch, step - start, step))
 
-    def _check_batch(self, batch: tuple, what: str, first: bool) -> None:
+    def _check_batch(self, batch: tuple, what: str, first: bool, placed: bool = True) -> None:
         """Checks a batch before it runs (see `BatchChecks.check`)."""
-        self._checks.check(self, batch, what, first)
+        self._checks.check(self, batch, what, first, placed)
 
     # -- data -----------------------------------------------------------------
 
     def _dataset(self, data: Any, batch_size: int | None, *, shuffle: bool, pad: bool, what: str):
         return as_dataset(
-            self.strategy, data, batch_size, shuffle=shuffle, pad=pad, seed=self.seed, what=what
+            self.strategy,
+            data,
+            batch_size,
+            shuffle=shuffle,
+            pad=pad,
+            seed=self.seed,
+            what=what,
+            microbatches=self.grad_accum_steps if what == "fit" else 1,
         )
 
     # -- fit / evaluate / predict ---------------------------------------------
@@ -386,6 +403,9 @@ class Trainer:
             global batch; an iterable of such batches (re-iterable for several
             epochs); or a distributed dataset.
           batch_size: the global batch size, over every replica and process.
+            One the replicas (times `grad_accum_steps`) do not split evenly is
+            padded at its end with masked rows, which weigh nothing: the same
+            update at any replica count (docs/trainer.md).
           epochs: the epoch to stop at (counting `initial_epoch`).
           steps_per_epoch: stop an epoch after this many batches.
           shuffle: a new order each epoch (arrays only), from the trainer's seed.
@@ -620,6 +640,11 @@ _AMBIGUOUS_PREDICT = message(
     "for several inputs pass predict([x1, x2], batch_size=64); for batches of one input "
     "pass [(b,) for b in batches].",
 )
+
+
+def _is_key(leaf: Any) -> bool:
+    """Whether a state leaf is a typed PRNG key array (no numpy form: gathered as key data)."""
+    return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _like(values: Any, placed: Any) -> Any:

@@ -18,3 +18,14 @@ def one_process(tmp_path_factory) -> dict:
     out = folder / "one.npz"
     run_processes(command(folder / "ckpt", out), 1, devices_per_process=4, env=child_env())
     return dict(np.load(out))
+
+
+@pytest.fixture(scope="session")
+def one_device_batch_6(tmp_path_factory) -> dict:
+    """The oracle of a global batch of 6: resume_worker.py on one process with one device."""
+    folder = tmp_path_factory.mktemp("elastic_oracle_6")
+    out = folder / "one.npz"
+    run_processes(
+        command(folder / "ckpt", out, "--batch", "6"), 1, devices_per_process=1, env=child_env()
+    )
+    return dict(np.load(out))

@@ -139,7 +139,10 @@ expect_error(
     "fewer_files",
     lambda: strategy.distribute_dataset(one_file, spmd.InputOptions(auto_shard_policy="FILE")),
 )
-expect_error("not_divisible", lambda: strategy.make_numpy_dataset(ids, 66))
+expect_error(
+    "not_divisible",
+    lambda: strategy.distribute_dataset(strategy.make_numpy_dataset(ids, 66), OPTIONS),
+)
 expect_error(
     "not_divisible_function",
     lambda: list(strategy.distribute_datasets_from_function(lambda ctx: [np.ones(15)], OPTIONS)),

@@ -8,6 +8,10 @@ Scenarios (process ids come from SPMD_PROCESS_ID):
   block      join, print READY, block in the coordination service (a C++ wait, no GIL).
   block_save as block, with a PreemptionWatcher (a save to make) and grace_period=2.
   dead       as block, with heartbeat_timeout=10 (a test kills one process with SIGKILL).
+  collective heartbeat_timeout=10; both take 2 psum steps and print READY, then process 0
+             sleeps while process 1 waits for it in the third step's collective.
+  idle       heartbeat_timeout=10; both take 2 psum steps, print READY and sleep (between
+             steps, in Python).
 Each prints "PID <pid>" once joined.
 """
 
@@ -35,6 +39,22 @@ def listening_addresses(port: int) -> list[str]:
     return found
 
 
+def steps() -> None:
+    """Two steps of a psum on every process, then the scenario's wait (see the docstring)."""
+    import jax.numpy as jnp
+
+    strategy = spmd.MultiWorkerMirroredStrategy()
+    step = strategy.step(lambda state, batch: (state + jnp.sum(batch), jnp.mean(batch)))
+    state, batch = jnp.zeros(()), jnp.ones((strategy.num_replicas_in_sync, 2))
+    for i in range(3):
+        if i == 2:
+            print("READY", flush=True)
+        if i == 2 and (SCENARIO == "idle" or INDEX == "0"):
+            time.sleep(60)
+        state, loss = step(state, batch)
+        print("STEP", i, float(loss), flush=True)
+
+
 def block(seconds: float) -> None:
     """Waits in the coordination service for a barrier nobody else enters (a C++ wait)."""
     from jax._src import distributed
@@ -47,7 +67,7 @@ def block(seconds: float) -> None:
 
 try:
     exit_timeout = 2 if SCENARIO == "early" else 30
-    heartbeat = 10 if SCENARIO == "dead" else 100
+    heartbeat = 10 if SCENARIO in ("dead", "collective", "idle") else 100
     spmd.initialize(
         local_device_count=1,
         initialization_timeout=8,
@@ -69,6 +89,8 @@ elif SCENARIO == "raise":
     time.sleep(60)
 elif SCENARIO == "early" and INDEX == "1":
     time.sleep(60)
+elif SCENARIO in ("collective", "idle"):
+    steps()
 elif SCENARIO.startswith("block") or SCENARIO == "dead":
     if SCENARIO == "block_save":
         from spmd.checkpoint.preemption import PreemptionWatcher

@@ -8,6 +8,11 @@ psum-ing step, then prints DONE):
   lock    process 1 waits on a lock nobody releases before step 4 (a deadlocked loader).
   loader  Trainer.fit on a generator that, in process 1, stops delivering before batch 6
           (spmd's prefetching thread waits in it; both main threads wait on that thread).
+  first   process 1 sleeps 120 s before its first step (between initialize and the loop).
+  fifo    Trainer.fit on a loader whose first read, in process 1, opens the FIFO FILE
+          (argv[2]) that nobody writes: a hung filesystem read before the first batch.
+  restore every process saves step 1 in the folder argv[2], then restores it; process 1's
+          read opens the FIFO argv[3] (a hung read in the restore, before any step).
 The hang timeout comes from SPMD_HANG_TIMEOUT (spmd launch --hang-timeout).
 """
 
@@ -43,6 +48,11 @@ def stall_here() -> None:
         lock.acquire(timeout=120)  # the second acquire never succeeds: a loader's deadlock
 
 
+def read_fifo(path: str) -> None:
+    with open(path) as f:  # a FIFO nobody writes: open() blocks, as a read from a hung mount
+        f.read()
+
+
 def fit_on_a_stalling_loader() -> None:
     import numpy as np
     import optax
@@ -58,8 +68,10 @@ def fit_on_a_stalling_loader() -> None:
     def batches():
         rng = np.random.default_rng(0)
         for i in range(30):
-            if INDEX == 1 and i == 6:
+            if INDEX == 1 and i == 6 and SCENARIO == "loader":
                 time.sleep(120)  # the source stopped delivering
+            if INDEX == 1 and i == 0 and SCENARIO == "fifo":
+                read_fifo(sys.argv[2])
             yield rng.random((8, 4), np.float32), rng.random((8,), np.float32)
 
     with strategy.scope():
@@ -69,8 +81,33 @@ def fit_on_a_stalling_loader() -> None:
     sys.exit(0)
 
 
-if SCENARIO == "loader":
+def restore_with_a_hung_read(directory: str, fifo: str) -> None:
+    """Saves step 1 on every process, then restores it; process 1's read never returns."""
+    from spmd.checkpoint import store
+
+    ckpt = spmd.CheckpointManager(directory)
+    state = strategy.init(lambda: jnp.zeros((4,)))
+    ckpt.save(1, state)
+    ckpt.wait()
+    if INDEX == 1:
+        restore_placed = store.SharedStore.restore_placed
+
+        def hung(self, *args, **kwargs):
+            read_fifo(fifo)
+            return restore_placed(self, *args, **kwargs)
+
+        store.SharedStore.restore_placed = hung
+    ckpt.restore(1, state)
+    print("DONE", flush=True)
+    sys.exit(0)
+
+
+if SCENARIO in ("loader", "fifo"):
     fit_on_a_stalling_loader()
+if SCENARIO == "restore":
+    restore_with_a_hung_read(sys.argv[2], sys.argv[3])
+if SCENARIO == "first" and INDEX == 1:
+    time.sleep(120)
 state = jnp.zeros(())
 batch = jnp.ones((strategy.num_replicas_in_sync, 2))
 for i in range(30):

@@ -16,8 +16,8 @@ def command(ckpt: Path, out: Path, *flags: str) -> list[str]:
     return [sys.executable, str(WORKER), str(ckpt), str(out), "--steps", str(STEPS), *flags]
 
 
-def assert_same_trajectory(got: dict, want: dict) -> None:
+def assert_same_trajectory(got: dict, want: dict, batch: int = BATCH) -> None:
     """Every example trained exactly once, and the losses and weights of the oracle."""
-    np.testing.assert_array_equal(got["seen"], np.ones(STEPS * BATCH))  # none lost or repeated
+    np.testing.assert_array_equal(got["seen"], np.ones(STEPS * batch))  # none lost or repeated
     for key in ("losses", "w", "v"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)

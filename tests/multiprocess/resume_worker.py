@@ -2,7 +2,8 @@
 
 Usage: python resume_worker.py CKPT_DIR OUT.npz [--steps N] [--stop-at K] [--sleep S]
                                [--heartbeat H] [--devices D] [--fail-at K --fail-above P]
-                               [--failing P] [--hang] [--batch B]
+                               [--fail-when K:P ...] [--failing P] [--hang] [--batch B]
+                               [--uneven | --dividing]
 
 Every process joins (TF_CONFIG, spmd launch's variables, ...), then trains one
 model under MultiWorkerMirroredStrategy on spmd's own shuffled numpy dataset, a
@@ -14,9 +15,15 @@ was trained on ("seen"), so a resumed run that lost or repeated an example
 shows it. With --fail-at K --fail-above P, the last process (or process
 --failing P) kills itself (SIGKILL) at step K whenever the job has more than P
 processes: a host lost for good; with --hang it sleeps instead, alive and
-heartbeating but never at the next collective. With --stop-at K the job ends cleanly after step K (a run to be
-continued by a later launch). Process 0 prints one JSON line per step and
-writes the final state to OUT.
+heartbeating but never at the next collective. --fail-when K:P (repeatable)
+kills that process at step K when the job has exactly P processes. With
+--stop-at K the job ends cleanly after step K (a run to be
+continued by a later launch). With --uneven the dataset pads a global batch
+the replicas do not split (InputOptions(uneven_batch="pad")): every batch is a
+spmd.PaddedBatch whose mask weighs the loss and the count of examples seen.
+With --dividing the strategy takes the most devices that divide the global
+batch (MultiWorkerMirroredStrategy(global_batch_size=...)): nothing padded.
+Process 0 prints one JSON line per step and writes the final state to OUT.
 """
 
 import argparse
@@ -38,7 +45,11 @@ parser.add_argument("--fail-above", type=int, default=1)
 parser.add_argument("--failing", type=int, default=-1, help="which process fails: -1 the last")
 parser.add_argument("--hang", action="store_true", help="the failing process hangs, not dies")
 parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--fail-when", action="append", default=[], help="STEP:PROCESSES")
+parser.add_argument("--uneven", action="store_true", help='InputOptions(uneven_batch="pad")')
+parser.add_argument("--dividing", action="store_true", help="devices that divide the batch")
 args = parser.parse_args()
+fail_when = {tuple(int(n) for n in when.split(":")) for when in args.fail_when}
 
 import spmd  # noqa: E402
 
@@ -67,9 +78,12 @@ def create_state(key):
     }
 
 
-def train_step(state, x, y, example):
+def train_step(state, x, y, example, mask=None):
     def loss_fn(params):
-        return jnp.mean((jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2)
+        per_example = (jnp.tanh(x @ params["w"]) @ params["v"] - y) ** 2
+        if mask is None:
+            return jnp.mean(per_example)
+        return spmd.compute_average_loss(per_example, global_batch_size=BATCH, sample_weight=mask)
 
     loss, grads = jax.value_and_grad(loss_fn)(state["params"])
     updates, opt = tx.update(grads, state["opt"], state["params"])
@@ -78,7 +92,7 @@ def train_step(state, x, y, example):
         "opt": opt,
         "step": state["step"] + 1,
         "losses": state["losses"].at[state["step"]].set(loss),
-        "seen": state["seen"].at[example].add(1),
+        "seen": state["seen"].at[example].add(1 if mask is None else mask.astype(jnp.int32)),
     }, loss
 
 
@@ -88,12 +102,14 @@ def say(event: str, **fields) -> None:
         print(json.dumps(fields), flush=True)
 
 
-strategy = spmd.MultiWorkerMirroredStrategy()
+strategy = spmd.MultiWorkerMirroredStrategy(global_batch_size=BATCH if args.dividing else None)
+say("mesh", replicas=strategy.num_replicas_in_sync)
 examples = np.random.default_rng(7).normal(size=(args.steps * BATCH, FEATURES)).astype(np.float32)
 targets = np.sin(examples.sum(1, keepdims=True))
 numpy_data = (examples, targets, np.arange(args.steps * BATCH, dtype=np.int32))
+options = spmd.InputOptions(uneven_batch="pad") if args.uneven else None
 dataset = strategy.distribute_dataset(
-    strategy.make_numpy_dataset(numpy_data, BATCH, shuffle=True, seed=3)
+    strategy.make_numpy_dataset(numpy_data, BATCH, shuffle=True, seed=3), options
 )
 batches = iter(dataset)
 ckpt = spmd.CheckpointManager(args.ckpt_dir, max_to_keep=2)
@@ -103,7 +119,8 @@ with strategy.scope():
     say("start", step=start, position=batches.get_state()["batch"])
     step_fn = strategy.step(train_step)
     for step in range(start, min(args.steps, args.stop_at or args.steps)):
-        if step == args.fail_at and failing and info.process_count > args.fail_above:
+        lost = step == args.fail_at and info.process_count > args.fail_above
+        if failing and (lost or (step, info.process_count) in fail_when):
             if args.hang:
                 time.sleep(3600)  # alive, heartbeating, never at the collective
             os.kill(os.getpid(), signal.SIGKILL)

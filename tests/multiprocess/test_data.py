@@ -94,7 +94,7 @@ def test_position_resumes_with_the_next_batch(run):
         ("not_divisible_function", {"BatchError"}, ["global_batch_size=30"]),
         ("ragged", {"BatchError"}, ["[60, 64]"]),
         ("disagree_count", {"BatchError"}, ["end of data", "batch_index=3"]),
-        ("disagree_shape", {"BatchError"}, ["[16]", "[32]"]),
+        ("disagree_shape", {"BatchError"}, ["[32] of global 32", "[64] of global 64"]),
         ("disagree_failure", {"BatchError", "OSError"}, ["lost its disk"]),
         ("disagree_content", {"BatchError"}, ["contents must be the same", "batch_index=2"]),
         ("disagree_seed", {"BatchError"}, ["contents must be the same", "batch_index=0"]),

@@ -1,11 +1,12 @@
 """A process that is alive but makes no progress is found and named, bounded: real processes.
 
 `spmd launch --hang-timeout 3` runs hang_worker.py on 2 processes; process 1 stops
-stepping. Every process ends within a bound, naming process 1, its step count and
-its stack, and the launcher exits with HANG_EXIT_CODE. A slow process that still
-advances is not flagged.
+stepping, or never takes its first step. Every process ends within a bound, naming
+process 1, its step count and its stack, and the launcher exits with
+HANG_EXIT_CODE. A slow process that still advances is not flagged.
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -22,10 +23,12 @@ WORKER = HERE / "hang_worker.py"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
-def launch(scenario: str, hang_timeout: float, seconds: float) -> tuple[int, str, float]:
+def launch(
+    scenario: str, hang_timeout: float, seconds: float, *args: str
+) -> tuple[int, str, float]:
     """(exit code, output, seconds taken) of spmd launch -n 2 running `scenario`."""
     argv = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--hang-timeout", str(hang_timeout)]
-    argv += ["--timeout", str(seconds), "--", sys.executable, str(WORKER), scenario]
+    argv += ["--timeout", str(seconds), "--", sys.executable, str(WORKER), scenario, *args]
     start = time.monotonic()
     done = subprocess.run(
         argv, env=child_env(), capture_output=True, text=True, timeout=seconds + 30
@@ -57,6 +60,38 @@ def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(
     assert any(line.startswith(follower) for line in lines), out[-3000:]
     assert f"spmd launch: first failure: process {stuck}, alive but hung: no progress" in out
     assert "DONE" not in out
+
+
+def assert_named_before_its_first_step(code: int, out: str, elapsed: float, where: str) -> None:
+    assert code == HANG_EXIT_CODE, out[-3000:]
+    assert elapsed < 60, elapsed  # joining takes seconds; the hang itself would last 120
+    lines = out.splitlines()
+    [own] = [line for line in lines if line.startswith("[1] spmd: process 1 hung: ")]
+    assert "before its first step (hang_timeout=3 s)" in own, own
+    assert any(line.startswith("[1]     " + where) for line in lines), out[-3000:]
+    follower = "[0] spmd: ending: process 1 failed (hung: no progress"
+    assert any(line.startswith(follower) for line in lines), out[-3000:]
+    assert "spmd launch: first failure: process 1, alive but hung: no progress" in out
+    assert "DONE" not in out
+
+
+def test_a_process_stuck_before_its_first_step_is_named_while_its_peer_waits_in_it():
+    code, out, elapsed = launch("first", hang_timeout=3, seconds=100)
+    assert_named_before_its_first_step(code, out, elapsed, "time.sleep(120)")
+
+
+def test_a_hung_filesystem_read_in_a_loader_before_the_first_batch_is_named(tmp_path):
+    fifo = tmp_path / "shard-0"
+    os.mkfifo(fifo)  # nobody writes it: opening it blocks, as a read from a hung mount does
+    code, out, elapsed = launch("fifo", 3, 100, str(fifo))
+    assert_named_before_its_first_step(code, out, elapsed, "with open(path) as f:")
+
+
+def test_a_restore_hung_in_a_read_is_named_while_the_others_wait_in_its_barrier(tmp_path):
+    fifo = tmp_path / "array-shard"
+    os.mkfifo(fifo)
+    code, out, elapsed = launch("restore", 3, 100, str(tmp_path / "ckpt"), str(fifo))
+    assert_named_before_its_first_step(code, out, elapsed, "with open(path) as f:")
 
 
 def test_a_slow_process_that_advances_is_not_flagged():

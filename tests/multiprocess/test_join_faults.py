@@ -187,11 +187,7 @@ def test_sigterm_with_a_save_to_make_ends_a_blocked_process_after_the_grace():
 
 @pytest.mark.parametrize("when", ["at once", "later"])
 def test_a_peer_killed_without_a_launcher_is_named_by_the_survivor(when):
-    """kill -9 of process 1: process 0 ends with spmd's error naming it, not JAX's abort.
-
-    (Process 0 hosts the coordination service: when it dies, JAX's client aborts
-    its peers at once, before any Python code can run; see docs/multihost.md.)
-    """
+    """kill -9 of process 1: process 0 ends with spmd's error naming it, not JAX's abort."""
     killed = 1
     with Group("dead", [0, 1], 2) as group:
         group.wait_for("READY")
@@ -204,6 +200,56 @@ def test_a_peer_killed_without_a_launcher_is_named_by_the_survivor(when):
     assert f"spmd: ending: process {killed} failed (gone: " in out, out[-2000:]
     assert "bad_cast" not in out and "Check failure" not in out, out[-2000:]
     assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s) would abort it
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "dead",  # process 1 waits in a coordination-service barrier (C++, no GIL)
+        "collective",  # process 1 waits for process 0 in a step's collective
+        "idle",  # process 1 sleeps between steps, in Python
+    ],
+)
+def test_process_0_killed_without_a_launcher_is_named_with_its_address(scenario):
+    """kill -9 of process 0, which hosts the coordination service: JAX's client in process 1
+    ends it from C++ at once; spmd's message naming process 0 and its address comes first."""
+    with Group(scenario, [0, 1], 2) as group:
+        group.wait_for("READY")
+        time.sleep(1)  # process 1 is in its wait
+        group.procs[0].kill()
+        sent = time.monotonic()
+        [(code, out)] = group.finish(seconds=90)[1:]
+        elapsed = time.monotonic() - sent
+    assert code == HANG_EXIT_CODE, (elapsed, out[-2000:])
+    [line] = [line for line in out.splitlines() if line.startswith("spmd: ending: process 0")]
+    assert line.startswith(
+        f"spmd: ending: process 0 failed (gone: process 0, which hosts the coordination "
+        f"service at {group.address}, is gone (its port refuses connections: process 0 was "
+        "killed or crashed)"
+    ), line
+    assert "bad_cast" not in out and "Check failure" not in out, out[-2000:]
+    assert elapsed < 10, elapsed  # at once, never after the heartbeat timeout (10 s)
+
+
+def test_process_0_frozen_without_a_launcher_is_named_after_the_heartbeat_timeout():
+    """SIGSTOP of process 0: its service no longer answers; process 1 ends naming it when
+    JAX's client gives up (heartbeat_timeout=10), with spmd's message, not JAX's abort."""
+    with Group("idle", [0, 1], 2) as group:
+        group.wait_for("READY")
+        group.procs[0].send_signal(signal.SIGSTOP)
+        sent = time.monotonic()
+        try:
+            out = group.procs[1].communicate(timeout=60)[0]
+        finally:
+            group.procs[0].send_signal(signal.SIGCONT)
+        code, elapsed = group.procs[1].returncode, time.monotonic() - sent
+    assert code == HANG_EXIT_CODE, (elapsed, out[-2000:])
+    assert (
+        f"spmd: ending: process 0 failed (gone: process 0, which hosts the coordination service "
+        f"at {group.address}, is gone (no answer within 2 s: process 0 is frozen" in out
+    ), out[-2000:]
+    assert "bad_cast" not in out, out[-2000:]
+    assert elapsed < 30, elapsed  # the heartbeat timeout (10 s), then the 2 s probe
 
 
 def test_a_missing_process_is_named_on_every_process_that_joined():

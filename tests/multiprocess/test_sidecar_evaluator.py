@@ -1,4 +1,7 @@
-"""The evaluator task beside a 2-process training run: real processes, the TF_CONFIG evaluator."""
+"""The evaluator task beside a 2-process training run: real processes, the TF_CONFIG evaluator.
+
+The first test runs docs/multihost.md's recipe: the training job under `spmd launch -n 2`,
+the evaluator a process of its own with TF_CONFIG's evaluator task."""
 
 import json
 import os
@@ -33,6 +36,19 @@ def _evaluator(ckpt: Path, out: Path, timeout: float) -> subprocess.Popen:
     env = {**child_env(), "TF_CONFIG": json.dumps(TF_CONFIG), "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, str(JOB), "evaluate", str(ckpt), str(out), "--timeout", str(timeout)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _launch(ckpt: Path, oracle: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The training job as docs/multihost.md starts it: `spmd launch -n 2` of the script."""
+    program = [sys.executable, str(JOB), "train", str(ckpt), str(oracle), *extra]
+    command = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--devices-per-process", "2"]
+    return subprocess.run(
+        [*command, "--timeout", "400", "--", *program],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=450,
+    )
 
 
 def _train(ckpt: Path, oracle: Path, *extra: str, check: bool = True):
@@ -75,7 +91,8 @@ def test_an_evaluator_follows_a_two_process_run_and_kill_9_of_another_costs_trai
     try:
         # Training waits at step 4 until the evaluator has evaluated step 2: they overlap.
         wait = str(tmp_path / f"eval.json.{STEPS[0]}")
-        _train(ckpt, oracle, "--sleep", "0.2", "--wait-for", wait)  # both processes exit 0
+        launched = _launch(ckpt, oracle, "--sleep", "0.2", "--wait-for", wait)
+        assert launched.returncode == 0, (launched.stdout + launched.stderr)[-3000:]
         ended = float((oracle / "ended").read_text())
         output = evaluator.communicate(timeout=300)[0].decode()
     finally:

@@ -1,0 +1,249 @@
+"""A global batch the replicas do not split evenly: padded with masked rows, or a mesh over
+the devices that divide it; either way the training of the one-device oracle.
+
+Eight simulated devices stand in for an elastic job's survivors: a global batch
+of 6 on 4 replicas (6 does not divide over 4) against the same model, data and
+seed on one device.
+"""
+
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import spmd
+from spmd.data.host_batches import pipeline_rows
+from spmd.data.input_context import BlockContext, Padding, rows_of
+from spmd.mesh import dividing_devices
+
+pytestmark = pytest.mark.cpu_mesh
+
+FEATURES, BATCH = 4, 6
+
+
+class Net(nnx.Module):
+    """Dropout given its key at call time: the real rows must draw the oracle's bits."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        return self.out(self.drop(jax.nn.relu(self.hidden(x)), rngs=rngs))
+
+
+class BNNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(FEATURES, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.norm(self.hidden(x))))
+
+
+def _data(n=36):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    return x, (x[:, 0] + x[:, 1] > 0).astype(np.int32)
+
+
+def _mirrored(replicas: int) -> spmd.Strategy:
+    return spmd.MirroredStrategy(jax.devices()[:replicas])
+
+
+def _fit(strategy, model=Net, optimizer=None, **kwargs):
+    x, y = _data()
+    trainer = spmd.Trainer(
+        model(nnx.Rngs(0)), optimizer or optax.adam(1e-2), "sparse_categorical_crossentropy",
+        metrics=("accuracy",), strategy=strategy, **kwargs,
+    )  # fmt: skip
+    history = trainer.fit((x, y), batch_size=BATCH, epochs=2, verbose=0)
+    return trainer, history.history, jax.device_get(trainer.state["params"])
+
+
+def _assert_close(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _ids(strategy, batch, options=None, n=12):
+    """The distributed batches of ids 0..n-1 in order, as numpy."""
+    ds = strategy.make_numpy_dataset(np.arange(n, dtype=np.int32), batch)
+    return strategy.distribute_dataset(ds, options)
+
+
+# -- the random numbers of the real rows ---------------------------------------------------
+
+
+def test_the_random_bits_of_the_first_rows_do_not_depend_on_the_rows_padded_after_them():
+    """Padding at the end keeps Dropout's draws: with jax's partitionable threefry (on by
+    default) every element's bits come from its own index, so the first 6 rows of an
+    (8, 16) draw are the (6, 16) draw."""
+    assert jax.config.jax_threefry_partitionable
+    key = jax.random.key(3)
+    for draw in (jax.random.bits, jax.random.uniform, lambda k, s: jax.random.bernoulli(k, 0.5, s)):
+        np.testing.assert_array_equal(np.asarray(draw(key, (8, 16)))[:6], draw(key, (6, 16)))
+
+
+# -- the Trainer pads on its own --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"grad_accum_steps": 2}, {"steps_per_execution": 3}],
+    ids=["plain", "grad_accum_steps", "steps_per_execution"],
+)
+def test_fit_with_a_batch_of_6_on_4_replicas_with_dropout_equals_one_device(kwargs):
+    """Each batch is padded to 8 rows (with 2 microbatches too: 8 = 4 x 2), the padding
+    masked out of the loss, the metrics and the gradient's divisor."""
+    _, want_history, want = _fit(_mirrored(1), **kwargs)
+    trainer, history, got = _fit(_mirrored(4), **kwargs)
+    assert trainer.iterations == 12
+    _assert_close(got, want)
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[name], want_history[name], rtol=1e-5, err_msg=name)
+
+
+def test_evaluate_and_predict_with_a_batch_of_6_on_4_replicas_count_each_example_once():
+    x, y = _data(n=40)  # 7 batches of 6, the last of 4: padded twice over
+    one, _, _ = _fit(_mirrored(1))
+    four = spmd.Trainer(Net(nnx.Rngs(0)), optax.adam(1e-2), "sparse_categorical_crossentropy",
+                        metrics=("accuracy",), strategy=_mirrored(4))  # fmt: skip
+    four.build()
+    four.load_state(one.host_state())
+    want, got = one.evaluate((x, y), batch_size=BATCH), four.evaluate((x, y), batch_size=BATCH)
+    assert got == pytest.approx(want, rel=1e-6)
+    np.testing.assert_allclose(
+        four.predict(x, batch_size=BATCH), one.predict(x, batch_size=BATCH), rtol=1e-6
+    )
+    assert four.predict(x, batch_size=BATCH).shape == (40, 2)
+
+
+def test_a_model_with_batchnorm_statistics_on_a_padded_batch_is_an_error_before_any_step():
+    """Padded rows would enter the batch statistics: the error names the ways out."""
+    trainer = spmd.Trainer(
+        BNNet(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy",
+        strategy=_mirrored(4),
+    )  # fmt: skip
+    x, y = _data()
+    with pytest.raises(spmd.BatchError) as info:
+        trainer.fit((x, y), batch_size=BATCH, verbose=0)
+    text = str(info.value)
+    assert "BatchNorm statistics" in text and "num_replicas_in_sync=4" in text, text
+    assert "batch_rows=8" in text and "global_batch_size=" in text, text
+    assert trainer.iterations == 0
+
+
+def test_batchnorm_trains_as_on_one_device_over_the_devices_that_divide_the_batch():
+    """MultiWorkerMirroredStrategy(global_batch_size=6) over 8 devices takes 6: nothing
+    padded, so a model with BatchNorm statistics trains, on the whole batch's statistics.
+    (SGD: Adam would blow up the rounding noise of the bias before BatchNorm, whose
+    gradient is 0.)"""
+    strategy = spmd.MultiWorkerMirroredStrategy(global_batch_size=BATCH)
+    assert strategy.num_replicas_in_sync == 6 and strategy.batch_axes == ("host", "replica")
+    _, want_history, want = _fit(_mirrored(1), BNNet, optax.sgd(0.1))
+    _, history, got = _fit(strategy, BNNet, optax.sgd(0.1))
+    _assert_close(got, want)
+    np.testing.assert_allclose(history["loss"], want_history["loss"], rtol=1e-5)
+
+
+# -- a custom loop opts in --------------------------------------------------------------------
+
+
+def test_a_custom_loop_that_opts_in_gets_padded_batches_with_a_mask_at_every_replica_count():
+    """uneven_batch="pad": a PaddedBatch whether padded (4 replicas) or not (2), so one
+    loop serves every size; padding repeats the last real row, masked."""
+    options = spmd.InputOptions(uneven_batch="pad")
+    padded = next(iter(_ids(_mirrored(4), BATCH, options)))
+    assert isinstance(padded, spmd.PaddedBatch)
+    np.testing.assert_array_equal(padded.inputs[0], [0, 1, 2, 3, 4, 5, 5, 5])
+    np.testing.assert_array_equal(padded.mask, [1, 1, 1, 1, 1, 1, 0, 0])
+    assert padded.mask.sharding == _mirrored(4).batch_sharding(1)
+    even = next(iter(_ids(_mirrored(2), BATCH, options)))
+    assert isinstance(even, spmd.PaddedBatch)
+    np.testing.assert_array_equal(even.mask, np.ones(BATCH))
+
+
+def test_pad_if_uneven_masks_only_the_batches_it_pads_and_microbatches_round_further():
+    options = spmd.InputOptions(uneven_batch="pad_if_uneven")
+    assert type(next(iter(_ids(_mirrored(2), BATCH, options)))) is not spmd.PaddedBatch
+    assert next(iter(_ids(_mirrored(4), BATCH, options))).mask.shape == (8,)
+    twice = spmd.InputOptions(uneven_batch="pad", microbatches=2)
+    assert next(iter(_ids(_mirrored(4), 10, twice, n=20))).mask.shape == (16,)  # 4 x 2 x 2
+    assert Padding("pad", 3).rows(8, 4) == 12 and Padding("error").rows(6, 4) == 0
+
+
+def test_a_position_saved_on_4_padded_replicas_resumes_on_2_at_the_same_examples():
+    """A position counts global batches of the data's 6 rows, never the 8 placed."""
+    options = spmd.InputOptions(uneven_batch="pad")
+    four = iter(_ids(_mirrored(4), BATCH, options, n=24))
+    next(four)
+    state = four.get_state()
+    assert state["global_batch_size"] == BATCH and state["batch"] == 1
+    two = _ids(_mirrored(2), BATCH, options, n=24)
+    two.set_state(state)
+    np.testing.assert_array_equal(next(iter(two)).inputs[0], np.arange(6, 12))
+
+
+def test_a_dataset_function_that_opts_in_feeds_its_rows_padded():
+    """The function asks its rows per pipeline of a batch 4 replicas do not split: 6."""
+    asked = []
+
+    def dataset_fn(ctx):
+        asked.append(ctx.get_per_pipeline_batch_size(BATCH))
+        return [np.arange(6, dtype=np.int32), np.arange(6, 12, dtype=np.int32)]
+
+    options = spmd.InputOptions(uneven_batch="pad")
+    batches = list(_mirrored(4).distribute_datasets_from_function(dataset_fn, options))
+    assert asked == [BATCH] and [b.mask.shape for b in batches] == [(8,), (8,)]
+    np.testing.assert_array_equal(batches[1].inputs[0], [6, 7, 8, 9, 10, 11, 11, 11])
+
+
+def test_without_opting_in_a_custom_loop_gets_an_error_naming_both_ways_out():
+    with pytest.raises(spmd.BatchError) as info:
+        _ids(_mirrored(4), BATCH)
+    text = str(info.value)
+    assert "global_batch_size=6" in text and "num_replicas_in_sync=4" in text, text
+    assert "multiple of 4 (e.g. 8" in text and 'uneven_batch="pad"' in text, text
+    with pytest.raises(spmd.ConfigurationError, match="uneven_batch is one of"):
+        spmd.InputOptions(uneven_batch="round")
+    with pytest.raises(spmd.ConfigurationError, match="microbatches"):
+        spmd.InputOptions(microbatches=0)
+
+
+# -- the devices that divide the batch --------------------------------------------------------
+
+
+def _devices(processes: int, each: int) -> list:
+    return [
+        SimpleNamespace(process_index=p, id=p * 100 + i)
+        for p in range(processes)
+        for i in range(each)
+    ]
+
+
+def test_the_devices_that_divide_a_batch_are_the_most_spread_over_every_process():
+    chosen = dividing_devices(_devices(2, 2), 6)  # 3 of 4: 2 in process 0, 1 in process 1
+    assert [(d.process_index, d.id) for d in chosen] == [(0, 0), (0, 1), (1, 100)]
+    assert len(dividing_devices(_devices(3, 2), 6)) == 6
+    assert [d.process_index for d in dividing_devices(_devices(4, 2), 6)] == [0, 0, 1, 1, 2, 3]
+    with pytest.raises(spmd.ConfigurationError) as info:  # 2 devices for 3 processes
+        dividing_devices(_devices(3, 2), 2)
+    assert "largest_dividing_count=2" in str(info.value) and "num_processes=3" in str(info.value)
+    assert len(spmd.MultiWorkerMirroredStrategy(global_batch_size=7).devices) == 7
+    with pytest.raises(spmd.ConfigurationError, match="global_batch_size"):
+        spmd.MultiWorkerMirroredStrategy(global_batch_size=0)
+
+
+def test_unequal_blocks_are_fed_by_data_sharding_only():
+    """Process 1 of 2 holds replica 2 of 3: rows 4-5 of a batch of 6; a pipeline of its own
+    (FILE, OFF, a dataset function) cannot be an unequal part."""
+    ctx = BlockContext(2, 1, 3, (2, 3))
+    assert rows_of(ctx, 6) == (4, 6) and rows_of(spmd.InputContext(2, 1, 4), 8) == (4, 8)
+    with pytest.raises(spmd.ConfigurationError, match="unequal numbers of replicas"):
+        pipeline_rows(6, ctx, Padding())
