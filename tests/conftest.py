@@ -10,22 +10,28 @@ docs/accelerators.md.
 Also the test tiers: a test marked `multiprocess`, `engines` or `bench` is
 `slow` too, so `python -m pytest -q -m "not slow"` is the fast tier; and with
 `-q` pytest still prints one line per test file. Setting SPMD_TEST_RECORD to a
-file path records, per test, which spmd/ files ran (see tests/tiers.py).
+file path records, per test, which spmd/ files ran and its CPU and wall time, and
+the whole run's (see tests/tiers.py).
 """
 
 import json
 import os
+import resource
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
+
+STARTED = time.perf_counter()  # before JAX is imported: the run's wall time counts its import
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also what child processes inherit
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
 PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}
 _asked = os.environ.get("SPMD_TEST_PLATFORM", "cpu")
 if _asked not in PLATFORMS:
@@ -83,6 +89,19 @@ def pytest_configure(config):
         config.pluginmanager.register(_Recorder(os.environ["SPMD_TEST_RECORD"]))
 
 
+@pytest.fixture(scope="module", params=["1dev", "8dev", "2d"])
+def input_strategy(request):
+    """The strategies the input tests place batches with: one device, eight replicas, and a
+    4x2 mesh whose batches split over "data" and are replicated over "model"."""
+    import spmd  # here, not at the top: the platform is set before spmd is imported
+
+    if request.param == "1dev":
+        return spmd.OneDeviceStrategy(jax.devices()[0])
+    if request.param == "8dev":
+        return spmd.MirroredStrategy()
+    return spmd.Strategy(jax.make_mesh((4, 2), ("data", "model")), batch_axes=["data"])
+
+
 class _LeaveOutCpuMesh:
     """On an accelerator run, the `cpu_mesh` tests are deselected: the default backend is
     the accelerator, and they need the eight CPU devices (the plain run has them)."""
@@ -93,11 +112,23 @@ class _LeaveOutCpuMesh:
         items[:] = [item for item in items if not item.get_closest_marker("cpu_mesh")]
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process (all its threads, XLA's too) and of its finished children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 class _Recorder:
-    """Records which spmd/ files had a function called during each test (a profile hook)."""
+    """Records, per test, which spmd/ files had a function called (a profile hook) and the
+    CPU and wall seconds it took (setup and teardown included), and the whole run's.
+
+    The record is `{"run": {"cpu_s", "wall_s"}, "tests": {nodeid: {"ran", "cpu_s",
+    "wall_s"}}}`; the run's CPU time counts everything since the process started
+    (importing JAX, collecting), which no test's does.
+    """
 
     def __init__(self, path: str):
-        self.path, self.seen, self.record = path, set(), {}
+        self.path, self.seen, self.tests = path, set(), {}
         sys.setprofile(self._profile)
         threading.setprofile(self._profile)
 
@@ -108,11 +139,15 @@ class _Recorder:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         self.seen.clear()
+        cpu, wall = cpu_seconds(), time.perf_counter()
         yield
-        ran = {f[len(SPMD) :] for f in self.seen if f.startswith(SPMD)}
-        self.record[item.nodeid] = sorted(ran)
+        cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
+        ran = sorted({f[len(SPMD) :] for f in self.seen if f.startswith(SPMD)})
+        self.tests[item.nodeid] = {"ran": ran, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
 
     def pytest_sessionfinish(self, session):
         sys.setprofile(None)
         threading.setprofile(None)
-        Path(self.path).write_text(json.dumps(self.record, indent=0, sort_keys=True))
+        run = {"cpu_s": round(cpu_seconds(), 3), "wall_s": round(time.perf_counter() - STARTED, 3)}
+        record = {"run": run, "tests": self.tests}
+        Path(self.path).write_text(json.dumps(record, indent=0, sort_keys=True))

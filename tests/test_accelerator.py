@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import spmd
@@ -56,6 +57,7 @@ def run(strategy, read_between=False):
     return jax.device_get(state), losses
 
 
+@pytest.mark.slow
 def test_central_storage_keeps_the_state_in_host_memory_and_matches_one_device():
     oracle, oracle_losses = run(spmd.OneDeviceStrategy())
     strategy = spmd.CentralStorageStrategy()
@@ -78,6 +80,7 @@ def test_central_storage_frees_device_memory_per_explain():
     assert report.state_host_bytes == mirrored.state_bytes > 0
 
 
+@pytest.mark.slow
 def test_trainer_with_dropout_fits_on_central_storage_like_one_device():
     class Net(nnx.Module):
         def __init__(self, rngs):
@@ -107,6 +110,7 @@ def test_trainer_with_dropout_fits_on_central_storage_like_one_device():
     assert central["accuracy"] == one["accuracy"]
 
 
+@pytest.mark.slow
 def test_checkpoint_of_a_central_storage_state_restores_bitwise(tmp_path):
     strategy = spmd.CentralStorageStrategy()
     state = strategy.init(create, jax.random.key(0))
@@ -126,6 +130,7 @@ def test_checkpoint_of_a_central_storage_state_restores_bitwise(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_a_host_placed_state_is_read_not_donated():
     """Donating host buffers would save no device memory, and on a GPU a host read of
     one (np.asarray, a metric, a checkpoint) makes donating it an XLA error."""

@@ -6,34 +6,37 @@ import sys
 from pathlib import Path
 
 import jax
+import models
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import labelled
 
 import spmd
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 2, rngs=rngs)
+class MLP(models.MLP):
+    """4 features -> 16 (relu) -> 2 logits; test_sidecar_evaluator.py and
+    test_checkpoint_damage_and_misuse.py fit it too."""
 
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
+    def __init__(self, rngs: nnx.Rngs):
+        super().__init__(rngs, features=4, outputs=2)
+
+
+def _model():
+    return MLP(nnx.Rngs(0))
 
 
 def _data(n=256):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(n, 4)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32)
+    return labelled(n, features=4, classes=2)
 
 
 def _trainer():
     return spmd.Trainer(
-        MLP(nnx.Rngs(0)),
+        _model(),
         optax.adam(1e-2),
         "sparse_categorical_crossentropy",
         metrics=("accuracy",),
@@ -88,7 +91,7 @@ def test_model_checkpoint_save_freq_never_skips_with_steps_per_execution(
     """A hook per K batches saves at the group that crosses each multiple of save_freq."""
     x, y = _data(320)
     trainer = spmd.Trainer(
-        MLP(nnx.Rngs(0)),
+        _model(),
         optax.adam(1e-2),
         "sparse_categorical_crossentropy",
         strategy=spmd.MirroredStrategy(),
@@ -103,6 +106,7 @@ def test_model_checkpoint_save_freq_never_skips_with_steps_per_execution(
     manager.close()
 
 
+@pytest.mark.slow
 def test_model_checkpoint_saves_best_only(tmp_path):
     x, y = _data()
     trainer = _trainer()
@@ -137,7 +141,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np, optax, spmd
 from flax import nnx
 sys.path.insert(0, {tests!r})
-from test_callbacks import MLP, _data
+from models import MLP, labelled
 backup, out, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
 class Kill(spmd.callbacks.Callback):
@@ -145,8 +149,8 @@ class Kill(spmd.callbacks.Callback):
         if self.trainer.iterations == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-x, y = _data()
-trainer = spmd.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), "sparse_categorical_crossentropy",
+x, y = labelled(256, features=4, classes=2)
+trainer = spmd.Trainer(MLP(nnx.Rngs(0), features=4, outputs=2), optax.adam(1e-2), "sparse_categorical_crossentropy",
                        strategy=spmd.MirroredStrategy())
 callbacks = [spmd.callbacks.BackupAndRestore(backup, save_freq=3), Kill()]
 trainer.fit((x, y), batch_size=32, epochs=3, shuffle=True, callbacks=callbacks, verbose=0)

@@ -3,31 +3,17 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from commands import ROOT, child_env, run_spmd
 
 from spmd.cli import main as cli
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-def child_env() -> dict[str, str]:
-    """This environment without any cluster description, with spmd importable."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SPMD_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_env_prints_cluster_devices_and_strategies():
-    proc = subprocess.run(
-        [sys.executable, "-m", "spmd", "env", "--devices", "4"],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_spmd("env", "--devices", "4", timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for line in (
@@ -145,6 +131,7 @@ def test_help_and_version_import_no_jax():
     assert "heavy: []" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_import_spmd_alone_imports_no_jax_and_names_resolve_on_use():
     code = (
@@ -237,9 +224,7 @@ def test_spmd_env_with_a_backend_that_cannot_start_prints_one_clear_message(vari
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["PYTHONPATH"] = str(ROOT)
     env[variable] = value
-    done = subprocess.run(
-        [sys.executable, "-m", "spmd", "env"], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_spmd("env", env=env, timeout=300)
     assert done.returncode == 1
     assert done.stderr.startswith("spmd env: error: "), done.stderr[-3000:]
     assert done.stderr.count("spmd env: error:") == 1 and named in done.stderr, done.stderr

@@ -101,6 +101,7 @@ def _plain(strategy):
     return epochs, float(np.mean(np.asarray(metrics["loss"]))), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [

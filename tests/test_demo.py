@@ -1,37 +1,21 @@
 """`spmd demo`: the main job reaches its held-out accuracy on every path; bad input is a clear error."""
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from commands import child_env, run_spmd
 
 from spmd.cli import main as cli
 
-ROOT = Path(__file__).resolve().parents[1]
 ACCURACY = re.compile(r"accuracy +(\d+\.\d)% on (\d+) held-out examples \(target 95%: met\)")
-
-
-def child_env() -> dict[str, str]:
-    """This environment without any cluster description, with spmd importable."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SPMD_")}
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
 
 
 def run_demo(*args: str, timeout: int = 300) -> str:
     """Runs `python -m spmd demo ARGS` as a user would; returns its stdout."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "spmd", "demo", *args],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_spmd("demo", *args, env=child_env("XLA_FLAGS"), timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -180,12 +164,6 @@ def test_usage_errors_exit_2(capsys, args):
 
 @pytest.mark.slow
 def test_error_from_the_command_line_exits_1():
-    proc = subprocess.run(
-        [sys.executable, "-m", "spmd", "demo", "--strategy", "nope"],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_spmd("demo", "--strategy", "nope", env=child_env("XLA_FLAGS"), timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.startswith("spmd demo: error: --strategy is one of"), proc.stderr

@@ -48,6 +48,7 @@ def test_the_table_has_every_strategy_at_8_16_and_64_devices():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_the_8_device_rows_match_a_fresh_explain():
     _check(scale_explain.rows(8))

@@ -39,6 +39,14 @@ def _run(command, timeout=240):
     return result.stdout
 
 
+def _launch(devices_per_process, example, *args, timeout=240):
+    """`spmd launch -n 2 --devices-per-process D -- python examples/EXAMPLE ARGS`."""
+    launch = ["-m", "spmd", "launch", "-n", "2", "--devices-per-process", str(devices_per_process)]
+    return _run(
+        [sys.executable, *launch, "--", sys.executable, str(EXAMPLES / example), *args], timeout
+    )
+
+
 @pytest.mark.parametrize(
     "example",
     [
@@ -60,47 +68,12 @@ def test_quickstart_on_other_strategies(strategy):
 
 @pytest.mark.multiprocess
 def test_quickstart_under_launch():
-    out = _run(
-        [
-            sys.executable,
-            "-m",
-            "spmd",
-            "launch",
-            "-n",
-            "2",
-            "--devices-per-process",
-            "2",
-            "--",
-            sys.executable,
-            str(EXAMPLES / "quickstart.py"),
-            "--strategy",
-            "multi_worker_mirrored",
-            "--steps",
-            "5",
-        ]
-    )
+    out = _launch(2, "quickstart.py", "--strategy", "multi_worker_mirrored", "--steps", "5")
     assert "[0] MultiWorkerMirroredStrategy(mesh=(host=2, replica=2)" in out
 
 
 @pytest.mark.multiprocess
 def test_diloco_example_under_launch():
     """Islands cut across the two processes; the checkpoint in one folder both see."""
-    out = _run(
-        [
-            sys.executable,
-            "-m",
-            "spmd",
-            "launch",
-            "-n",
-            "2",
-            "--devices-per-process",
-            "4",
-            "--",
-            sys.executable,
-            str(EXAMPLES / "10_diloco.py"),
-            "--steps",
-            "150",
-        ],
-        timeout=400,
-    )
+    out = _launch(4, "10_diloco.py", "--steps", "150", timeout=400)
     assert "[0] OK: DiLoCo within 5 points" in out

@@ -42,6 +42,7 @@ def _real_bytes_per_device(state):
     return max(per_device.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make",
     [
@@ -108,6 +109,7 @@ def test_central_storage_state_is_in_host_memory():
     assert report.state_bytes == 0 and report.state_host_bytes > 0
 
 
+@pytest.mark.slow
 def test_explain_runs_nothing_and_takes_a_step():
     strategy = spmd.MirroredStrategy()
     step = strategy.step(train_step)

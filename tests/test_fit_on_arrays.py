@@ -90,6 +90,7 @@ def _close(trainer, oracle, exact=False):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_fit_on_arrays_a_batch_size_not_dividing_the_examples(strategy, shuffle, weighted):
@@ -101,6 +102,7 @@ def test_fit_on_arrays_a_batch_size_not_dividing_the_examples(strategy, shuffle,
     _close(trainer, _oracle(Plain, x, y, w if weighted else None, 16, 3, shuffle))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_fit_on_a_dict_of_named_inputs_with_steps_per_epoch(strategy, shuffle):
     x, y, w = _data(96)
@@ -113,6 +115,7 @@ def test_fit_on_a_dict_of_named_inputs_with_steps_per_epoch(strategy, shuffle):
     _close(trainer, _oracle(Named, named, y, w, 16, 2, shuffle, steps=4))
 
 
+@pytest.mark.slow
 def test_fit_on_fortran_order_and_strided_arrays_equals_contiguous(strategy):
     x, y, _ = _data(128)
     wide = np.zeros((256, 4), np.float32)
@@ -124,6 +127,7 @@ def test_fit_on_fortran_order_and_strided_arrays_equals_contiguous(strategy):
         _close(trainer, _oracle(Plain, x, y, None, 32, 2, False))
 
 
+@pytest.mark.slow
 def test_fit_on_float64_and_int_x_is_cast_as_jax_jit_casts(strategy):
     x, y, _ = _data(64)
     trainer = _trainer(strategy)
@@ -156,6 +160,7 @@ class Scribble(spmd.callbacks.Callback):
         self.x[:] = batch + 1.0
 
 
+@pytest.mark.slow
 def test_mutating_x_during_fit_is_read_by_the_batches_not_yet_read(strategy):
     """Documents what happens: the dataset holds a view of the caller's x (no copy up
     front); each batch is copied when the reader takes it, one batch of lookahead at
@@ -187,36 +192,28 @@ class _Interrupt(spmd.callbacks.Callback):
             raise _Stop
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_backup_and_restore_mid_epoch_resumes_bitwise(strategy, tmp_path, shuffle):
     x, y, w = _data(100)
-    whole = _trainer(strategy)
-    whole.fit((x, y, w), batch_size=16, epochs=3, shuffle=shuffle, verbose=0)
     backup = str(tmp_path / "backup")
-    first = _trainer(strategy)
+
+    def fit(*callbacks):
+        trainer = _trainer(strategy)
+        options = {"batch_size": 16, "epochs": 3, "shuffle": shuffle, "verbose": 0}
+        trainer.fit((x, y, w), callbacks=list(callbacks), **options)
+        return trainer
+
+    whole = fit()
     with pytest.raises(_Stop):
-        first.fit(
-            (x, y, w),
-            batch_size=16,
-            epochs=3,
-            shuffle=shuffle,
-            verbose=0,
-            callbacks=[spmd.callbacks.BackupAndRestore(backup, save_freq=4), _Interrupt(10)],
-        )
-    resumed = _trainer(strategy)
-    resumed.fit(
-        (x, y, w),
-        batch_size=16,
-        epochs=3,
-        shuffle=shuffle,
-        verbose=0,
-        callbacks=[spmd.callbacks.BackupAndRestore(backup, save_freq=4)],
-    )
+        fit(spmd.callbacks.BackupAndRestore(backup, save_freq=4), _Interrupt(10))
+    resumed = fit(spmd.callbacks.BackupAndRestore(backup, save_freq=4))
     assert resumed.iterations == whole.iterations == 18
     _close(resumed, jax.tree.leaves(jax.device_get(whole.state["params"])), exact=True)
     _close(whole, _oracle(Plain, x, y, w, 16, 3, shuffle))
 
 
+@pytest.mark.slow
 def test_fit_on_bfloat16_arrays_equals_the_oracle_on_the_same_rows(strategy):
     """Arrays go through NumpyDataset, which places bfloat16 as the pipeline path does."""
     x, y, _ = _data(64)
@@ -226,6 +223,7 @@ def test_fit_on_bfloat16_arrays_equals_the_oracle_on_the_same_rows(strategy):
     _close(trainer, _oracle(Plain, xb, y, None, 16, 1, False))
 
 
+@pytest.mark.slow
 def test_fit_on_an_iterable_of_bfloat16_batches(strategy):
     x, y, _ = _data(64)
     xb = x.astype(ml_dtypes.bfloat16)

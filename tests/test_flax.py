@@ -9,30 +9,17 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models import LogicalMLP, mse, nnx_update
 
 import spmd
 from spmd.partitioners import FixedShardsPartitioner
 from spmd.rules import LayoutConflictWarning, LeafLayout
 
-INIT = nnx.initializers.lecun_normal()
 RULES = [("mlp", "model"), ("embed", None), ("batch", "data")]
 
 
-class MLP(nnx.Module):
-    """flax_gspmd's DotReluDot: annotated for tensor parallelism with logical names."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.Linear(
-            8, 16, kernel_init=nnx.with_partitioning(INIT, ("embed", "mlp")), rngs=rngs
-        )
-        self.w = nnx.Param(nnx.with_partitioning(INIT, ("mlp", "embed"))(rngs.params(), (16, 8)))
-
-    def __call__(self, x):
-        return nnx.relu(self.up(x)) @ self.w[...]
-
-
 def create(lr: float = 1e-2):
-    model = MLP(nnx.Rngs(0))
+    model = LogicalMLP(nnx.Rngs(0))
     return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
 
 
@@ -46,14 +33,7 @@ def train(strategy, steps=3):
 
     @strategy.step
     def step(state, x, y):
-        model, opt = state
-
-        def loss(model):
-            return jnp.mean((model(x) - y) ** 2)
-
-        value, grads = nnx.value_and_grad(loss)(model)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, mse, x, y)
 
     rng = np.random.RandomState(0)
     x, y = rng.randn(16, 8).astype(np.float32), rng.randn(16, 8).astype(np.float32)
@@ -68,9 +48,7 @@ def oracle(steps=3):
 
     @nnx.jit
     def step(model, opt, x, y):
-        value, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-        opt.update(model, grads)
-        return value
+        return nnx_update(model, opt, mse, x, y)
 
     with nnx.use_eager_sharding(False):
         model, opt = create()
@@ -141,6 +119,7 @@ def test_plain_strategy_rejects_an_unmapped_name_and_names_it():
         strategy.init(create)
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_names_equal_to_mesh_axes_map_to_them():
     mesh = spmd.make_mesh({"embed": 2, "mlp": 4})
@@ -169,6 +148,7 @@ def test_an_annotated_model_trains_unchanged_on_every_strategy(make):
     np.testing.assert_allclose(model.w[...], expected_model.w[...], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_parameter_server_shards_a_replicated_annotation_by_its_partitioner():
     strategy = spmd.ParameterServerStrategy(FixedShardsPartitioner(2))
@@ -176,6 +156,7 @@ def test_parameter_server_shards_a_replicated_annotation_by_its_partitioner():
     assert model.w[...].sharding.spec == P("ps2")
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_step_carries_its_mesh_outside_the_scope():
     strategy = two_d()
@@ -241,9 +222,7 @@ def _nnx_jit_loop(model, rngs, x, y, batch=16):
             logits = model(x) if rngs is None else model(x, rngs=rngs)
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-        value, grads = nnx.value_and_grad(loss)(model, rngs)
-        opt.update(model, grads)
-        return value
+        return nnx_update(model, opt, loss, rngs)
 
     losses = [
         step(model, opt, rngs, x[i : i + batch], y[i : i + batch]) for i in range(0, 64, batch)
@@ -289,14 +268,7 @@ class Flagged(nnx.Module):
 def _sgd_step(strategy):
     @strategy.step
     def step(state, x):
-        model, opt = state
-
-        def loss(model):
-            return jnp.mean(model(x) ** 2)
-
-        value, grads = nnx.value_and_grad(loss)(model)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, lambda model: jnp.mean(model(x) ** 2))
 
     return step
 

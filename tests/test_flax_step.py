@@ -12,25 +12,12 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models import INIT, LogicalMLP, mse, nnx_update, xent
 
 import spmd
 from spmd.partitioners import FixedShardsPartitioner
 
-INIT = nnx.initializers.lecun_normal()
 RULES = [("mlp", "model"), ("embed", None)]
-
-
-class MLP(nnx.Module):
-    """flax_gspmd's DotReluDot, annotated with logical names."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = nnx.Linear(
-            8, 16, kernel_init=nnx.with_partitioning(INIT, ("embed", "mlp")), rngs=rngs
-        )
-        self.w = nnx.Param(nnx.with_partitioning(INIT, ("mlp", "embed"))(rngs.params(), (16, 8)))
-
-    def __call__(self, x):
-        return nnx.relu(self.up(x)) @ self.w[...]
 
 
 class Plain(nnx.Module):
@@ -51,26 +38,17 @@ def _xy():
     return rng.randn(16, 8).astype(np.float32), rng.randn(16, 8).astype(np.float32)
 
 
-def _mse(model, x, y):
-    return jnp.mean((model(x) - y) ** 2)
-
-
 def _spmd_step(strategy):
     @strategy.step
     def step(state, x, y):
-        model, opt = state
-        value, grads = nnx.value_and_grad(_mse)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, mse, x, y)
 
     return step
 
 
 @nnx.jit
 def _jit_step(model, opt, x, y):
-    value, grads = nnx.value_and_grad(_mse)(model, x, y)
-    opt.update(model, grads)
-    return value
+    return nnx_update(model, opt, mse, x, y)
 
 
 # --- 1. Dropout's RNG key in the state on CentralStorageStrategy -----------------------
@@ -96,7 +74,7 @@ def _digits():
 
 @pytest.mark.slow
 def test_trainer_with_dropout_trains_on_central_storage_like_nnx_jit():
-    """Issue 13 item 4 on CentralStorageStrategy: Dropout's typed PRNG key, which
+    """On CentralStorageStrategy, Dropout's typed PRNG key, which
     jax cannot keep in pinned_host memory, stays in device memory; the Trainer
     gives the losses of an nnx.jit loop."""
     x, y = _digits()
@@ -105,10 +83,7 @@ def test_trainer_with_dropout_trains_on_central_storage_like_nnx_jit():
 
     @nnx.jit
     def step(model, opt, x, y):
-        loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()  # noqa: E731
-        value, grads = nnx.value_and_grad(loss)(model)
-        opt.update(model, grads)
-        return value
+        return nnx_update(model, opt, xent, x, y)
 
     expected = np.mean(
         [float(step(model, opt, x[i : i + 8], y[i : i + 8])) for i in (0, 8, 16, 24)]
@@ -133,21 +108,13 @@ def test_hand_written_step_with_dropout_runs_on_central_storage():
     opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     strategy = spmd.CentralStorageStrategy()
 
-    def xent(m, x, y):
-        return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-
     @strategy.step
     def step(state, x, y):
-        model, opt = state
-        value, grads = nnx.value_and_grad(xent)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, xent, x, y)
 
     @nnx.jit
     def ref_step(model, opt, x, y):
-        value, grads = nnx.value_and_grad(xent)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(model, opt, xent, x, y)
 
     got = [float(step((model, opt), x[i : i + 8], y[i : i + 8])) for i in (0, 8)]
     want = [float(ref_step(ref_model, ref_opt, x[i : i + 8], y[i : i + 8])) for i in (0, 8)]
@@ -165,7 +132,7 @@ def test_adafactor_on_an_annotated_model_trains_on_a_2d_mesh():
     default layout, and training matches nnx.jit on one device."""
 
     def create():
-        model = MLP(nnx.Rngs(0))
+        model = LogicalMLP(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adafactor(1e-2), wrt=nnx.Param)
 
     x, y = _xy()
@@ -192,6 +159,7 @@ class Sown(nnx.Module):
         return h
 
 
+@pytest.mark.slow
 def test_sow_inside_a_step_works_like_nnx_jit():
     """`self.sow(nnx.Intermediate, ...)` (flax's way to extract intermediates) adds
     a Variable during the call: as under nnx.jit the loss is returned and
@@ -216,6 +184,7 @@ class Counting(nnx.Module):
         return self.l(x)
 
 
+@pytest.mark.slow
 def test_python_attribute_written_in_the_step_is_kept_like_nnx_jit():
     """A module attribute changed inside the step (a call counter, a flag set by
     the model) is propagated back, as nnx.jit does (3 after three steps)."""
@@ -232,6 +201,7 @@ def test_python_attribute_written_in_the_step_is_kept_like_nnx_jit():
     assert model.calls == ref.calls
 
 
+@pytest.mark.slow
 def test_a_clone_of_the_model_survives_a_step():
     """EMA / teacher pattern: `teacher = nnx.clone(model)` shares the arrays
     (immutable in JAX). NNX state is not donated by default (nnx.jit's
@@ -309,6 +279,7 @@ class Lazy(nnx.Module):
         return self.l(x)
 
 
+@pytest.mark.slow
 def test_state_created_during_the_first_step_is_kept_like_nnx_jit():
     """The state changes structure inside the step (a Variable created on the
     first call): kept, as nnx.jit keeps it; later steps update it."""
@@ -327,6 +298,7 @@ def test_state_created_during_the_first_step_is_kept_like_nnx_jit():
     assert step.cache_size() == 2  # one program before `seen` existed, one after
 
 
+@pytest.mark.slow
 def test_nnx_state_is_donated_only_when_asked():
     """`@strategy.step(donate=True)` opts NNX state into donation: the input
     arrays are reused (deleted), the model holds the new ones."""
@@ -336,16 +308,13 @@ def test_nnx_state_is_donated_only_when_asked():
 
     @strategy.step(donate=True)
     def step(state, x, y):
-        model, opt = state
-        value, grads = nnx.value_and_grad(_mse)(model, x, y)
-        opt.update(model, grads)
-        return value
+        return nnx_update(*state, mse, x, y)
 
     before = model.l.kernel.get_raw_value()
     step((model, opt), x, y)
     assert before.is_deleted()
     assert not model.l.kernel.get_raw_value().is_deleted()
-    assert spmd.MirroredStrategy().step(_mse).donate is None  # the default: by state kind
+    assert spmd.MirroredStrategy().step(mse).donate is None  # the default: by state kind
 
 
 def _plain_create():
@@ -376,7 +345,7 @@ def test_weights_copied_from_another_strategys_model_are_a_named_error(other_mes
     assert "strategy.put" in str(info.value)
     nnx.update(model, strategy.put(nnx.state(model)))
     got = float(step((model, opt), x, y))
-    assert got == pytest.approx(float(_mse(other, x, y)), rel=1e-6)
+    assert got == pytest.approx(float(mse(other, x, y)), rel=1e-6)
 
 
 @pytest.mark.cpu_mesh
@@ -489,6 +458,7 @@ def test_default_parameter_server_inits_a_model_with_stacked_rng_keys():
     assert float(_spmd_step(strategy)((model, opt), x, y)) == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_custom_partitioner_never_sees_a_key_array():
     """Any callable partitioner gets only arrays with a byte size; keys are replicated."""
     seen = []
@@ -508,6 +478,7 @@ def test_a_custom_partitioner_never_sees_a_key_array():
     assert len(seen) == 3  # the kernel, the bias and the key counter; not the key
 
 
+@pytest.mark.slow
 def test_host_placement_keeps_keys_in_device_memory():
     """CentralStorageStrategy: arrays in pinned_host, typed key arrays in device memory."""
     strategy = spmd.CentralStorageStrategy()
@@ -538,6 +509,14 @@ class DotReluDot(nnx.Module):
         return y @ self.w2[...]
 
 
+def _guide_loss_on_one_device(x, y):
+    """The guide's model's first loss under `nnx.jit` on a 1x1 ("data", "model") mesh."""
+    one = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(one):
+        model = DotReluDot(nnx.Rngs(0))
+        return float(_jit_step(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param), x, y))
+
+
 @pytest.mark.cpu_mesh
 @pytest.mark.slow
 def test_the_gspmd_guide_constraint_on_a_mesh_without_its_axes_is_a_named_error():
@@ -552,10 +531,7 @@ def test_the_gspmd_guide_constraint_on_a_mesh_without_its_axes_is_a_named_error(
         model = DotReluDot(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-    one = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with jax.set_mesh(one):
-        ref_model, ref_opt = create()
-        want = float(_jit_step(ref_model, ref_opt, x, y))
+    want = _guide_loss_on_one_device(x, y)
     strategy = spmd.MirroredStrategy()
     model, opt = strategy.init(create)
     with pytest.raises(spmd.ConfigurationError) as info:
@@ -581,6 +557,7 @@ class LogicalDotReluDot(DotReluDot):
         return y @ self.w2[...]
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 @pytest.mark.parametrize("name", ["mirrored", "2-D"])
 def test_a_constraint_in_logical_names_runs_on_any_strategy(name):
@@ -592,11 +569,7 @@ def test_a_constraint_in_logical_names_runs_on_any_strategy(name):
         model = LogicalDotReluDot(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-    one = jax.make_mesh((1, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    with jax.set_mesh(one):
-        ref = DotReluDot(nnx.Rngs(0))
-        ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
-        want = float(_jit_step(ref, ref_opt, x, y))
+    want = _guide_loss_on_one_device(x, y)
     if name == "mirrored":
         strategy = spmd.MirroredStrategy()
     else:

@@ -52,6 +52,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("grad", [None, 0, 1], ids=["forward", "grad lhs", "grad rhs"])
 def test_products_and_convolutions_count_as_xla_does(name, grad):
@@ -101,6 +102,7 @@ def test_shard_map_counts_every_shard():
     assert counted(per_shard, x) == 8 * (2 * 8 * 8 * 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
 def test_explain_counts_a_transformer_step_as_palm_does(strategy):
     from bench import bench_gpu  # the example's LM and its bf16 train step, as MFU uses them

@@ -19,6 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+from models import mse, nnx_update
 
 import spmd
 
@@ -69,14 +70,7 @@ class _Mlp(nnx.Module):
 
 
 def _nnx_step(state, x, y):
-    model, opt = state
-
-    def loss_fn(m):
-        return jnp.mean((m(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    return loss
+    return nnx_update(*state, mse, x, y)
 
 
 def _nnx_run(strategy, donate, read_between=False):
@@ -93,6 +87,7 @@ def _nnx_run(strategy, donate, read_between=False):
     return losses, nnx.state((model, opt))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("donate", [None, True])
 @pytest.mark.parametrize("index", [0, 1], ids=HOST_IDS)
 def test_nnx_model_and_optimizer_on_host_placement_match_one_device(index, donate):
@@ -104,6 +99,7 @@ def test_nnx_model_and_optimizer_on_host_placement_match_one_device(index, donat
     assert kinds == {"pinned_host"}
 
 
+@pytest.mark.slow
 def test_donate_true_on_host_placement_keeps_the_callers_nnx_arrays_alive():
     """Pins today's behaviour: donate=True is silently not donated on a host placement
     (docs/api.md still says donate=True NNX arrays 'are deleted')."""
@@ -155,6 +151,7 @@ def _key_run(strategy, read_between=False):
     return losses, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1], ids=HOST_IDS)
 def test_a_state_with_a_prng_key_on_host_placement_matches_one_device(index):
     want_losses, want = _key_run(spmd.OneDeviceStrategy())
@@ -187,6 +184,7 @@ def _rngs_run(strategy):
     return losses, nnx.state(model, nnx.Param)
 
 
+@pytest.mark.slow
 def test_nnx_rngs_in_the_model_on_central_storage_match_one_device():
     want_losses, want = _rngs_run(spmd.OneDeviceStrategy())
     got_losses, got = _rngs_run(spmd.CentralStorageStrategy())
@@ -235,6 +233,7 @@ def _fit(strategy, epochs=3, callbacks=(), **options):
     return trainer, history.history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
     [{}, {"grad_accum_steps": 2}, {"steps_per_execution": 2}],
@@ -286,14 +285,17 @@ def _raw(x):
     return np.asarray(x)
 
 
+@pytest.mark.slow
 def test_backup_and_restore_on_central_storage_resumes_to_the_uninterrupted_weights(tmp_path):
     _interrupted_then_resumed(tmp_path, close_first=True)
 
 
+@pytest.mark.slow
 def test_a_fit_interrupted_by_an_exception_resumes_in_the_same_process(tmp_path):
     _interrupted_then_resumed(tmp_path, close_first=False)
 
 
+@pytest.mark.slow
 def test_a_backup_at_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path):
     """4 batches per epoch, save_freq=4, stopped at iteration 6: the backup is iteration 4."""
     _interrupted_then_resumed(tmp_path, close_first=True, save_freq=4)
@@ -313,6 +315,7 @@ def _train(state, x, y):
     return {"w": state["w"] + updates, "opt": opt}, loss
 
 
+@pytest.mark.slow
 def test_a_metrics_only_step_on_central_storage_reads_the_state_and_matches_one_device():
     def evaluate(state, x, y):
         return {"loss": jnp.mean((x @ state["w"] - y) ** 2), "sum": jnp.sum(x @ state["w"])}
@@ -349,6 +352,7 @@ def _mixed_step(state, x, y):
     }, loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", [0, 1], ids=HOST_IDS)
 def test_int_bool_bf16_leaves_on_host_placement_match_one_device(index):
     runs = {}
@@ -383,14 +387,8 @@ class _Lazy(nnx.Module):
 
 
 def _grow_step(state, x, y):
-    model, opt = state
-
-    def loss_fn(m):
-        return jnp.mean((m(x) - y) ** 2)
-
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    model.counter = nnx.BatchStat(jnp.sum(x))  # a Variable the step adds
+    loss = nnx_update(*state, mse, x, y)
+    state[0].counter = nnx.BatchStat(jnp.sum(x))  # a Variable the step adds
     return loss
 
 
@@ -403,6 +401,7 @@ def _grow_run(strategy, sow=False):
     return losses, model
 
 
+@pytest.mark.slow
 def test_an_nnx_step_that_adds_variables_on_central_storage_matches_one_device():
     want_losses, want = _grow_run(spmd.OneDeviceStrategy())
     got_losses, got = _grow_run(spmd.CentralStorageStrategy())
@@ -412,6 +411,7 @@ def test_an_nnx_step_that_adds_variables_on_central_storage_matches_one_device()
     assert got.l1.kernel[...].sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_sown_intermediate_that_grows_each_step_runs_as_under_nnx_jit():
     model = _Lazy(nnx.Rngs(0), sow=True)
@@ -427,6 +427,7 @@ def test_a_sown_intermediate_that_grows_each_step_runs_as_under_nnx_jit():
 # --- checkpoint (async save) mid-run, memory held across steps, explain --------------
 
 
+@pytest.mark.slow
 def test_async_checkpoint_then_steps_then_restore_continues_bitwise_on_central_storage(tmp_path):
     strategy = spmd.CentralStorageStrategy()
     step = strategy.step(_train)
@@ -478,12 +479,14 @@ def _live_count_after(strategy, steps):
     return counts
 
 
+@pytest.mark.slow
 def test_many_central_storage_steps_keep_no_old_states_alive():
     """The host-placed state is no longer donated: old states must still be freed."""
     counts = _live_count_after(spmd.CentralStorageStrategy(), 200)
     assert counts[-1] <= counts[0] + 2, counts
 
 
+@pytest.mark.slow
 def test_explain_of_a_host_placed_step_aliases_nothing_and_counts_host_bytes():
     x, y = _batches(1)[0]
     one = spmd.OneDeviceStrategy()
@@ -514,6 +517,7 @@ def _lm_losses(cfg, steps=3):
     return [float(step(state, tokens)) for tokens in ex.batches(cfg, steps)]
 
 
+@pytest.mark.slow
 def test_lm_remat_gives_the_losses_of_no_remat():
     ex = _lm()
     cfg = ex.LMConfig(layers=2, seq=16, batch=8)
@@ -523,6 +527,7 @@ def test_lm_remat_gives_the_losses_of_no_remat():
     assert plain[-1] < plain[0]
 
 
+@pytest.mark.slow
 def test_lm_xla_attention_gives_the_losses_of_the_default():
     ex = _lm()
     default = _lm_losses(ex.LMConfig(seq=16, batch=8))
@@ -530,6 +535,7 @@ def test_lm_xla_attention_gives_the_losses_of_the_default():
     np.testing.assert_allclose(xla, default, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_lm_an_unknown_attention_implementation_is_an_error_naming_it():
     ex = _lm()
     with pytest.raises(ValueError, match="bogus"):
@@ -619,6 +625,7 @@ def test_step_donates_says_false_on_a_host_placement():
     assert step.donates(False) is False
 
 
+@pytest.mark.slow
 def test_many_central_storage_steps_of_an_nnx_model_keep_no_old_arrays_alive():
     strategy = spmd.CentralStorageStrategy()
     model = _Mlp(nnx.Rngs(0))

@@ -1,7 +1,6 @@
 """Tests of spmd.clusters.launch and spmd.testing: real local processes, loopback only, bounded."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from commands import child_env
 
 from spmd.cli import main as cli
 from spmd.clusters.launch import PREEMPTED_EXIT_CODE, TIMEOUT_EXIT_CODE, launch, process_env
@@ -20,13 +20,6 @@ WORKER = ROOT / "tests" / "multiprocess" / "psum_worker.py"
 PY = sys.executable
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def child_env() -> dict[str, str]:
-    """This environment without any cluster description, with spmd importable."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SPMD_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
 
 
 @pytest.mark.multiprocess

@@ -249,6 +249,7 @@ def test_the_cycle_finder_sees_relative_dynamic_and_lazy_root_imports():
         assert found == expected, (code, found)
 
 
+@pytest.mark.slow
 def test_no_import_cycle_inside_spmd():
     cycle = _cycle(_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -310,6 +311,7 @@ sys.stdout.buffer.write(pickle.dumps(spmd.InputOptions(prefetch=3, check_content
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_lazy_root_in_a_fresh_process():
     """`from spmd import *`, `hasattr`, a typo, `jax.config.update` after `import spmd`, and a

@@ -87,6 +87,7 @@ def _values(model):
     return {path: v for path, v in flat}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["one", "mirrored", "central"])
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_a_structure_changed_inside_the_step_is_kept_as_nnx_jit_keeps_it(kind, strategy):
@@ -108,6 +109,7 @@ def test_a_structure_changed_inside_the_step_is_kept_as_nnx_jit_keeps_it(kind, s
                     _close(x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["mirrored", "central"])
 def test_a_sown_tuple_grows_by_one_entry_per_sow(strategy):
     model = Sown()
@@ -119,6 +121,7 @@ def test_a_sown_tuple_grows_by_one_entry_per_sow(strategy):
             assert len(model.h.get_value()) == 2 * (i + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(
     strict=True,
     reason="a Variable sown inside a step carries eager_sharding=False metadata (the step "

@@ -84,6 +84,7 @@ EVERY_BATCH_LAYOUT = pytest.mark.parametrize(
 )
 
 
+@pytest.mark.slow
 @EVERY_BATCH_LAYOUT
 def test_a_pmap_training_loop_runs_unchanged_under_run_with_its_axis_name(make):
     strategy = make()
@@ -172,6 +173,7 @@ def test_a_step_with_a_pmap_batch_norm_is_named_too():
         train_step(state, x[0], y[0])
 
 
+@pytest.mark.slow
 @EVERY_BATCH_LAYOUT
 def test_run_with_an_axis_name_inside_a_step_matches_pmap(make):
     # The step's error points here: keep the per-replica code and run it with

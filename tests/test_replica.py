@@ -122,6 +122,7 @@ def test_scale_regularization_loss():
     assert float(spmd.scale_regularization_loss(8.0)) == 8.0
 
 
+@pytest.mark.slow
 def test_custom_loop_with_run_and_reduce_matches_one_device():
     """The seeds' custom training loop: per-replica loss and grads, SUM-reduced, applied once."""
     rng = np.random.default_rng(0)
@@ -165,7 +166,7 @@ def test_custom_loop_with_run_and_reduce_matches_one_device():
     assert state[0]["w"].sharding.spec == P()
 
 
-# -- issue 12 item 4: compute_average_loss / scale_regularization_loss -------------------
+# -- compute_average_loss / scale_regularization_loss: their arguments checked -----------
 
 
 @pytest.mark.parametrize("size", [0, -1, 10.0, [10], True, np.float32(10), jnp.array([10])])

@@ -1,7 +1,8 @@
-"""The step's flat state, metrics as the in-flight handle, and its fast path.
+"""The step's fast path: flat states of any shape, steady calls, metrics as the in-flight handle.
 
 Each program runs as a user would write it and is checked per step against an
-oracle: the same function, data and seed under plain `jax.jit` on one device.
+oracle: the same function, data and seed under plain `jax.jit` on one device (or,
+for the one-line steady-call steps, the numbers worked out by hand).
 """
 
 import collections
@@ -17,9 +18,12 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd.strategy import step as step_module
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT
 
 STEPS = 12  # past CPU_MAX_IN_FLIGHT, so the queue bound fires
+X = np.arange(16, dtype=np.float32).reshape(8, 2)  # one batch, fed again every call
+SLOW = pytest.mark.slow  # the cases beyond the fast tier's (one device, no donation, ps)
 
 
 @pytest.fixture(autouse=True)
@@ -174,8 +178,8 @@ STATES = {
 }
 
 
-@pytest.mark.parametrize("donate", [None, False])
-@pytest.mark.parametrize("strategy", ["one", "mirrored", "central"])
+@pytest.mark.parametrize("donate", [None, pytest.param(False, marks=SLOW)])
+@pytest.mark.parametrize("strategy", [pytest.param("one", marks=SLOW), "mirrored", "central"])
 @pytest.mark.parametrize("kind", sorted(STATES))
 def test_a_state_of_any_shape_trains_as_jit_does(kind, strategy, donate):
     init, fn = STATES[kind]
@@ -184,6 +188,7 @@ def test_a_state_of_any_shape_trains_as_jit_does(kind, strategy, donate):
     assert step.cache_size() == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dict", "raw_key", "empty"])
 def test_a_sharded_state_trains_as_jit_does(kind):
     init, fn = STATES[kind]
@@ -198,6 +203,7 @@ def test_a_typed_key_state_compiles_once_on_mirrored():
     assert step.cache_size() == 1
 
 
+@pytest.mark.slow
 def test_a_flax_train_state_trains_on_parameter_server():
     step = _strategy("ps").step(ts_step)
     _against_oracle(step, ts_step, ts_init, steps=3)
@@ -211,6 +217,7 @@ def test_explain_takes_a_state_with_python_scalars():
     assert explanation.state_bytes == 8 * 4 + 4 + 4 + 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "state_bytes", "host_bytes", "alias_bytes"),
     [("mirrored", 2056, 0, 2056), ("ps", 264, 0, 264), ("central", 0, 2056, 0)],
@@ -289,13 +296,14 @@ def _mutated_run(strategy, kind, donate):
     )
 
 
-@pytest.mark.parametrize("donate", [None, False])
+@pytest.mark.parametrize("donate", [None, pytest.param(False, marks=SLOW)])
 @pytest.mark.parametrize("kind", ["replace", "add", "swap", "numpy", "remove", "placed"])
-@pytest.mark.parametrize("strategy", ["mirrored", "ps"])
+@pytest.mark.parametrize("strategy", ["mirrored", pytest.param("ps", marks=SLOW)])
 def test_a_state_changed_in_place_is_honoured(strategy, kind, donate):
     _mutated_run(strategy, kind, donate)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["add", "swap", "numpy", "remove"])
 def test_a_host_state_changed_in_place_is_honoured(kind):
     _mutated_run("central", kind, None)
@@ -318,6 +326,7 @@ def test_a_host_state_leaf_replaced_by_a_new_array_is_honoured_or_refused():
     _honoured_or_spmd_error("central", _mutator("replace"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ps", "2d"])
 def test_a_sharded_state_leaf_put_on_one_device_is_honoured_or_refused(strategy):
     def one_device(s):
@@ -327,6 +336,7 @@ def test_a_sharded_state_leaf_put_on_one_device_is_honoured_or_refused(strategy)
     _honoured_or_spmd_error(strategy, one_device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["delete", "donate_elsewhere"])
 @pytest.mark.parametrize("strategy", ["mirrored", "one"])
 def test_a_leaf_deleted_between_calls_is_a_configuration_error(strategy, how):
@@ -340,6 +350,66 @@ def test_a_leaf_deleted_between_calls_is_a_configuration_error(strategy, how):
         jax.jit(lambda a: a + 1, donate_argnums=0)(state["k"])
     with pytest.raises(spmd.ConfigurationError):
         step(state, *_data(3))
+
+
+# --- steady calls: what the fast path skips, and what it still catches -------------------
+
+
+def _sgd(state, x):
+    loss = jnp.sum(x) * jnp.sum(state["w"])
+    return {"w": state["w"] - 0.01 * jnp.sum(x)}, loss
+
+
+def test_a_batch_sharding_is_one_object_per_rank():
+    strategy = _strategy("mirrored")
+    assert strategy.batch_sharding(2) is strategy.batch_sharding(2)
+    assert strategy.batch_sharding(1, axis=1) is strategy.batch_sharding(0, axis=1)
+    assert strategy.batch_sharding(2) is not strategy.batch_sharding(2, axis=1)
+
+
+def test_a_steady_call_flattens_the_state_once(monkeypatch):
+    strategy = _strategy("mirrored")
+    step = strategy.step(_sgd)
+    batch = strategy.distribute_batch(X)
+    state, _ = step({"w": jnp.ones(4)}, batch)
+    state, _ = step(state, batch)
+    flattened = []
+    real = step_module._flatten
+    monkeypatch.setattr(step_module, "_flatten", lambda t: flattened.append(t) or real(t))
+    state, loss = step(state, batch)
+    assert len(flattened) == 2  # the state, then the batch
+    np.testing.assert_allclose(state["w"], np.ones(4) - 3 * 0.01 * X.sum(), rtol=1e-6)
+
+
+def test_a_leaf_replaced_in_place_after_steady_calls_is_read():
+    strategy = _strategy("mirrored")
+    step = strategy.step(_sgd)
+    state, _ = step({"w": jnp.ones(4)}, X)
+    state, _ = step(state, X)
+    state["w"] = strategy.put(jnp.full(4, 2.0))  # same shape, dtype and layout
+    state, loss = step(state, X)
+    assert float(loss) == pytest.approx(X.sum() * 8.0)
+    np.testing.assert_allclose(state["w"], np.full(4, 2.0) - 0.01 * X.sum(), rtol=1e-6)
+
+
+def test_a_leaf_of_another_shape_replaced_in_place_runs_its_own_program():
+    step = _strategy("mirrored").step(_sgd)
+    state, _ = step({"w": jnp.ones(4)}, X)
+    state, _ = step(state, X)
+    state["w"] = jnp.ones(6)
+    state, loss = step(state, X)
+    assert state["w"].shape == (6,) and step.cache_size() == 2
+    assert float(loss) == pytest.approx(X.sum() * 6.0)
+
+
+def test_a_state_donated_by_another_step_is_named_after_steady_calls():
+    strategy = _strategy("mirrored")
+    a, b = strategy.step(_sgd), strategy.step(_sgd)
+    state, _ = a({"w": jnp.ones(4)}, X)
+    state, _ = a(state, X)
+    b(state, X)
+    with pytest.raises(spmd.ConfigurationError, match="donated"):
+        a(state, X)
 
 
 # --- metrics as the in-flight handle -------------------------------------------------
@@ -375,8 +445,8 @@ METRICS = {
 
 
 @pytest.mark.parametrize("after", ["keep", "delete"])
-@pytest.mark.parametrize("donate", [True, False])
-@pytest.mark.parametrize("strategy", ["mirrored", "one"])
+@pytest.mark.parametrize("donate", [True, pytest.param(False, marks=SLOW)])
+@pytest.mark.parametrize("strategy", ["mirrored", pytest.param("one", marks=SLOW)])
 @pytest.mark.parametrize("kind", sorted(METRICS))
 def test_metrics_of_any_form_are_the_in_flight_handle(kind, strategy, donate, after):
     fn = METRICS[kind]
@@ -469,10 +539,12 @@ def _unfinished_past_the_bound(after):
     return unfinished
 
 
+@pytest.mark.slow
 def test_the_queue_bound_waits_on_kept_metrics():
     assert _unfinished_past_the_bound("keep") == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after", ["delete", "feed_back"])
 def test_the_queue_bound_waits_when_the_metrics_were_deleted(after):
     assert _unfinished_past_the_bound(after) == 0
@@ -487,6 +559,7 @@ def kw_step(state, x, y, *, lr, mode="sgd"):
     return {"k": state["k"] - lr * scale * g[0], "b": state["b"] - lr * scale * g[1]}, loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["mirrored", "ps"])
 def test_static_and_traced_keywords_in_a_steady_loop(strategy):
     step = _strategy(strategy).step(kw_step, static_argnames="mode")
@@ -502,6 +575,7 @@ def test_static_and_traced_keywords_in_a_steady_loop(strategy):
     assert step.cache_size() == 2  # one program per static mode
 
 
+@pytest.mark.slow
 def test_the_trainer_with_steps_per_execution_trains_as_one_step_at_a_time():
     from flax import nnx
 

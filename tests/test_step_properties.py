@@ -1,4 +1,4 @@
-"""Property: every call of a step equals the same function jitted on one device (issue 12).
+"""Property: every call of a step equals the same function jitted on one device.
 
 Random state pytrees and dtypes, strategies (1-D, 2-D, sharded), static and
 non-static keyword arguments and batch shapes varied between calls, and the

@@ -1,4 +1,4 @@
-"""What a step runs: the right program for every call, and misuse as a clear error (issue 12)."""
+"""What a step runs: the right program for every call, and misuse as a clear error."""
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ def test_static_kwarg_dropped_on_the_next_call_runs_the_default_program():
     np.testing.assert_allclose(state["w"], expect_state["w"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_static_kwarg_changed_between_calls_runs_each_program():
     step = _mirrored().step(static_argnames=("scale",))(_sgd)
     state, want = _state(), _state()
@@ -80,7 +81,7 @@ def test_a_state_leaf_replaced_in_place_is_seen():
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
 
 
-# -- item 13: the step's return is unambiguous ------------------------------------------
+# -- the step's return is unambiguous ---------------------------------------------------
 
 
 def test_a_single_array_state_returning_only_the_loss_is_an_error():
@@ -112,7 +113,7 @@ def test_a_single_array_state_returned_alone_or_first_is_the_new_state():
     np.testing.assert_allclose(total, X.sum(), atol=1e-5)
 
 
-# -- item 5: NNX objects belong in the state --------------------------------------------
+# -- NNX objects belong in the state ----------------------------------------------------
 
 
 def _model_and_optimizer():
@@ -142,7 +143,7 @@ def test_an_nnx_object_as_a_later_positional_argument_is_an_error():
     assert "by keyword" in str(info.value)
 
 
-# -- item 12 and issue 11 item 13: bad batches ------------------------------------------
+# -- bad batches: zero rows, strings and objects ----------------------------------------
 
 
 def test_a_batch_of_zero_rows_is_a_batch_error():
@@ -161,7 +162,7 @@ def test_a_string_or_object_batch_is_a_batch_error(batch):
     assert str(batch.dtype) in str(info.value)
 
 
-# -- issue 11 items 11 and 13: the state ------------------------------------------------
+# -- the state: donated, a leaf not an array, placed by another strategy ---------------
 
 
 def test_reusing_a_donated_state_says_it_was_donated():
@@ -229,7 +230,7 @@ def test_duplicate_devices_in_a_strategy_are_an_error():
         spmd.make_mesh({"x": 2}, [device, device])
 
 
-# -- item 10, 11: device lists and scopes ---------------------------------------------
+# -- device lists and scopes ----------------------------------------------------------
 
 
 @pytest.mark.parametrize(

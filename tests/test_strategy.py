@@ -282,6 +282,7 @@ def test_bad_strategy_arguments():
         )
 
 
+@pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_batches_placed_elsewhere_are_moved_to_the_batch_layout():
     strategy = spmd.MirroredStrategy()
@@ -295,6 +296,7 @@ def test_batches_placed_elsewhere_are_moved_to_the_batch_layout():
     assert_compiles_once(step)
 
 
+@pytest.mark.slow
 def test_explain_accepts_another_strategys_step():
     mirrored, ps = spmd.MirroredStrategy(), spmd.ParameterServerStrategy(FixedShardsPartitioner(8))
     step = mirrored.step(train_step)
@@ -329,6 +331,7 @@ def test_batch_axis_one_runs_stacked_batches_in_one_call():
         scanned(state, xs[:, :30], ys[:, :30])
 
 
+@pytest.mark.slow
 def test_a_step_that_does_not_donate_may_return_only_metrics():
     strategy = spmd.ParameterServerStrategy(FixedShardsPartitioner(8))
     state = strategy.init(create_state, jax.random.key(0))
@@ -361,7 +364,7 @@ def test_many_queued_steps_on_cpu_finish():
     assert len(step._in_flight) <= CPU_MAX_IN_FLIGHT
 
 
-# -- issue 12 item 9: variable_partitioner is any TF-protocol callable, checked ----------
+# -- variable_partitioner is any TF-protocol callable, checked ---------------------------
 
 
 @pytest.mark.cpu_mesh

@@ -163,6 +163,7 @@ def test_reduce_basic(strategy):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", _all_strategies(), ids=lambda s: s.name)
 def test_reduce_axis(strategy):
     x = strategy.run(lambda: jnp.array([1.0, 2.0]))

@@ -1,7 +1,11 @@
 """The test tiers: `-m "not slow"` leaves out every slow kind of test, and per-file progress."""
 
+import functools
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import conftest  # tests/conftest.py, as pytest imports it
@@ -10,7 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache
 def _tiers():
+    """tests/tiers.py, loaded once (it is a script, not a module of a package)."""
     spec = importlib.util.spec_from_file_location("tiers", ROOT / "tests" / "tiers.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -61,19 +67,124 @@ def test_modules_that_only_reexport_need_no_test():
     assert "__init__.py" in modules
 
 
+def _record(tests: dict[str, tuple[list[str], float]], cpu_s: float) -> dict:
+    """A record of the form conftest.py writes: per test, the modules it ran and its CPU s."""
+    entries = {
+        name: {"ran": ran, "cpu_s": cpu, "wall_s": 2 * cpu} for name, (ran, cpu) in tests.items()
+    }
+    return {"run": {"cpu_s": cpu_s, "wall_s": 2 * cpu_s}, "tests": entries}
+
+
+def _main(tiers, tmp_path, record: dict, capsys) -> tuple[int, list[str]]:
+    path = tmp_path / "ran.json"
+    path.write_text(json.dumps(record))
+    status = tiers.main([str(path)])
+    return status, capsys.readouterr().out.splitlines()
+
+
 def test_a_module_no_test_ran_is_reported_with_a_failing_verdict(tmp_path, capsys):
     tiers = _tiers()
-    record = {"tests/test_a.py::test_x": ["mesh.py"], "tests/test_b.py::test_y": []}
-    assert tiers.unrun(record, ["mesh.py", "rules.py"]) == ["rules.py"]
-    path = tmp_path / "ran.json"
-    path.write_text('{"t": ["mesh.py"]}')
-    assert tiers.main([str(path)]) == 1
-    assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: FAIL: ")
+    tests = _record(
+        {"tests/test_a.py::test_x": (["mesh.py"], 1.0), "tests/test_b.py::test_y": ([], 1.0)}, 2.0
+    )
+    assert tiers.unrun(tests["tests"], ["mesh.py", "rules.py"]) == ["rules.py"]
+    status, lines = _main(tiers, tmp_path, _record({"t": (["mesh.py"], 1.0)}, 10.0), capsys)
+    assert status == 1
+    assert (
+        lines[-1].startswith("verdict: FAIL: ") and "module(s) of spmd/ run by no test" in lines[-1]
+    )
+    assert "over the budget" not in lines[-1]
 
 
-def test_a_record_running_every_module_has_an_ok_verdict(tmp_path, capsys):
+def test_a_record_running_every_module_within_budget_has_an_ok_verdict(tmp_path, capsys):
     tiers = _tiers()
+    status, lines = _main(tiers, tmp_path, _record({"t": (tiers.runnable(), 100.0)}, 239.0), capsys)
+    assert status == 0
+    assert lines[-1] == (
+        "verdict: OK: every module of spmd/ with code is run by a test of this tier, "
+        "in 239 s of CPU (budget 240 s)"
+    )
+
+
+def test_a_run_over_the_cpu_budget_fails_and_shows_its_costliest_tests(tmp_path, capsys):
+    tiers = _tiers()
+    modules = tiers.runnable()
+    tests = {f"tests/test_a.py::test_{i}": (modules, float(i)) for i in range(20)}
+    status, lines = _main(tiers, tmp_path, _record(tests, 250.5), capsys)
+    assert status == 1
+    assert lines[-1] == "verdict: FAIL: 250 s of CPU is over the budget of 240 s"
+    assert (
+        "the run: 250.5 s CPU, 501.0 s wall (the tests alone: 190.0 s CPU, 380.0 s wall)" in lines
+    )
+    shown = lines[lines.index("the 15 costliest tests (CPU s, wall s):") + 1 : -1]
+    assert [line.split()[-1] for line in shown] == [
+        f"tests/test_a.py::test_{i}" for i in range(19, 4, -1)
+    ]
+    assert shown[0].split()[:2] == ["19.0", "38.0"]
+
+
+def test_both_faults_are_in_one_verdict():
+    line = _tiers().verdict(["rules.py"], 241.0)
+    assert line == (
+        "verdict: FAIL: 1 module(s) of spmd/ run by no test of this tier; "
+        "241 s of CPU is over the budget of 240 s"
+    )
+
+
+@pytest.mark.parametrize("argv", [[], ["a.json", "b.json"]])
+def test_without_one_record_it_prints_a_one_line_usage(argv, capsys):
+    assert _tiers().main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("usage: python tests/tiers.py RECORD")
+
+
+@pytest.mark.parametrize("text", [None, "not json", '{"t": ["mesh.py"]}'])
+def test_a_path_holding_no_record_is_a_usage_error(text, tmp_path, capsys):
     path = tmp_path / "ran.json"
-    path.write_text(json.dumps({"t": tiers.runnable()}))
-    assert tiers.main([str(path)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: OK: ")
+    if text is not None:
+        path.write_text(text)
+    assert _tiers().main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"no record of a test run at {str(path)!r}; usage: "
+    )
+
+
+def test_the_recorder_writes_each_tests_modules_cpu_and_wall(tmp_path):
+    """A pytest run under SPMD_TEST_RECORD writes a record tiers.py reads."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import spmd.errors\n\n"
+        "def test_spins():\n"
+        "    spmd.errors.received(x=sum(i * i for i in range(3_000_000)))\n\n"
+        "def test_idles():\n"
+        "    __import__('time').sleep(0.3)\n"
+    )
+    record_path = tmp_path / "ran.json"
+    env = {**os.environ, "SPMD_TEST_RECORD": str(record_path), "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(tmp_path),
+        "--confcutdir",
+        str(tmp_path),
+        "-c",
+        os.devnull,
+        "-p",
+        "conftest",
+        str(probe),
+    ]
+    env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests")
+    subprocess.run(command, env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    record = json.loads(record_path.read_text())
+    spins, idles = (
+        record["tests"][f"test_probe.py::{name}"] for name in ("test_spins", "test_idles")
+    )
+    assert spins["ran"] == ["errors.py"] and idles["ran"] == []
+    assert spins["cpu_s"] > 0.1 and idles["cpu_s"] < 0.2 and idles["wall_s"] >= 0.3
+    assert record["run"]["cpu_s"] > spins["cpu_s"] and record["run"]["wall_s"] > idles["wall_s"]

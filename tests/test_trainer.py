@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, labelled, nnx_update, xent
 
 import spmd
 from spmd.testing import assert_trees_allclose
@@ -13,36 +14,31 @@ from spmd.testing import assert_trees_allclose
 N, FEATURES, CLASSES, BATCH = 1001, 6, 3, 64
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(FEATURES, 32, rngs=rngs)
-        self.out = nnx.Linear(32, CLASSES, rngs=rngs)
+def _mlp(seed=0):
+    return MLP(nnx.Rngs(seed), features=FEATURES, hidden=32, outputs=CLASSES)
 
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
+
+def _trainer(tx, seed=0, strategy=None, **options):
+    """The MLP fit with sparse categorical cross-entropy, on MirroredStrategy by default."""
+    strategy = strategy or spmd.MirroredStrategy()
+    return spmd.Trainer(
+        _mlp(seed), tx, "sparse_categorical_crossentropy", strategy=strategy, **options
+    )
 
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(N, FEATURES)).astype(np.float32)
-    y = ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5)).astype(np.int32)
-    return x, y
+    return labelled(N, FEATURES, CLASSES)
 
 
 def plain_loop(x, y, epochs, tx):
     """The oracle: one device, plain nnx.jit, batches in order, the last partial one dropped."""
-    model = MLP(nnx.Rngs(0))
+    model = _mlp()
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     @nnx.jit
     def step(model, optimizer, xb, yb):
-        def loss_fn(model):
-            return optax.softmax_cross_entropy_with_integer_labels(model(xb), yb).mean()
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
+        return nnx_update(model, optimizer, xent, xb, yb)
 
     losses = []
     for _ in range(epochs):
@@ -67,13 +63,7 @@ def plain_loop(x, y, epochs, tx):
 def test_fit_follows_the_one_device_trajectory(data, strategy, options):
     x, y = data
     oracle, oracle_losses = plain_loop(x, y, epochs=2, tx=optax.adam(1e-2))
-    trainer = spmd.Trainer(
-        MLP(nnx.Rngs(0)),
-        optax.adam(1e-2),
-        "sparse_categorical_crossentropy",
-        strategy=strategy(),
-        **options,
-    )
+    trainer = _trainer(optax.adam(1e-2), strategy=strategy(), **options)
     history = trainer.fit((x, y), batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(history.history["loss"], oracle_losses, rtol=1e-5)
     assert_trees_allclose(
@@ -84,13 +74,7 @@ def test_fit_follows_the_one_device_trajectory(data, strategy, options):
 @pytest.mark.slow
 def test_evaluate_and_predict_are_exact_over_every_example(data):
     x, y = data
-    trainer = spmd.Trainer(
-        MLP(nnx.Rngs(1)),
-        optax.sgd(0.1),
-        "sparse_categorical_crossentropy",
-        metrics=("accuracy",),
-        strategy=spmd.MirroredStrategy(),
-    )
+    trainer = _trainer(optax.sgd(0.1), seed=1, metrics=("accuracy",))
     trainer.fit((x, y), batch_size=BATCH, epochs=1, verbose=0)
     predictions = trainer.predict(x, batch_size=BATCH)
     assert predictions.shape == (N, CLASSES)
@@ -104,15 +88,10 @@ def test_evaluate_and_predict_are_exact_over_every_example(data):
     assert result["accuracy"] == pytest.approx((logits.argmax(-1) == y).mean(), abs=1e-9)
 
 
+@pytest.mark.slow
 def test_history_and_validation_metrics(data):
     x, y = data
-    trainer = spmd.Trainer(
-        MLP(nnx.Rngs(0)),
-        optax.adam(1e-2),
-        "sparse_categorical_crossentropy",
-        metrics=("accuracy",),
-        strategy=spmd.MirroredStrategy(),
-    )
+    trainer = _trainer(optax.adam(1e-2), metrics=("accuracy",))
     history = trainer.fit(
         (x, y), batch_size=BATCH, epochs=2, validation_data=(x[:300], y[:300]), verbose=0
     )
@@ -121,6 +100,7 @@ def test_history_and_validation_metrics(data):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
+@pytest.mark.slow
 def test_init_apply_pair_and_other_losses():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 3)).astype(np.float32)
@@ -140,6 +120,7 @@ def test_init_apply_pair_and_other_losses():
     np.testing.assert_allclose(np.asarray(trainer.model["w"]).ravel(), [1.0, -2.0, 0.5], atol=0.05)
 
 
+@pytest.mark.slow
 def test_early_stopping_stops_and_restores_best(data):
     x, y = data
 
@@ -148,12 +129,7 @@ def test_early_stopping_stops_and_restores_best(data):
             logs["val_loss"] = float(epoch)  # gets worse every epoch
 
     stop = spmd.callbacks.EarlyStopping(monitor="val_loss", patience=1, restore_best_weights=True)
-    trainer = spmd.Trainer(
-        MLP(nnx.Rngs(0)),
-        optax.adam(1e-2),
-        "sparse_categorical_crossentropy",
-        strategy=spmd.MirroredStrategy(),
-    )
+    trainer = _trainer(optax.adam(1e-2))
     history = trainer.fit((x, y), batch_size=BATCH, epochs=10, callbacks=[Worse(), stop], verbose=0)
     assert history.epoch == [0, 1] and stop.stopped_epoch == 1
     best = stop.best_state["params"]["out"]["bias"]  # the weights of epoch 0, the best one
@@ -166,17 +142,15 @@ def test_early_stopping_stops_and_restores_best(data):
     "make, fragment",
     [
         (
-            lambda x, y: spmd.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), "cross_entropy"),
+            lambda x, y: spmd.Trainer(_mlp(), optax.sgd(0.1), "cross_entropy"),
             "loss='cross_entropy'",
         ),
         (
-            lambda x, y: spmd.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), "mse", metrics=("f1",)),
+            lambda x, y: spmd.Trainer(_mlp(), optax.sgd(0.1), "mse", metrics=("f1",)),
             "metric='f1'",
         ),
         (
-            lambda x, y: spmd.Trainer(
-                MLP(nnx.Rngs(0)), optax.sgd(0.1), "mse", steps_per_execution=0
-            ),
+            lambda x, y: spmd.Trainer(_mlp(), optax.sgd(0.1), "mse", steps_per_execution=0),
             "steps_per_execution=0",
         ),
         (lambda x, y: spmd.Trainer(object(), optax.sgd(0.1), "mse"), "model='object'"),
@@ -191,28 +165,18 @@ def test_bad_configuration_teaches(data, make, fragment):
 @pytest.mark.cpu_mesh
 def test_bad_data_teaches(data):
     x, y = data
-    trainer = spmd.Trainer(
-        MLP(nnx.Rngs(0)),
-        optax.sgd(0.1),
-        "sparse_categorical_crossentropy",
-        strategy=spmd.MirroredStrategy(),
-    )
+    trainer = _trainer(optax.sgd(0.1))
     with pytest.raises(spmd.BatchError, match="needs batch_size"):
         trainer.fit((x, y), epochs=1, verbose=0)
     with pytest.raises(spmd.BatchError, match=r"integer class ids of shape \(64,\)"):
         trainer.fit((x, np.eye(CLASSES, dtype=np.float32)[y]), batch_size=BATCH, verbose=0)
 
 
+@pytest.mark.slow
 def test_predict_and_evaluate_on_an_iterable_of_xy_batches_keep_every_row(data):
     """The padding mask is known by type: an (x, y) batch's y is never taken for a mask."""
     x, y = data[0][:100], data[1][:100]
-    trainer = spmd.Trainer(
-        MLP(nnx.Rngs(1)),
-        optax.sgd(0.1),
-        "sparse_categorical_crossentropy",
-        metrics=("accuracy",),
-        strategy=spmd.MirroredStrategy(),
-    )
+    trainer = _trainer(optax.sgd(0.1), seed=1, metrics=("accuracy",))
     batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 96, 32)]
     predictions = trainer.predict(batches)
     logits = np.asarray(trainer.model(jnp.asarray(x)))

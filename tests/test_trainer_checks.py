@@ -1,24 +1,15 @@
 """Trainer: losses and metrics per example, and every misuse of its data an error, not a guess."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, labelled
 
 import spmd
 
 FEATURES, CLASSES = 6, 3
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, outputs: int = CLASSES):
-        self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
-        self.out = nnx.Linear(16, outputs, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
 
 
 class Seq(nnx.Module):
@@ -32,9 +23,7 @@ class Seq(nnx.Module):
 
 
 def _data(n=128, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
-    return x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5).astype(np.int32)
+    return labelled(n, FEATURES, CLASSES, seed)
 
 
 def _trainer(model=None, loss="sparse_categorical_crossentropy", **kwargs):
@@ -42,7 +31,7 @@ def _trainer(model=None, loss="sparse_categorical_crossentropy", **kwargs):
     return spmd.Trainer(model, optax.sgd(0.1), loss, strategy=spmd.MirroredStrategy(), **kwargs)
 
 
-# -- item 16: default metrics, metrics that fit the loss, per-example reduction --------------
+# -- default metrics, metrics that fit the loss, per-example reduction -----------------------
 
 
 @pytest.mark.slow
@@ -67,6 +56,7 @@ def test_a_metric_that_does_not_fit_the_loss_names_both(loss, metric):
     assert f"metric='{metric}'" in str(info.value) and f"loss='{loss}'" in str(info.value)
 
 
+@pytest.mark.slow
 def test_sequence_losses_and_metrics_are_means_over_every_non_batch_axis():
     """(batch, time, classes) logits: one loss value per example, the mean over its steps.
 
@@ -115,7 +105,7 @@ def test_accuracy_with_a_loss_of_your_own_follows_the_label_shapes():
     assert result["accuracy"] == pytest.approx(float(np.mean(logits.argmax(-1) == y)))
 
 
-# -- item 12 (trainer side): fit arguments ---------------------------------------------------
+# -- fit's arguments -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("steps", [0, -1, 2.5, True])
@@ -149,7 +139,7 @@ def test_named_inputs_are_a_dict_as_x():
     np.testing.assert_allclose(trainer.predict(named, batch_size=16), logits, rtol=1e-5, atol=1e-6)
 
 
-# -- item 15: grad accumulation, validation data checked before the first epoch ---------------
+# -- grad accumulation, validation data checked before the first epoch ------------------------
 
 
 @pytest.mark.cpu_mesh
@@ -195,7 +185,7 @@ def test_validation_data_is_checked_before_the_first_epoch(make_validation, frag
     assert fragment in str(info.value) and _Count.batches == 0
 
 
-# -- issue 11 item 12: NaN loss stops training; labels out of range --------------------------
+# -- NaN loss stops training; labels out of range --------------------------------------------
 
 
 def test_labels_out_of_range_in_the_first_batch_are_an_error():
@@ -204,6 +194,7 @@ def test_labels_out_of_range_in_the_first_batch_are_an_error():
         _trainer().fit((x, np.where(np.arange(len(y)) == 3, -1, y)), batch_size=16, verbose=0)
 
 
+@pytest.mark.slow
 def test_a_nan_loss_stops_fit_naming_the_epoch_and_step():
     x, y = _data()
     y = y.copy()
@@ -225,6 +216,7 @@ class SqrtAtZero(nnx.Module):
         return self.out(x + jnp.sqrt(self.shift[...]))
 
 
+@pytest.mark.slow
 def test_a_finite_loss_whose_update_is_not_finite_names_its_own_step():
     x, y = _data()
     trainer = _trainer(SqrtAtZero(nnx.Rngs(0)))
@@ -236,6 +228,7 @@ def test_a_finite_loss_whose_update_is_not_finite_names_its_own_step():
     assert "clip_by_global_norm" in text
 
 
+@pytest.mark.slow
 def test_a_non_finite_loss_is_still_named_as_the_loss():
     x, y = _data()
     y = y.copy()
@@ -246,6 +239,7 @@ def test_a_non_finite_loss_is_still_named_as_the_loss():
     assert "global_step=1" in text and "The loss is finite at every step" in text
 
 
+@pytest.mark.slow
 def test_a_negative_label_is_a_nan_loss_not_a_wrong_one():
     per = spmd.losses.LOSSES["sparse_categorical_crossentropy"](
         jnp.ones((2, 4)), jnp.array([1, -1])
@@ -253,6 +247,7 @@ def test_a_negative_label_is_a_nan_loss_not_a_wrong_one():
     assert np.isfinite(per[0]) and np.isnan(per[1])
 
 
+@pytest.mark.slow
 def test_terminate_on_nan_can_be_switched_off():
     x, y = _data()
     y = y.copy()

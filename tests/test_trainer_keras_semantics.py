@@ -12,19 +12,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, labelled
 
 import spmd
 
 FEATURES, CLASSES, LR = 6, 3, 0.1
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs, outputs: int = CLASSES):
-        self.hidden = nnx.Linear(FEATURES, 16, rngs=rngs)
-        self.out = nnx.Linear(16, outputs, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
 
 
 class CNN(nnx.Module):
@@ -51,9 +43,7 @@ class BNNet(nnx.Module):
 
 
 def _data(n=64, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
-    return x, ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5).astype(np.int32))
+    return labelled(n, FEATURES, CLASSES, seed)
 
 
 def _strategy():
@@ -145,6 +135,7 @@ def test_two_metrics_with_one_name_are_an_error():
         _trainer(metrics=["accuracy", metric])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label_shape", ["(batch,)", "(batch, 1)"])
 def test_accuracy_of_one_output_is_keras_binary_accuracy_at_threshold_half(label_shape):
     """Keras resolves "accuracy" for one output column to BinaryAccuracy(threshold=0.5):
@@ -168,9 +159,17 @@ def test_accuracy_of_one_output_is_keras_binary_accuracy_at_threshold_half(label
     assert result["accuracy"] == pytest.approx(hand, abs=1e-7)
 
 
+def test_history_holds_one_value_per_epoch_as_keras():
+    history = _trainer(strategy=_strategy()).fit(_data(), batch_size=16, epochs=3, verbose=0)
+    assert history.epoch == [0, 1, 2]
+    assert set(history.history) == {"loss"}
+    assert all(len(v) == 3 for v in history.history.values())
+
+
 # -- the data: steps_per_epoch, sample weights -----------------------------------------------
 
 
+@pytest.mark.slow
 def test_steps_per_epoch_continues_the_data_across_epochs():
     """Keras: one iterator goes on across epochs; 4 batches, steps_per_epoch=2, epochs=2
     trains on batches 0, 1, 2, 3 (not 0, 1, 0, 1)."""
@@ -182,6 +181,7 @@ def test_steps_per_epoch_continues_the_data_across_epochs():
     _close(_params(trainer), params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["list", "arrays", "generator"])
 def test_steps_per_epoch_starts_a_new_pass_when_the_data_runs_out(kind):
     """3 batches, steps_per_epoch=2, epochs=2: batches 0, 1 | 2, 0 (arrays likewise);
@@ -206,6 +206,7 @@ def test_steps_per_epoch_starts_a_new_pass_when_the_data_runs_out(kind):
     )
 
 
+@pytest.mark.slow
 def test_sample_weight_is_keras_sum_over_batch_size():
     """sum(loss * w) / the number of examples: weights of 2.0 double the gradient."""
     x, y = _data()
@@ -218,6 +219,7 @@ def test_sample_weight_is_keras_sum_over_batch_size():
     assert history.history["loss"] == pytest.approx([np.mean(losses)], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_evaluate_reports_the_weighted_loss_over_every_example():
     """40 examples in batches of 16 (the last padded): sum(loss * w) / 40, metrics unweighted
     (Keras' `metrics`)."""
@@ -294,6 +296,7 @@ def test_grad_accum_with_batchnorm_normalises_each_microbatch():
     _close(_params(trainer), _microbatch_oracle(BNNet(nnx.Rngs(0)), batches, 2))
 
 
+@pytest.mark.slow
 def test_padded_batches_with_batchnorm_statistics_are_an_error_before_any_step():
     """The mask keeps padding out of the loss, not out of BatchNorm's batch statistics."""
     x, y = _data(n=40)
@@ -445,6 +448,7 @@ def test_a_dataset_that_drops_its_remainder_is_an_error_for_evaluation(call):
     assert trainer.iterations == 0
 
 
+@pytest.mark.slow
 def test_nan_inputs_stop_fit_with_iterations_the_steps_applied():
     x, y = _data()
     bad = x.copy()
@@ -455,6 +459,7 @@ def test_nan_inputs_stop_fit_with_iterations_the_steps_applied():
     assert trainer.iterations == int(trainer.host_state()["step"]) >= 2
 
 
+@pytest.mark.slow
 def test_a_generator_over_two_epochs_is_a_one_shot_error():
     x, y = _data()
     batches = ((x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16))

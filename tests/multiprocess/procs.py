@@ -1,17 +1,10 @@
 """Helpers of the multi-process tests: a clean child environment and process liveness by PID."""
 
-import os
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from commands import child_env
 
-
-def child_env() -> dict[str, str]:
-    """This environment without any cluster description, with spmd importable."""
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SPMD_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
+__all__ = ["alive", "child_env", "wait_gone"]
 
 
 def alive(pid: int) -> bool:

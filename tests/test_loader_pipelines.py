@@ -1,11 +1,13 @@
-"""Programs ported onto spmd's grain and tf.data support by someone who did not write it.
+"""grain and tf.data pipelines as programs write them: one device's numbers, or a clear error.
 
 MaxText-style grain pipelines (MapDataset.source().shuffle(seed).map().batch(),
 to_iter_dataset, a DataLoader with an IndexSampler) and the tf.distribute
 "Distributed input" guide's pipelines (repeat, steps_per_epoch, dataset
-functions), checked against one-device oracles; then bad input. A test marked
-xfail(strict) states the correct behaviour of something that is wrong today.
-Over 2 processes, and a resume after a crash: tests/multiprocess/test_loaders_ported_programs.py.
+functions), checked against one-device oracles; then bad input and resumes,
+each the exact record or a clear error. The loaders' own options (sharding,
+file policies, saved positions): tests/test_loaders.py. Over 2 processes:
+tests/multiprocess/test_loaders.py; resumed after a crash:
+tests/multiprocess/test_loader_resume_mid_epoch.py.
 """
 
 import itertools
@@ -48,6 +50,13 @@ def _grain(seed=7, batch=BATCH):
     return grain.MapDataset.source(np.arange(N, dtype=np.int32)).shuffle(seed=seed).batch(batch)
 
 
+def _range(loader, n):
+    """0, 1, ..., n - 1 in batches of BATCH: a tf.data or a grain dataset."""
+    if loader == "tf":
+        return tf.data.Dataset.range(n).batch(BATCH)
+    return grain.MapDataset.source(np.arange(n)).batch(BATCH)
+
+
 class Linear(nnx.Module):
     def __init__(self, rngs):
         self.layer = nnx.Linear(FEATURES, 2, rngs=rngs)
@@ -88,9 +97,10 @@ def _in_order(steps):
     return [np.arange(i * BATCH % N, i * BATCH % N + BATCH) for i in range(steps)]
 
 
-# -- what works: ported programs give the one-device numbers -------------------------------------
+# -- the programs give the one-device numbers --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_maxtext_style_grain_pipeline_fits_like_one_device(strategy, data):
     x, y = data
     shuffled = grain.MapDataset.source(np.arange(N)).shuffle(seed=3)
@@ -101,6 +111,7 @@ def test_maxtext_style_grain_pipeline_fits_like_one_device(strategy, data):
     np.testing.assert_allclose(_kernel(trainer), _oracle(data, order * 2), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tf_data_dataset_fits_like_one_device(strategy, data):
     # fit(tf.data.Dataset) read the first batch as tf tensors and raised TypeError
     # ("Cannot interpret 'tf.float32' as a data type"); fixed in trainer/data.py host_first.
@@ -110,6 +121,7 @@ def test_tf_data_dataset_fits_like_one_device(strategy, data):
     np.testing.assert_allclose(_kernel(trainer), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_infinite_dataset_with_steps_per_epoch_goes_on_across_epochs(strategy, data, loader):
     if loader == "tf":
@@ -155,7 +167,7 @@ def test_tf_data_elements_keep_their_shapes_and_jax_dtypes(strategy):
     assert first["image"].sharding == strategy.batch_sharding(3)
 
 
-# -- bad input that is already a clear error ---------------------------------------------------
+# -- bad input: a clear error -------------------------------------------------------------------
 
 
 def test_grain_batch_not_divisible_by_the_replicas_is_a_batch_error(strategy):
@@ -166,10 +178,7 @@ def test_grain_batch_not_divisible_by_the_replicas_is_a_batch_error(strategy):
 
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_ragged_last_batch_is_a_batch_error_that_says_drop_or_pad(strategy, loader):
-    if loader == "tf":
-        ds = tf.data.Dataset.range(20).batch(BATCH)
-    else:
-        ds = grain.MapDataset.source(np.arange(20)).batch(BATCH)
+    ds = _range(loader, 20)
     with pytest.raises(spmd.BatchError, match="remainder='drop'.*remainder='pad'"):
         _ids(strategy.distribute_dataset(ds))
 
@@ -206,7 +215,7 @@ def test_grain_data_loader_restored_with_another_seed_is_an_error(strategy):
         _ids(resumed)
 
 
-# -- findings: wrong today; each test states the correct behaviour ------------------------------
+# -- more bad input, and resumes: the exact record or a clear error ---------------------------
 
 
 def test_grain_pipeline_without_a_final_batch_says_to_batch(strategy):
@@ -218,10 +227,7 @@ def test_grain_pipeline_without_a_final_batch_says_to_batch(strategy):
 
 @pytest.mark.parametrize("loader", ["tf", "grain"])
 def test_empty_dataset_is_a_batch_error(strategy, loader):
-    if loader == "tf":
-        ds = tf.data.Dataset.range(0).batch(BATCH)
-    else:
-        ds = grain.MapDataset.source(np.arange(0)).batch(BATCH)
+    ds = _range(loader, 0)
     with pytest.raises(spmd.BatchError, match="no batch|0 batches|empty"):
         _ids(strategy.distribute_dataset(ds))
 
