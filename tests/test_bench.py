@@ -11,32 +11,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_bench(args, timeout, **env):
+    """Runs `python *args` in the repository, without the tests' XLA_FLAGS; fails if it fails."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.bench
 def test_bench_quick_writes_the_performance_page(tmp_path):
     out = tmp_path / "performance.md"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench",
-            "--quick",
-            "--output",
-            str(out),
-            "--only",
-            "bench_step",
-            "bench_feed",
-            "bench_input",
-            "bench_multiprocess",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    only = ["bench_step", "bench_feed", "bench_input", "bench_multiprocess"]
+    run_bench(["-m", "bench", "--quick", "--output", str(out), "--only", *only], timeout=900)
     text = out.read_text()
     for section in (
         "## step overhead",
@@ -92,17 +82,8 @@ def test_tensorflow_peer_trains_and_reports_its_step_time(peer):
 def test_bench_gpu_quick_runs_every_section_on_cpu(tmp_path):
     # The one-accelerator benchmarks (issue 15) as a CPU smoke run: every section gives rows.
     out = tmp_path / "performance-gpu.md"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.bench_gpu", "--quick", "--output", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    args = ["-m", "bench.bench_gpu", "--quick", "--output", str(out)]
+    run_bench(args, timeout=600, JAX_PLATFORMS="cpu")
     text = out.read_text()
     assert "FAILED" not in text
     for section in (
@@ -115,3 +96,17 @@ def test_bench_gpu_quick_runs_every_section_on_cpu(tmp_path):
         body = text.split(section, 1)[1].split("\n## ", 1)[0]
         assert body.count("| 1x cpu |") >= 2, section  # rows, each naming its device
     assert "x |" in text  # ratios were computed
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("task", ["digits", "lm"])
+def test_bench_diloco_quick_writes_its_table(tmp_path, task):
+    # DiLoCo against synchronous training (docs/diloco.md's tables) as a smoke run.
+    page = tmp_path / "diloco.md"
+    page.write_text((ROOT / "docs" / "diloco.md").read_text())
+    args = ["bench/bench_diloco.py", "--task", task, "--quick", "--output", str(page)]
+    run_bench(args, timeout=600, JAX_PLATFORMS="cpu")
+    table = page.read_text().split(f"<!-- bench_diloco {task} table: begin -->", 1)[1]
+    table = table.split(f"<!-- bench_diloco {task} table: end -->", 1)[0]
+    assert "| synchronous (MirroredStrategy) | - | - |" in table
+    assert "| DiLoCo | 2 | 10 |" in table

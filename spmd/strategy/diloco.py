@@ -418,7 +418,11 @@ class DiLoCo:
         state and step are restored as saved, and every island restarts from
         the global parameters, its other leaves (inner optimizer state) taken
         from saved island `i % saved`: the inner steps since the last
-        synchronisation are dropped (save at multiples of H to lose none).
+        synchronisation are dropped (save at multiples of H to lose none). With
+        fewer islands, the saved islands `islands ..` are dropped (nothing is
+        averaged); with more, a typed PRNG key of a new island `i >= saved` is
+        saved island `i % saved`'s folded with `i`, so no two islands draw the
+        same random numbers.
 
         Args:
           manager: a `spmd.CheckpointManager`.
@@ -445,7 +449,7 @@ class DiLoCo:
         order = np.arange(self.islands) % saved
 
         def reseed(state):
-            out = [x[order] for x in jax.tree.leaves(state.islands)]
+            out = [_regrow(x, order, saved) for x in jax.tree.leaves(state.islands)]
             for p, value in zip(positions, jax.tree.leaves(state.params), strict=True):
                 out[p] = jnp.broadcast_to(value, (self.islands, *value.shape))
             return state._replace(
@@ -453,6 +457,16 @@ class DiLoCo:
             )
 
         return jax.jit(reseed, out_shardings=self.state_sharding(target))(restored)
+
+
+def _regrow(x: jax.Array, order: np.ndarray, saved: int) -> jax.Array:
+    """Island `i`'s leaf from saved island `order[i]`; a typed PRNG key of an island
+    the checkpoint did not have (`i >= saved`) folded with `i`, as `init` folds them."""
+    x = x[order]
+    if len(order) <= saved or not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return x
+    fresh = jax.vmap(jax.random.fold_in)(x[saved:], jnp.arange(saved, len(order)))
+    return jnp.concatenate([x[:saved], fresh])
 
 
 class _Label:
