@@ -74,7 +74,8 @@ class SidecarEvaluator:
         Keras does. Skipped (damaged or removed) steps do not count.
       log_dir: write each step's metrics as TensorBoard scalars
         `evaluation_<metric>_vs_iterations` at the step, under
-        `log_dir/validation` (as Keras' TensorBoard callback does).
+        `log_dir/validation` (as Keras' TensorBoard callback does), each on
+        disk when its evaluation ends.
       callbacks: `spmd.callbacks.Callback`s; `on_test_begin` and
         `on_test_end(logs)` are called around each evaluation, with
         `trainer.iterations` set to the checkpoint's step, the train step it
@@ -161,9 +162,6 @@ class SidecarEvaluator:
             self._loop(reader, dataset, hooks)
         finally:
             reader.close()
-            for callback in self.callbacks:  # log_dir's, and any given as Keras users do
-                if isinstance(callback, TensorBoard):
-                    callback.on_train_end()  # closes its event files: the last events land
         return self.history
 
     def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:

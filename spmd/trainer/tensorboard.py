@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 
 from spmd.errors import ConfigurationError, message, received
 from spmd.trainer.callbacks import Callback, check_freq
+from spmd.trainer.event_files import EventFiles
+from spmd.trainer.model import averages
 
 __all__ = ["TensorBoard"]
 
@@ -18,8 +21,15 @@ class TensorBoard(Callback):
     Training scalars go to `log_dir/train`, validation ones (`val_*`, without
     the prefix) to `log_dir/validation`, per epoch; with `update_freq=N` the
     running training metrics also every N batches; an evaluation's metrics
-    (`on_test_end`, called by `spmd.SidecarEvaluator`) to `log_dir/validation`
-    at the train step evaluated. Needs `tensorboardX`
+    (`on_test_end`: fit's validation, `Trainer.evaluate(callbacks=...)`,
+    `spmd.SidecarEvaluator`) to `log_dir/validation` at the train step, as
+    `evaluation_<name>_vs_iterations`, as Keras writes them.
+
+    The files are written by a background thread, so a step never waits for
+    them; each epoch's and each evaluation's scalars are flushed to disk
+    before its hook returns (TensorBoard shows them at once, and a process
+    killed later keeps them), the batch scalars as soon as they are written,
+    and all of them at `flush()`. Needs `tensorboardX`
     (`pip install "spmd[tensorboard]"`).
 
     Args:
@@ -40,46 +50,53 @@ class TensorBoard(Callback):
                 )
             ) from error
         self.log_dir, self.update_freq = log_dir, update_freq
-        self._writers: dict[str, Any] = {}
+        self._files = EventFiles(log_dir)
 
-    def _writer(self, name: str):
-        if name not in self._writers:
-            from tensorboardX import SummaryWriter
-
-            self._writers[name] = SummaryWriter(f"{self.log_dir}/{name}")
-        return self._writers[name]
+    def flush(self) -> None:
+        """Returns once every scalar logged so far is in the event files, on disk."""
+        self._files.flush()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if jax.process_index() or not isinstance(self.update_freq, int):
             return
         if self.trainer.iterations % self.update_freq == 0:
-            for key, value in self.trainer.running_metrics().items():
-                self._writer("train").add_scalar(f"batch_{key}", value, self.trainer.iterations)
+            scalars = functools.partial(_batch_scalars, _snapshot(self.trainer.state["metrics"]))
+            self._files.add("train", scalars, self.trainer.iterations, flush=True)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if jax.process_index():
             return
+        runs: dict[str, dict[str, float]] = {"train": {}, "validation": {}}
         for key, value in (logs or {}).items():
-            split, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
-            self._writer(split).add_scalar(f"epoch_{name}", float(value), epoch)
-        for writer in self._writers.values():
-            writer.flush()
+            run, name = ("validation", key[4:]) if key.startswith("val_") else ("train", key)
+            runs[run][f"epoch_{name}"] = float(value)
+        for run, scalars in runs.items():
+            if scalars:
+                self._files.add(run, scalars, epoch)
+        self.flush()
 
     def on_test_end(self, logs: dict | None = None) -> None:
         """An evaluation's metrics (`spmd.SidecarEvaluator`'s, one per checkpoint) at the
         train step evaluated, as Keras does: `validation/evaluation_<name>_vs_iterations`."""
         if jax.process_index():
             return
-        writer = self._writer("validation")
-        for key, value in (logs or {}).items():
-            writer.add_scalar(
-                f"evaluation_{key}_vs_iterations", float(value), self.trainer.iterations
-            )
-        writer.flush()
+        scalars = {f"evaluation_{k}_vs_iterations": float(v) for k, v in (logs or {}).items()}
+        self._files.add("validation", scalars, self.trainer.iterations)
+        self.flush()
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers = {}
+        self._files.close()
 
     on_train_abort = on_train_end
+
+
+def _snapshot(sums: dict[str, Any]) -> dict[str, jax.Array]:
+    """The running sums copied on this process's first device: read later on the writer
+    thread without waiting for the step, and kept when the next step donates the state."""
+    local = {k: v.addressable_shards[0].data for k, v in sums.items()}
+    return jax.device_put(local, may_alias=False)
+
+
+def _batch_scalars(sums: dict[str, jax.Array]) -> dict[str, float]:
+    """The running metrics of a `_snapshot` (on the writer thread: a read of the devices)."""
+    return {f"batch_{k}": v for k, v in averages(jax.device_get(sums)).items()}
