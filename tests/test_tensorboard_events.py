@@ -157,13 +157,9 @@ def test_a_process_killed_in_its_third_epoch_keeps_the_first_two_epochs_scalars(
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    child = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_AT_EPOCH_3, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    command = [sys.executable, "-c", _KILLED_AT_EPOCH_3, str(tmp_path)]
+    with (tmp_path / "stderr").open("w") as err:
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     try:
         lines = []
         for line in child.stdout:
@@ -174,7 +170,9 @@ def test_a_process_killed_in_its_third_epoch_keeps_the_first_two_epochs_scalars(
         child.wait(timeout=60)
     finally:
         child.kill()
-    assert child.returncode == -signal.SIGKILL and lines and lines[-1].startswith("EPOCH 3"), lines
+        child.stdout.close()
+    stderr = (tmp_path / "stderr").read_text()[-3000:]
+    assert child.returncode == -signal.SIGKILL and lines[-1:] == ["EPOCH 3\n"], (lines, stderr)
     logs = [json.loads(line)["logs"] for line in lines[-3:-1]]
     train, validation = _scalars(tmp_path / "train"), _scalars(tmp_path / "validation")
     for name, run in (("loss", train), ("accuracy", train), ("val_loss", validation)):

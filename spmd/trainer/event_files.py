@@ -10,6 +10,8 @@ from typing import Any
 
 __all__ = ["EventFiles"]
 
+_FLUSH_S = 1.0  # the writer thread flushes a file at most this often between flush() calls
+
 Scalars = dict[str, float] | Callable[[], dict[str, float]]
 
 
@@ -18,8 +20,9 @@ class EventFiles:
 
     Scalars are written by one background thread, in the order they were
     added, so a hook never waits for a file (nor, given a function, for the
-    device values it reads). `flush()` returns once every scalar added before
-    it is written and the files are flushed: TensorBoard reads them, and a
+    device values it reads); the thread flushes a file at most every
+    `_FLUSH_S` seconds. `flush()` returns once every scalar added before it
+    is written and the files are flushed: TensorBoard reads them, and a
     process killed afterwards keeps them. (tensorboardX's `SummaryWriter`
     queues events for a thread that flushes every `flush_secs`, 120 s; its
     `flush()` does not wait for that queue, so the events just added stay in
@@ -35,15 +38,16 @@ class EventFiles:
         self._files: dict[str, Any] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: list[concurrent.futures.Future] = []
+        self._flushed: dict[str, float] = {}  # run -> when its file was last flushed
 
-    def add(self, run: str, scalars: Scalars, step: int, flush: bool = False) -> None:
+    def add(self, run: str, scalars: Scalars, step: int) -> None:
         """Queues `scalars` (tag -> value, or a function returning them, called on the
-        writer thread) for run `run` at `step`; `flush` flushes the file once written."""
+        writer thread) for run `run` at `step`."""
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, "spmd-tensorboard")
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
         wall_time = time.time()
-        self._pending.append(self._thread.submit(self._write, run, scalars, step, wall_time, flush))
+        self._pending.append(self._thread.submit(self._write, run, scalars, step, wall_time))
 
     def flush(self) -> None:
         """Returns once every scalar added so far is written and the files flushed.
@@ -54,8 +58,9 @@ class EventFiles:
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
-        for file in self._files.values():
+        for run, file in self._files.items():
             file.flush()
+            self._flushed[run] = time.monotonic()
 
     def close(self) -> None:
         """Flushes, closes the files and stops the thread; a later `add` opens new files."""
@@ -68,7 +73,7 @@ class EventFiles:
                 file.close()
             self._files, self._thread = {}, None
 
-    def _write(self, run: str, scalars: Scalars, step: int, wall_time: float, flush: bool) -> None:
+    def _write(self, run: str, scalars: Scalars, step: int, wall_time: float) -> None:
         from tensorboardX.proto import event_pb2
         from tensorboardX.summary import scalar
 
@@ -78,8 +83,9 @@ class EventFiles:
             event = event_pb2.Event(summary=scalar(tag, float(value)), step=int(step))
             event.wall_time = wall_time
             file.write_event(event)
-        if flush:
+        if time.monotonic() - self._flushed.get(run, 0.0) >= _FLUSH_S:
             file.flush()
+            self._flushed[run] = time.monotonic()
 
     def _file(self, run: str) -> Any:
         if run not in self._files:

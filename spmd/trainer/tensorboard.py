@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from spmd.errors import ConfigurationError, message, received
 from spmd.trainer.callbacks import Callback, check_freq
@@ -28,8 +29,8 @@ class TensorBoard(Callback):
     The files are written by a background thread, so a step never waits for
     them; each epoch's and each evaluation's scalars are flushed to disk
     before its hook returns (TensorBoard shows them at once, and a process
-    killed later keeps them), the batch scalars as soon as they are written,
-    and all of them at `flush()`. Needs `tensorboardX`
+    killed later keeps them), the batch scalars by the thread at most a
+    second after it writes them, and all of them at `flush()`. Needs `tensorboardX`
     (`pip install "spmd[tensorboard]"`).
 
     Args:
@@ -60,8 +61,9 @@ class TensorBoard(Callback):
         if jax.process_index() or not isinstance(self.update_freq, int):
             return
         if self.trainer.iterations % self.update_freq == 0:
-            scalars = functools.partial(_batch_scalars, _snapshot(self.trainer.state["metrics"]))
-            self._files.add("train", scalars, self.trainer.iterations, flush=True)
+            sums = self.trainer.state["metrics"]
+            scalars = functools.partial(_batch_scalars, list(sums), _snapshot(list(sums.values())))
+            self._files.add("train", scalars, self.trainer.iterations)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if jax.process_index():
@@ -90,13 +92,24 @@ class TensorBoard(Callback):
     on_train_abort = on_train_end
 
 
-def _snapshot(sums: dict[str, Any]) -> dict[str, jax.Array]:
-    """The running sums copied on this process's first device: read later on the writer
-    thread without waiting for the step, and kept when the next step donates the state."""
-    local = {k: v.addressable_shards[0].data for k, v in sums.items()}
-    return jax.device_put(local, may_alias=False)
+_stack = jax.jit(jnp.stack)
 
 
-def _batch_scalars(sums: dict[str, jax.Array]) -> dict[str, float]:
-    """The running metrics of a `_snapshot` (on the writer thread: a read of the devices)."""
-    return {f"batch_{k}": v for k, v in averages(jax.device_get(sums)).items()}
+def _snapshot(sums: list[jax.Array]) -> jax.Array:
+    """The running sums, stacked into a new array on this process's first device: one
+    dispatch, no wait for the step; the writer thread reads it after the next step has
+    taken (donated) the state it came from."""
+    local = [a.addressable_data(0) for a in sums]
+    on_device = [a if a.sharding.memory_kind in (None, "device") else _to_device(a) for a in local]
+    return _stack(on_device)
+
+
+def _to_device(a: jax.Array) -> jax.Array:
+    """A host-placed (`pinned_host`) scalar in device memory, where a program reads it."""
+    return jax.device_put(a, a.sharding.with_memory_kind("device"))
+
+
+def _batch_scalars(names: list[str], stacked: jax.Array) -> dict[str, float]:
+    """The running metrics of a `_snapshot` (on the writer thread: it waits for the step)."""
+    sums = dict(zip(names, np.asarray(stacked).tolist(), strict=True))
+    return {f"batch_{k}": v for k, v in averages(sums).items()}
