@@ -501,3 +501,30 @@ def test_fit_marks_its_last_save_final_even_while_it_is_in_flight(tmp_path, make
     directory = str(tmp_path / "ckpt")
     _trainer(_one_device()).fit(_data(64, 0), batch_size=32, verbose=0, callbacks=[make(directory)])
     assert spmd.CheckpointManager(directory, read_only=True).final_step() == 2
+
+
+def test_each_evaluation_is_on_disk_when_on_test_end_returns_and_batch_hooks_run(trained, tmp_path):
+    """A TensorBoard among the callbacks flushes each evaluation's scalars in on_test_end
+    (nothing closes it at the end), and the test batch hooks run per batch, as in evaluate."""
+    directory, _ = trained
+    folder = tmp_path / "logs" / "validation"
+    seen, batches = [], []
+
+    class Probe(spmd.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            batches.append((self.trainer.iterations, batch, sorted(logs)))
+
+        def on_test_end(self, logs=None):  # after TensorBoard's on_test_end
+            (events_file,) = folder.glob("events.out.tfevents.*")
+            events = _read_events(events_file)
+            steps = [e.step for e in events for v in e.summary.value if "loss" in v.tag]
+            seen.append((self.trainer.iterations, steps))
+
+    board = spmd.callbacks.TensorBoard(str(tmp_path / "logs"))
+    evaluator = spmd.SidecarEvaluator(
+        _trainer(_one_device()), VAL, str(directory), callbacks=[board, Probe()], batch_size=32
+    )
+    evaluator.start()
+    assert seen == [(3, [3]), (6, [3, 6]), (9, [3, 6, 9])]
+    names = ["accuracy", "loss"]
+    assert batches == [(step, b, names) for step in (3, 6, 9) for b in range(3)]  # 77 rows

@@ -38,6 +38,7 @@ from spmd.strategy.replica import (
     in_cross_replica_context,
     running_strategy,
 )
+from spmd.strategy.state_placement import place_state
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT, Step
 from spmd.strategy.step_layout import put_leaf
 from spmd.topologies import check_runnable
@@ -273,13 +274,19 @@ class Strategy:
         state MaxText's `setup_initial_state` returns keeps its layout), always
         in the strategy's memory kind.
 
+        With several processes, a leaf each process holds whole (numpy data, or
+        an array on its own devices, as a model built outside `scope()` has) is
+        taken as the global value; the processes check, by fingerprint, that
+        they hold the same (a `ConfigurationError` naming the leaf if not).
+
         Raises:
           ConfigurationError: a leaf none of them covers is sharded over mesh
-            axes this strategy's mesh lacks.
+            axes this strategy's mesh lacks, or the processes hold different
+            values of a leaf they each hold whole.
         """
         check_runnable(self, "put")
         pure = nnx_state.pure(tree)
-        placed = jax.tree.map(put_leaf, pure, self.state_sharding(pure))
+        placed = place_state(pure, self.state_sharding(pure))
         return nnx_state.replace(tree, placed)
 
     def init(self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -18,12 +18,12 @@ from spmd.errors import ConfigurationError, ContextError, message, received
 from spmd.strategy import nnx_state
 from spmd.strategy import step_checks as checks
 from spmd.strategy.replica import in_replica_context
+from spmd.strategy.state_placement import place_state
 from spmd.strategy.step_layout import (
     check_layout,
     conform_all,
     on_device,
     placed,
-    put_leaf,
     to_memory,
 )
 from spmd.strategy.step_records import IS_DELETED as _IS_DELETED
@@ -132,7 +132,7 @@ class Step:
         if fresh:
             # A first state often comes unplaced (numpy, one device): place it, so
             # that the states the step returns hit the same compiled program.
-            pure = jax.tree.map(put_leaf, pure, self.strategy.state_sharding(pure))
+            pure = place_state(pure, self.strategy.state_sharding(pure))
         else:
             check_layout(self.strategy, pure, program.state_shardings, binding is not None)
         pure = jax.tree.leaves(pure)  # the state goes in as its flat list of arrays

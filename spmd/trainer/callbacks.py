@@ -37,8 +37,10 @@ class Callback:
     """Base class of callbacks: override the hooks you need; `self.trainer` is set by fit.
 
     Hooks, as in Keras: `on_train_begin/end`, `on_epoch_begin/end`,
-    `on_train_batch_begin/end`, `on_test_begin/end`, `on_test_batch_end`,
-    `on_predict_begin/end`. `logs` is a dict of floats (epoch hooks) or None.
+    `on_train_batch_begin/end`, `on_test_begin/end`, `on_test_batch_begin/end`,
+    `on_predict_begin/end`, `on_predict_batch_begin/end`. `logs` is a dict of
+    floats (epoch and test hooks), `{"outputs": ...}` (`on_predict_batch_end`)
+    or None.
     Every process runs every callback; write files from the chief only
     (`spmd.cluster().is_chief`), or through `spmd.CheckpointManager`, which
     coordinates the processes itself.
@@ -84,14 +86,24 @@ class Callback:
     def on_test_end(self, logs: dict | None = None) -> None:
         """At the end of evaluate, with its metrics."""
 
+    def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Before evaluation batch `batch` (0-based, counted from this evaluation's first)."""
+
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        """After an evaluation batch."""
+        """After evaluation batch `batch`, with the metrics over the batches so far
+        (a read of the devices, made only when some callback overrides this hook)."""
 
     def on_predict_begin(self, logs: dict | None = None) -> None:
         """At the start of predict."""
 
     def on_predict_end(self, logs: dict | None = None) -> None:
         """At the end of predict."""
+
+    def on_predict_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Before predict batch `batch` (0-based)."""
+
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """After predict batch `batch`, with `{"outputs": ...}`: its rows' outputs (numpy)."""
 
 
 _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]

@@ -74,9 +74,11 @@ class SidecarEvaluator:
         Keras does. Skipped (damaged or removed) steps do not count.
       log_dir: write each step's metrics as TensorBoard scalars
         `evaluation_<metric>_vs_iterations` at the step, under
-        `log_dir/validation` (as Keras' TensorBoard callback does).
-      callbacks: `spmd.callbacks.Callback`s; `on_test_begin` and
-        `on_test_end(logs)` are called around each evaluation, with
+        `log_dir/validation` (as Keras' TensorBoard callback does), each on
+        disk when its evaluation ends.
+      callbacks: `spmd.callbacks.Callback`s; each evaluation calls their
+        test hooks as `Trainer.evaluate` does (`on_test_begin`,
+        `on_test_batch_begin/end` per batch, `on_test_end(logs)`), with
         `trainer.iterations` set to the checkpoint's step, the train step it
         was saved at (Keras restores `optimizer.iterations`).
         `spmd.callbacks.TensorBoard(log_dir)` here writes what `log_dir` does.
@@ -161,9 +163,6 @@ class SidecarEvaluator:
             self._loop(reader, dataset, hooks)
         finally:
             reader.close()
-            for callback in self.callbacks:  # log_dir's, and any given as Keras users do
-                if isinstance(callback, TensorBoard):
-                    callback.on_train_end()  # closes its event files: the last events land
         return self.history
 
     def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:
@@ -215,10 +214,8 @@ class SidecarEvaluator:
             raise
         trainer.state = {**trainer.state, **model}
         trainer.iterations = step
-        hooks.on_test_begin()
         batches = dataset if self.steps is None else _first(dataset, self.steps)
-        metrics = trainer._evaluate_dataset(batches, "SidecarEvaluator")
-        hooks.on_test_end(metrics)
+        metrics = trainer._evaluate_dataset(batches, "SidecarEvaluator", hooks)
         shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
         _log.info("checkpoint step %d: %s", step, shown)
         return metrics

@@ -482,7 +482,7 @@ class Trainer:
             logs = self.running_metrics()
             self.state["metrics"] = _like(self._zero_sums(), self.state["metrics"])
             if val_data is not None:
-                val = self._evaluate_dataset(val_data, "validation_data")
+                val = self._evaluate_dataset(val_data, "validation_data", hooks)
                 logs.update({f"val_{k}": v for k, v in val.items()})
             hooks.on_epoch_end(self.epoch, logs)
             self.epoch += 1
@@ -548,13 +548,21 @@ class Trainer:
         return ran
 
     def evaluate(
-        self, data: Any, batch_size: int | None = None, verbose: int = 0
+        self,
+        data: Any,
+        batch_size: int | None = None,
+        verbose: int = 0,
+        callbacks: Sequence[Callback] = (),
     ) -> dict[str, float]:
         """The loss and metrics over every example of `data`, each counted once.
 
         A last partial batch is padded and masked, so nothing is dropped and
         padding never counts; a distributed dataset that drops its last
         partial batch is an error. `verbose` is accepted for Keras compatibility.
+        `callbacks` get Keras' hooks: `on_test_begin`, then per batch
+        `on_test_batch_begin(i)` and `on_test_batch_end(i, logs)` (the metrics
+        over batches 0..i; read from the devices only when some callback
+        overrides that hook), then `on_test_end(logs)`.
 
         Returns:
           {"loss": ..., "accuracy": ...}: the loss is sum(loss x sample_weight)
@@ -566,36 +574,32 @@ class Trainer:
         """
         self.build()
         dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="evaluate")
-        return self._evaluate_dataset(dataset, "evaluate")
+        return self._evaluate_dataset(dataset, "evaluate", self._hooks(callbacks, dataset, verbose))
 
-    def _evaluate_dataset(self, dataset: Any, what: str) -> dict[str, float]:
+    def _hooks(self, callbacks: Sequence[Callback], dataset: Any, verbose: int) -> CallbackList:
+        """The callbacks of an evaluate or predict: one epoch of the dataset's batches."""
+        steps = getattr(dataset, "num_batches", None)
+        return CallbackList(callbacks, self, {"epochs": 1, "steps": steps, "verbose": verbose})
+
+    def _evaluate_dataset(self, dataset: Any, what: str, hooks: CallbackList) -> dict[str, float]:
+        """Evaluates every batch of `dataset`, calling the test hooks as Keras does."""
+        hooks.on_test_begin()
         step, totals = self._step("eval"), None
-        for batch in dataset:
+        batch_logs = hooks.overrides("on_test_batch_end")  # else no per-batch read
+        for index, batch in enumerate(dataset):
+            hooks.on_test_batch_begin(index)
             batch = train_args(batch, what)
             self._check_batch(batch, what, first=totals is None)
             sums = step(self.state, *batch)
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-        if totals is None:
-            raise BatchError(
-                message(
-                    f"{what} received no batch.",
-                    received(data=type(dataset).__name__),
-                    "pass data with at least one example.",
-                )
-            )
-        totals = jax.device_get(totals)
-        if float(totals["weight_sum"]) == 0.0:
-            raise BatchError(
-                message(
-                    f"The sample weights given to {what} weigh at least one example: with "
-                    "every weight 0 there is no loss to report.",
-                    received(examples=int(totals["count"]), sample_weight_sum=0.0),
-                    "pass sample weights with at least one non-zero, or none.",
-                )
-            )
-        return averages(totals)
+            hooks.on_test_batch_end(index, averages(jax.device_get(totals)) if batch_logs else None)
+        logs = _evaluated(totals, dataset, what)
+        hooks.on_test_end(logs)
+        return logs
 
-    def predict(self, x: Any, batch_size: int | None = None) -> Any:
+    def predict(
+        self, x: Any, batch_size: int | None = None, callbacks: Sequence[Callback] = ()
+    ) -> Any:
         """The model's outputs for every row of `x`, in input order, on every process.
 
         Args:
@@ -606,6 +610,10 @@ class Trainer:
             arrays with `batch_size` is the model's several inputs (Keras);
             without it, an error (it could be a list of batches).
           batch_size: the global batch size (with arrays).
+          callbacks: `spmd.callbacks.Callback`s, given Keras' hooks:
+            `on_predict_begin`, then per batch `on_predict_batch_begin(i)` and
+            `on_predict_batch_end(i, {"outputs": ...})` (the batch's real rows),
+            then `on_predict_end`.
 
         Returns:
           A numpy array with one row per input row (a pytree of them for a
@@ -619,8 +627,11 @@ class Trainer:
             raise ConfigurationError(_AMBIGUOUS_PREDICT)
         data = (list(x),) if is_bare_arrays(x) else (x,) if is_arrays((x,)) else x
         dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="predict")
+        hooks = self._hooks(callbacks, dataset, verbose=0)
+        hooks.on_predict_begin()
         step, rows = self._step("predict"), []
-        for batch in dataset:
+        for index, batch in enumerate(dataset):
+            hooks.on_predict_batch_begin(index)
             elements, mask = split_batch(batch)
             check_rows(elements[0], "predict")
             out = jax.tree.map(np.asarray, step(self.state, elements[0]))
@@ -628,6 +639,8 @@ class Trainer:
                 keep = np.asarray(mask) > 0
                 out = jax.tree.map(lambda o, keep=keep: o[keep], out)
             rows.append(out)
+            hooks.on_predict_batch_end(index, {"outputs": out})
+        hooks.on_predict_end()
         if not rows:
             return np.zeros((0,))
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
@@ -640,6 +653,29 @@ _AMBIGUOUS_PREDICT = message(
     "for several inputs pass predict([x1, x2], batch_size=64); for batches of one input "
     "pass [(b,) for b in batches].",
 )
+
+
+def _evaluated(totals: Any, dataset: Any, what: str) -> dict[str, float]:
+    """The metrics of an evaluation's summed `totals`; raises if nothing was summed."""
+    if totals is None:
+        raise BatchError(
+            message(
+                f"{what} received no batch.",
+                received(data=type(dataset).__name__),
+                "pass data with at least one example.",
+            )
+        )
+    totals = jax.device_get(totals)
+    if float(totals["weight_sum"]) == 0.0:
+        raise BatchError(
+            message(
+                f"The sample weights given to {what} weigh at least one example: with "
+                "every weight 0 there is no loss to report.",
+                received(examples=int(totals["count"]), sample_weight_sum=0.0),
+                "pass sample weights with at least one non-zero, or none.",
+            )
+        )
+    return averages(totals)
 
 
 def _is_key(leaf: Any) -> bool:
