@@ -159,6 +159,7 @@ class CheckpointManager:
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
         self._maybe_final = True  # a final-step marker may be there (an ended run's)
+        self._prepared = False  # whether the checksums' programs for the state were started
         self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
             store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
@@ -278,6 +279,9 @@ class CheckpointManager:
         saved = False
         if force or preempted or step % self._interval == 0:
             saved = self._save(step, state, data, metadata)
+        elif not self._prepared:  # compile the checksums' programs before the first write
+            integrity.prepare(ct.to_saveable(_leaves(state))[0])
+            self._prepared = True
         if preempted:
             self._stop(step)
         return saved
@@ -292,9 +296,11 @@ class CheckpointManager:
             final.clear(self.directory)  # the run goes on past its marked last step
         self._maybe_final = False  # the writer holds the directory: no one else marks it
         arrays, keys = ct.to_saveable(_leaves(state))
+        self._prepared = True
         position = guard.every_pipeline(_position(data), self._timeout)
-        # The checksums run on the devices beside Orbax's writes; the record is sealed and
-        # written in the save's commit, so a step is never committed without them.
+        # The checksums run on the devices beside Orbax's writes (dispatched here, fetched in
+        # the save's commit); the record is sealed and written in that commit, so a step is
+        # never committed without them.
         meta = integrity.PendingRecord(
             {
                 "format": integrity.FORMAT,
