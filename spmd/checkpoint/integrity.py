@@ -370,17 +370,38 @@ def checksums(arrays: dict[str, Any], version: int = FORMAT) -> dict[str, str]:
 class PendingRecord:
     """A step's metadata record whose array checksums are still being computed.
 
-    `save` hands it to Orbax in place of the record; `RecordHandler` resolves it
-    in the save's background commit, beside the array writes, so that `save`
-    returns without waiting for the checksums, and the step is committed only
-    once its record, checksums included, is written.
+    `save` hands it to Orbax in place of the record, then `start`s the checksums
+    once Orbax has copied the arrays to host memory, so that they run beside
+    Orbax's write and never delay its copies (on XLA:CPU both share the same
+    worker threads). `RecordHandler` resolves it in the save's background
+    commit: the step is committed only once its record, checksums included, is
+    written.
     """
 
-    def __init__(self, meta: dict, sums: Pending):
-        self._meta, self._sums = meta, sums
+    def __init__(self, meta: dict):
+        self._meta = meta
+        self._sums: Pending | None = None
+        self._error: Exception | None = None
+        self._started = threading.Event()
+
+    def start(self, arrays: dict[str, Any]) -> None:
+        """Dispatches the checksums of `arrays`, once. Never raises: a failure to start
+        them fails `resolve`, so the step is not committed and `wait()` reports it."""
+        if self._started.is_set():
+            return
+        try:
+            self._sums = dispatch(arrays)
+        except Exception as e:
+            self._error = e
+        finally:
+            self._started.set()
 
     def resolve(self) -> dict:
-        """The sealed record: `meta` with "checksums", and its own checksum."""
+        """The sealed record: `meta` with "checksums", and its own checksum (waits for
+        `start`, then for the device programs)."""
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
         return seal({**self._meta, "checksums": self._sums.result()})
 
 

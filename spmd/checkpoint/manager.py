@@ -160,6 +160,7 @@ class CheckpointManager:
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
         self._maybe_final = True  # a final-step marker may be there (an ended run's)
         self._prepared = False  # whether the checksums' programs for the state were started
+        self._async_save = async_save
         self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
             store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
@@ -298,24 +299,28 @@ class CheckpointManager:
         arrays, keys = ct.to_saveable(_leaves(state))
         self._prepared = True
         position = guard.every_pipeline(_position(data), self._timeout)
-        # The checksums run on the devices beside Orbax's writes (dispatched here, fetched in
-        # the save's commit); the record is sealed and written in that commit, so a step is
-        # never committed without them.
-        meta = integrity.PendingRecord(
+        record = integrity.PendingRecord(
             {
                 "format": integrity.FORMAT,
                 "prng_keys": keys,
                 "user": _json(metadata, "metadata"),
                 "data_checksum": integrity.json_checksum(position),
-            },
-            integrity.dispatch(arrays),
+            }
         )
+        # The record is sealed in the save's commit, once the checksums are in: a step is
+        # never committed without them. They start once Orbax's async save has copied the
+        # arrays to host memory, so they run beside its write; a synchronous save commits
+        # before it returns, so there they start first.
+        if not self._async_save:
+            record.start(arrays)
         try:
-            saved = self._store.save(step, arrays, position, meta)
+            saved = self._store.save(step, arrays, position, record)
         except CheckpointError:
             raise
         except Exception as e:
             raise guard.write_failed(self._failed([*self._pending, step]), self.directory, e) from e
+        finally:  # after a failure too: with several processes some checksums are collectives
+            record.start(arrays)
         self._pending.append(step)
         return saved
 
