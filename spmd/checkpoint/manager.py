@@ -297,7 +297,9 @@ class CheckpointManager:
             final.clear(self.directory)  # the run goes on past its marked last step
         self._maybe_final = False  # the writer holds the directory: no one else marks it
         arrays, keys = ct.to_saveable(_leaves(state))
-        self._prepared = True
+        if not self._prepared:  # the first write: compile beside Orbax's copies to host
+            integrity.prepare(arrays)
+            self._prepared = True
         position = guard.every_pipeline(_position(data), self._timeout)
         record = integrity.PendingRecord(
             {
