@@ -89,7 +89,8 @@ class CheckpointManager:
       max_to_keep: how many of the latest checkpoints to keep (None: all).
       save_interval_steps: `save` writes only at multiples of this step count.
       async_save: write in background threads; `save` returns once the arrays
-        are copied to host memory.
+        are copied to host memory and their checksums are started on the
+        devices (they run beside the write; the step commits once both are done).
       shared_filesystem: False when the hosts have no folder in common (each
         its own disk): process 0 then writes the whole state (arrays sharded
         over processes are all-gathered first) to its own `directory`, and
