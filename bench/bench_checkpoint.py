@@ -1,21 +1,32 @@
-"""Async checkpointing: how long a save blocks the training loop, against a synchronous save.
+"""Checkpoint saves: how long `save` blocks the training loop, against plain Orbax.
 
 Run: python bench/bench_checkpoint.py [--quick]
-The state is ~100 MB (float32), sharded over 8 simulated CPU devices
-(ParameterServerStrategy). "Blocked" is the time `CheckpointManager.save`
-takes to return; with async_save the arrays are copied to host memory and
-written in background threads, which `wait()` joins outside the timed region.
-"Checksum" is the part of a save that computes every array's checksum (on the
-devices, then 8 bytes an array to the host), as a fraction of a synchronous save.
+Two states on 8 simulated CPU devices: ~100 MB of float32 in 4 leaves, sharded
+(ParameterServerStrategy), and 10,000 small leaves of a deep model's ten shapes,
+replicated (MirroredStrategy; 200 leaves with --quick). Each is saved by plain
+Orbax (`orbax.checkpoint.CheckpointManager` with the PyTree handler spmd writes
+its arrays with) and by `spmd.CheckpointManager`, each synchronously and with
+async_save, in turns. "Blocked" is the time `save` takes to return; every save
+is committed (`wait()`) outside the timed region before the next one. Steady
+saves come after one save per manager (not counted); a first save runs in a
+fresh process, where nothing is compiled or cached yet, plain Orbax's and spmd's
+in turns. Ratios are medians of the ratios of each turn's pair. "Checksum" is
+the part of spmd's async save that starts the arrays' checksums (their device
+programs run beside Orbax's write), as a fraction of plain Orbax's synchronous save.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -25,127 +36,239 @@ else:
     from bench import common
 
 STATE_MB = 100
-TARGET = 0.05  # blocked time of an async save, as a fraction of a synchronous save
-CHECKSUM_TARGET = 0.05  # the checksums' time, as a fraction of a synchronous save
+LEAVES, QUICK_LEAVES = 10_000, 200
+TARGET = 0.05  # blocked time of an async save, as a fraction of a synchronous save (100 MB)
+CHECKSUM_TARGET = 0.05  # the checksums' blocking time, as a fraction of a synchronous save
+FIRST_TARGET = 2.0  # the first async save of many leaves, against plain Orbax's first
+# A deep model's leaves: per block, four matrices, four vectors and two biases (d = 16).
+_SHAPES = [(16, 48), (16, 16), (16, 64), (64, 16), (16,), (16,), (16,), (16,), (48,), (64,)]
+_VARIANTS = ("orbax sync", "orbax async", "spmd sync", "spmd async")
 
 
-def _state(megabytes: int) -> dict:
-    """A train-state-like pytree of `megabytes` MB of float32, placed by ParameterServerStrategy."""
+def _state(case: str, size: int):
+    """(state, description): `size` MB in 4 sharded leaves ("big"), or `size` small leaves ("many")."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
 
     import spmd
 
-    rows = megabytes * 2**20 // (4 * 1024 * 4)  # four (rows, 1024) float32 leaves
-    strategy = spmd.ParameterServerStrategy(spmd.partitioners.MinSizePartitioner())
-
-    def create(key):
-        keys = jax.random.split(key, 4)
-        return {
-            f"layer{i}": jax.random.normal(k, (rows, 1024), jnp.float32) for i, k in enumerate(keys)
+    if case == "big":
+        rows = size * 2**20 // (4 * 1024 * 4)  # four (rows, 1024) float32 leaves
+        strategy = spmd.ParameterServerStrategy(spmd.partitioners.MinSizePartitioner())
+        rng = np.random.default_rng(0)
+        tree = {f"layer{i}": rng.standard_normal((rows, 1024), np.float32) for i in range(4)}
+        name = "ParameterServerStrategy"
+    else:
+        strategy = spmd.MirroredStrategy()
+        tree = {
+            f"block{i // 10:04d}/p{i % 10}": np.full(_SHAPES[i % 10], i, np.float32)
+            for i in range(size)
         }
+        name = "MirroredStrategy"
+    state = jax.block_until_ready(strategy.put(tree))
+    megabytes = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+    leaves = len(jax.tree.leaves(state))
+    return state, f"{megabytes:.0f} MB in {leaves:,} leaves, {name}, {jax.device_count()} devices"
 
-    return jax.block_until_ready(strategy.init(create, jax.random.key(0)))
+
+class _Saver:
+    """One variant's manager over a fresh folder: `save(step, state)` and `wait()`."""
+
+    def __init__(self, variant: str, directory: str):
+        import orbax.checkpoint as ocp
+
+        import spmd
+
+        self._orbax = variant.startswith("orbax")
+        async_save = variant.endswith("async")
+        if self._orbax:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=2, enable_async_checkpointing=async_save
+            )
+            self._manager = ocp.CheckpointManager(directory, options=options)
+        else:
+            self._manager = spmd.CheckpointManager(directory, max_to_keep=2, async_save=async_save)
+
+    def save(self, step: int, state: dict) -> None:
+        if self._orbax:
+            import orbax.checkpoint as ocp
+
+            args = ocp.args.Composite(state=ocp.args.PyTreeSave(state))
+            self._manager.save(step, args=args)
+        else:
+            self._manager.save(step, state)
+
+    def wait(self) -> None:
+        if self._orbax:
+            self._manager.wait_until_finished()
+        else:
+            self._manager.wait()
+
+    def close(self) -> None:
+        self.wait()
+        self._manager.close()
 
 
-def _blocked_seconds(
-    state: dict, async_save: bool, repeats: int
-) -> tuple[list[float], list[float]]:
-    """Seconds each save blocked the caller, and seconds until each was committed."""
+def _timed(run: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _checksum_clock() -> Iterator[list[float]]:
+    """Seconds of each checksum dispatch meanwhile (the part of a save that starts them)."""
+    from spmd.checkpoint import integrity
+
+    seconds: list[float] = []
+    dispatch = integrity.dispatch
+
+    def timed(arrays, version=integrity.FORMAT):
+        start = time.perf_counter()
+        try:
+            return dispatch(arrays, version)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    integrity.dispatch = timed
+    try:
+        yield seconds
+    finally:
+        integrity.dispatch = dispatch
+
+
+def steady(case: str, size: int, repeats: int) -> tuple[str, dict[str, list[float]], int]:
+    """Blocked seconds of each variant's saves after its first, in turns ("checksum": those
+    of the checksum dispatch in spmd's async saves), and how many checksum programs compiled."""
     from absl import logging as absl_logging
 
-    import spmd
+    from spmd.checkpoint import integrity
 
-    blocked, committed = [], []
+    state, description = _state(case, size)
+    compiled = integrity.compile_count()
     verbosity = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax notes every wait for a previous save
-    with tempfile.TemporaryDirectory() as directory:
-        ckpt = spmd.CheckpointManager(directory, max_to_keep=2, async_save=async_save)
-        for step in range(repeats + 1):  # the first save warms up Orbax; not counted
-            start = time.perf_counter()
-            ckpt.save(step, state)
-            returned = time.perf_counter()
-            ckpt.wait()
-            done = time.perf_counter()
-            if step:
-                blocked.append(returned - start)
-                committed.append(done - start)
-        ckpt.close()
+    absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax notes every save and wait
+    blocked: dict[str, list[float]] = {v: [] for v in (*_VARIANTS, "checksum")}
+    with tempfile.TemporaryDirectory() as root, _checksum_clock() as checksum:
+        savers = {v: _Saver(v, os.path.join(root, v.replace(" ", "-"))) for v in _VARIANTS}
+        for step in range(repeats + 1):
+            for variant, saver in savers.items():
+                seconds = _timed(lambda s=saver, i=step: s.save(i, state))
+                saver.wait()
+                if step:  # the first save of each manager warms it up
+                    blocked[variant].append(seconds)
+                    if variant == "spmd async":
+                        blocked["checksum"].append(checksum[-1])
+        for saver in savers.values():
+            saver.close()
     absl_logging.set_verbosity(verbosity)
-    return blocked, committed
+    return description, blocked, integrity.compile_count() - compiled
 
 
-def _checksum_seconds(state: dict, repeats: int) -> list[float]:
-    """Seconds to checksum every array of `state`, as save does (first call compiles: not counted)."""
-    from spmd.checkpoint.integrity import checksums
+def first_save(case: str, size: int, variant: str, directory: str) -> None:
+    """Prints the blocked seconds of `variant`'s first save in this (fresh) process, then
+    ends it at once: only the blocking is measured, the commit is left unfinished."""
+    from absl import logging as absl_logging
 
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        checksums(state)
-        if i:
-            times.append(time.perf_counter() - start)
-    return times
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    state, _ = _state(case, size)
+    saver = _Saver(variant, directory)
+    print(json.dumps(_timed(lambda: saver.save(1, state))), flush=True)
+    os._exit(0)
+
+
+def first_saves(case: str, size: int, repeats: int) -> dict[str, list[float]]:
+    """Each async variant's first save, each in a fresh process, in turns."""
+    found: dict[str, list[float]] = {"orbax async": [], "spmd async": []}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for _ in range(repeats):
+        for variant in found:
+            with tempfile.TemporaryDirectory() as root:
+                command = [sys.executable, __file__, "--first-save", case, str(size), variant, root]
+                out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+            found[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return found
+
+
+def _paired(ours: list[float], theirs: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
 
-def async_save(quick: bool) -> list[dict]:
-    """Blocked time of an async save and of a synchronous save of the same ~100 MB state."""
-    import jax
+def _met(ratio: float, target: float) -> str:
+    return "yes" if ratio <= target else "no"
 
-    state = _state(STATE_MB)
-    megabytes = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
-    repeats = 3 if quick else 7
-    sync_blocked, _ = _blocked_seconds(state, async_save=False, repeats=repeats)
-    async_blocked, async_done = _blocked_seconds(state, async_save=True, repeats=repeats)
-    sync, blocked, done = _stats(sync_blocked), _stats(async_blocked), _stats(async_done)
-    checksum = _stats(_checksum_seconds(state, repeats))
-    ratio = blocked["median"] / sync["median"]
-    checksum_ratio = checksum["median"] / sync["median"]
-    case = f"{megabytes:.0f} MB state, ParameterServerStrategy, {jax.device_count()} devices"
-    return [
+
+def rows(case: str, size: int, repeats: int, first_repeats: int) -> list[dict]:
+    """The table rows of one state: steady saves, first saves, checksums."""
+    description, blocked, programs = steady(case, size, repeats)
+    checksum = blocked.pop("checksum")
+    first = first_saves(case, size, first_repeats)
+    sync = blocked["orbax sync"]
+    added = [a - b for a, b in zip(blocked["spmd async"], blocked["orbax async"], strict=True)]
+    row = {"benchmark": "checkpoint", "case": description}
+    row.update({v: common.fmt_time(_stats(s)) for v, s in blocked.items()})
+    row["first: orbax async"] = common.fmt_time(_stats(first["orbax async"]))
+    row["first: spmd async"] = common.fmt_time(_stats(first["spmd async"]))
+    async_ratio = _paired(blocked["spmd async"], blocked["orbax async"])
+    first_ratio = _paired(first["spmd async"], first["orbax async"])
+    checksum_ratio = _paired(checksum, sync)
+    own = _paired(blocked["spmd async"], blocked["spmd sync"])
+    row.update(
         {
-            "benchmark": "checkpoint",
-            "case": case,
-            "synchronous save (blocked)": common.fmt_time(sync),
-            "async save (blocked)": common.fmt_time(blocked),
-            "async save (until committed)": common.fmt_time(done),
-            "blocked / synchronous": f"{ratio:.3f}",
-            "target": f"≤ {TARGET:.2f}",
-            "met": "yes" if ratio <= TARGET else "no",
-            "checksum": common.fmt_time(checksum),
-            "checksum / synchronous": f"{checksum_ratio:.3f}",
-            "checksum target": f"≤ {CHECKSUM_TARGET:.2f}",
-            "checksum met": "yes" if checksum_ratio <= CHECKSUM_TARGET else "no",
+            "spmd / orbax, sync": f"{_paired(blocked['spmd sync'], sync):.2f}x",
+            "spmd / orbax, async": f"{async_ratio:.2f}x",
+            "first, spmd / orbax": f"{first_ratio:.2f}x",
+            "added / sync": f"{_paired(added, sync):.3f}",
+            "checksum": common.fmt_time(_stats(checksum)),
+            "checksum / sync": f"{checksum_ratio:.3f}",
+            "async / sync": f"{own:.3f}",
+            "checksum programs": str(programs),
         }
-    ]
+    )
+    targets = [f"checksum ≤ {CHECKSUM_TARGET:.2f}: {_met(checksum_ratio, CHECKSUM_TARGET)}"]
+    if case == "big":
+        targets.append(f"async / sync ≤ {TARGET:.2f}: {_met(own, TARGET)}")
+    else:
+        targets.append(f"first ≤ {FIRST_TARGET:.0f}x: {_met(first_ratio, FIRST_TARGET)}")
+    row["targets"] = "; ".join(targets)
+    return [{key: row[key] for key in ("benchmark", *COLUMNS)}]
 
 
 def main(quick: bool = False) -> list[dict]:
     """Every benchmark of this file, as table rows."""
-    return async_save(quick)
+    big = rows("big", STATE_MB, 3 if quick else 7, 1 if quick else 5)
+    many = rows("many", QUICK_LEAVES if quick else LEAVES, 2, 1 if quick else 3)
+    return big + many
 
 
 COLUMNS = [
     "case",
-    "synchronous save (blocked)",
-    "async save (blocked)",
-    "async save (until committed)",
-    "blocked / synchronous",
-    "target",
-    "met",
+    *_VARIANTS,
+    "spmd / orbax, sync",
+    "spmd / orbax, async",
+    "first: orbax async",
+    "first: spmd async",
+    "first, spmd / orbax",
+    "added / sync",
     "checksum",
-    "checksum / synchronous",
-    "checksum target",
-    "checksum met",
+    "checksum / sync",
+    "async / sync",
+    "checksum programs",
+    "targets",
 ]
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--first-save", nargs=4, metavar=("CASE", "SIZE", "VARIANT", "DIR"))
     args = parser.parse_args()
     common.set_cpu_devices(8)
-    print(common.table(main(args.quick), COLUMNS))
+    if args.first_save:
+        case, size, variant, directory = args.first_save
+        first_save(case, int(size), variant, directory)
+    else:
+        print(common.table(main(args.quick), COLUMNS))

@@ -4,10 +4,10 @@ An array's checksum is a property of its values, not of its files: each
 element's bits are mixed with its row-major index by a nonlinear 32-bit
 finalizer (murmur3's), then summed; two such sums with different seeds make
 64 bits. So changes to two elements never cancel out (short of a 2**-64
-chance), and the sum is the same for every sharding and process count.
-`save` computes it on the devices (a reduction over each shard, then one
-all-reduce) and stores it in the step's metadata; `restore` computes it again
-on what it read and compares. The data position and the metadata are JSON:
+chance), and the sum is the same for every sharding and process count: it
+adds up over blocks. `save` computes it on the devices, each device folding
+the blocks it holds (one copy of each), beside Orbax's write, and stores it
+in the step's metadata; `restore` computes it again on what it read and compares. The data position and the metadata are JSON:
 their checksum is a SHA-256 of their canonical text, and the metadata's own
 checksum covers everything in it (the array checksums included). So a
 flipped bit in any file of a step, a truncated chunk Orbax fills with zeros,
@@ -20,11 +20,14 @@ warning); 2, array checksums of an earlier, linear kind; 3, the above.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
+import math
 import os
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.sharding import SingleDeviceSharding
 
 from spmd.errors import CheckpointError, message, received
 
@@ -48,6 +52,7 @@ __all__ = [
     "failed_steps",
     "is_damage",
     "json_checksum",
+    "prepare",
     "read_error",
     "read_failed",
     "seal",
@@ -93,22 +98,26 @@ def _bits_jax(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
 
 
-def _position(shape: tuple[int, ...], xp: Any) -> Any:
-    """Each element's row-major index (mod 2**32), built per dimension: no reshape, no gather."""
+def _position(shape: tuple[int, ...], xp: Any, start: Any = None, full: Any = None) -> Any:
+    """Each element's row-major index (mod 2**32) in an array of shape `full`, for its block
+    of shape `shape` that begins at `start` (by default the whole array): built per
+    dimension, no reshape, no gather."""
+    full = shape if full is None else full
     index = xp.zeros(shape, xp.uint32)
     stride = 1
     for dim in reversed(range(len(shape))):
-        iota = xp.arange(shape[dim], dtype=xp.uint32).reshape(
-            [-1 if d == dim else 1 for d in range(len(shape))]
-        )
+        iota = xp.arange(shape[dim], dtype=xp.uint32)
+        if start is not None:
+            iota = iota + start[dim]
+        iota = iota.reshape([-1 if d == dim else 1 for d in range(len(shape))])
         index = index + iota * xp.uint32(stride % 2**32)
-        stride *= shape[dim]
+        stride *= full[dim]
     return index
 
 
-def _fold_linear(bits: Any, xp: Any) -> tuple[Any, Any]:
-    """Format 2's two 32-bit halves of the checksum of `bits` (uint32), wrapping arithmetic."""
-    index = _position(bits.shape, xp) + xp.uint32(1)
+def _fold_linear(bits: Any, index: Any, xp: Any) -> tuple[Any, Any]:
+    """Format 2's two 32-bit halves of the checksum of `bits` (uint32) at positions `index`."""
+    index = index + xp.uint32(1)
     rotated = (bits << xp.uint32(7)) | (bits >> xp.uint32(25))
     low = xp.sum(bits * (index * _MUL[0]), dtype=xp.uint32)
     high = xp.sum((rotated ^ index) * _MUL[1], dtype=xp.uint32)
@@ -124,9 +133,8 @@ def _mix(h: Any, xp: Any) -> Any:
     return h ^ (h >> xp.uint32(16))
 
 
-def _fold_mixed(bits: Any, xp: Any) -> tuple[Any, Any]:
+def _fold_mixed(bits: Any, index: Any, xp: Any) -> tuple[Any, Any]:
     """Format 3's halves: the sums of each element's bits mixed with its index, two seeds."""
-    index = _position(bits.shape, xp)
     low, high = (
         xp.sum(_mix(bits ^ (index * _MUL[i] + seed), xp), dtype=xp.uint32)
         for i, seed in enumerate(_SEEDS)
@@ -137,44 +145,150 @@ def _fold_mixed(bits: Any, xp: Any) -> tuple[Any, Any]:
 _FOLDS = {2: _fold_linear, 3: _fold_mixed}
 
 
-_BATCH = 128  # leaves of one kind per call: XLA:CPU's compile time grows with parameter count
-_programs: dict[tuple, Any] = {}  # (version, shape, dtype, sharding, batch) -> compiled program
+# -- the device programs ---------------------------------------------------------------------
+
+_BATCH = 128  # most leaves of one kind per call (stacked: it compiles about as fast as one)
+_BATCH_BYTES = 32 * 2**20  # most bytes of one call's blocks on a device: the call stacks them
+_programs: dict[tuple, Future] = {}  # program key (see `_calls`) -> its compile
+_plans: dict[tuple, list] = {}  # kind of leaf -> the blocks this process folds (`_plan`)
 _compiles = 0  # how many checksum programs were compiled
+_lock = threading.Lock()  # `prepare` and `dispatch` may run on two threads
+_compiler = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="spmd-checksums")
 
 
 def compile_count() -> int:
     """How many checksum programs were compiled so far: one per kind of leaf (shape, dtype,
-    sharding) of the states saved, whatever their leaf counts."""
+    sharding) and device holding its blocks, whatever the leaf counts."""
     return _compiles
 
 
-def _programs_for(version: int, kinds: list[tuple]) -> list[Any]:
-    """The compiled program of each (shape, dtype, sharding, batch); new ones compiled at once.
+def _kind(x: jax.Array) -> tuple:
+    """(shape, dtype, sharding) of the array the programs read: `x` in device memory."""
+    sharding = x.sharding
+    if getattr(sharding, "memory_kind", None) not in (None, "device"):
+        sharding = sharding.with_memory_kind("device")
+    return x.shape, x.dtype, sharding
 
-    One program folds a batch of same-kind leaves, stacked on a new leading axis
-    (no communication: one layout) by one vmapped reduction, so a state of
-    10,000 leaves of a few kinds compiles a few small programs, once: XLA:CPU
-    takes ~1.6 s to compile even trivial sums over 2,000 parameters, and over a
-    minute for one program over 10,000. New programs compile in parallel threads.
+
+def _in_device_memory(x: jax.Array) -> jax.Array:
+    """`x`, copied to device memory if it lives in host memory (CentralStorageStrategy)."""
+    sharding = _kind(x)[2]
+    return x if sharding is x.sharding else jax.device_put(x, sharding)
+
+
+def _batches(kinds: dict[str, tuple]) -> list[tuple[tuple, list[str]]]:
+    """The calls for leaves of these kinds: ((shape, dtype, sharding, batch), paths), a call
+    per `batch` leaves of one kind (the last one padded), `batch` bounded by count and bytes."""
+    by_kind: dict[tuple, list[str]] = {}
+    for path, kind in kinds.items():
+        by_kind.setdefault(kind, []).append(path)
+    calls = []
+    for kind, paths in by_kind.items():
+        size = max(1, min(len(paths), _BATCH, _BATCH_BYTES // _block_bytes(*kind)))
+        calls += [((*kind, size), paths[i : i + size]) for i in range(0, len(paths), size)]
+    return calls
+
+
+def _block_bytes(shape: tuple[int, ...], dtype: Any, sharding: Any) -> int:
+    """Bytes of an array's block on one device (of the whole array, if split unevenly)."""
+    try:
+        block = sharding.shard_shape(shape)
+    except ValueError:
+        block = shape
+    return max(1, math.prod(block)) * np.dtype(dtype).itemsize
+
+
+def _plan(kind: tuple, x: jax.Array) -> list[tuple[int, Any, jax.Array, tuple[int, ...]]]:
+    """The blocks of arrays of this kind that this process folds, one per distinct block
+    (replica 0): (its place among the addressable shards, device, start, block shape)."""
+    if kind not in _plans:
+        plan = []
+        for i, shard in enumerate(x.addressable_shards):
+            if shard.replica_id == 0:
+                bounds = [s.indices(n)[:2] for s, n in zip(shard.index, x.shape, strict=True)]
+                start = np.array([lo for lo, _ in bounds], np.uint32)
+                block = tuple(hi - lo for lo, hi in bounds)
+                plan.append((i, shard.device, jax.device_put(start, shard.device), block))
+        _plans[kind] = plan
+    return _plans[kind]
+
+
+def _calls(version: int, key: tuple, x: jax.Array) -> list[tuple[tuple, Callable]]:
+    """(program key, what to call the program with: leaves -> args) for one batch.
+
+    An array this process holds whole is folded block by block, each on its device by
+    a program of that device alone: no communication, and JAX launches a one-device
+    program from the calling thread, so it returns at once (XLA:CPU runs a program
+    over several devices through a few worker threads and returns once every device
+    has started, which on a host with fewer cores than devices waits for the first
+    devices' work). The host adds the blocks' partial sums. An array sharded over
+    processes is folded by one program over all its devices, which adds them up (an
+    all-reduce): every process must dispatch it.
     """
+    shape, dtype, sharding, size = key
+    if not sharding.is_fully_addressable:
+        return [(("whole", version, *key), lambda leaves: (leaves,))]
+    calls = []
+    for i, device, start, block in _plan(key[:3], x):
+        program = ("block", version, shape, dtype, block, device, size)
+        calls.append(
+            (program, lambda leaves, i=i, s=start: ([a.addressable_data(i) for a in leaves], s))
+        )
+    return calls
+
+
+def _programs_for(keys: list[tuple]) -> list[Future]:
+    """The compile of each program: new ones start at once, each in a thread of its own
+    (up to one per core)."""
     global _compiles
-    missing = [k for k in dict.fromkeys(kinds) if (version, *k) not in _programs]
-    if missing:
-        fold = jax.vmap(lambda bits: _FOLDS[version](bits, jnp))
+    with _lock:
+        for key in dict.fromkeys(keys):
+            if key not in _programs:
+                _programs[key] = _compiler.submit(_compile, *key)
+                _compiles += 1
+        return [_programs[key] for key in keys]
 
-        def sums(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-            return fold(jnp.stack([_bits_jax(x) for x in leaves]))
 
-        lowered = [
-            jax.jit(sums).lower([jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)] * batch)
-            for shape, dtype, sharding, batch in missing
-        ]
-        with ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            compiled = list(pool.map(lambda low: low.compile(), lowered))
-        for kind, program in zip(missing, compiled, strict=True):
-            _programs[(version, *kind)] = program
-        _compiles += len(missing)
-    return [_programs[(version, *k)] for k in kinds]
+def _ready(keys: list[tuple]) -> list[Any]:
+    """The compiled programs, once compiled (a compile that failed is tried again next time)."""
+    futures = _programs_for(keys)
+    try:
+        return [f.result() for f in futures]
+    except Exception:
+        with _lock:
+            for key, f in zip(keys, futures, strict=True):
+                if f.done() and f.exception() is not None:
+                    _programs.pop(key, None)
+        raise
+
+
+def _compile(how: str, version: int, shape: tuple, dtype: Any, *rest: Any) -> Any:
+    """The program of a key from `_calls`: (batch, 2) sums of `batch` leaves (or blocks)."""
+    if how == "whole":
+        sharding, size = rest
+        args = ([jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)] * size,)
+        fold = functools.partial(_fold_stack, version, start=None, full=shape)
+    else:
+        block, device, size = rest
+        one = SingleDeviceSharding(device)
+        args = (
+            [jax.ShapeDtypeStruct(block, dtype, sharding=one)] * size,
+            jax.ShapeDtypeStruct((len(shape),), jnp.uint32, sharding=one),
+        )
+        fold = functools.partial(_fold_stack, version, full=shape)
+    return jax.jit(fold).lower(*args).compile()
+
+
+def _fold_stack(version: int, arrays: list[Any], start: Any, full: tuple[int, ...]) -> Any:
+    """(len(arrays), 2): each array's (low, high), for blocks at `start` of arrays shaped `full`."""
+
+    def one(bits: jax.Array) -> jax.Array:
+        extra = bits.shape[len(full) :]  # complex and 8-byte elements: 2 or 4 words each
+        at = None if start is None else [*start, *[jnp.uint32(0)] * len(extra)]
+        index = _position(bits.shape, jnp, at, (*full, *extra))
+        return jnp.stack(_FOLDS[version](bits, index, jnp))
+
+    return jax.vmap(one)(jnp.stack([_bits_jax(x) for x in arrays]))
 
 
 class Pending:
@@ -184,7 +298,7 @@ class Pending:
     have run, so the caller may donate or overwrite the arrays once `dispatch` returns.
     """
 
-    def __init__(self, calls: list[tuple[list[str], Any]], host: dict):
+    def __init__(self, calls: list[tuple[list[str], list[Any]]], host: dict):
         self._calls, self._host = calls, host
         self._result: dict[str, str] | None = None
 
@@ -192,49 +306,52 @@ class Pending:
         """path -> 16 hex digits (blocks until the device programs have run, once)."""
         if self._result is None:
             found = dict(self._host)
-            fetched = jax.device_get([sums for _, sums in self._calls])
-            for (paths, _), (low, high) in zip(self._calls, fetched, strict=True):
-                found.update({p: (low[i], high[i]) for i, p in enumerate(paths)})
+            fetched = jax.device_get([parts for _, parts in self._calls])
+            for (paths, _), parts in zip(self._calls, fetched, strict=True):
+                sums = np.sum(np.stack(parts), axis=0, dtype=np.uint32)  # over the blocks
+                found.update({p: (sums[i, 0], sums[i, 1]) for i, p in enumerate(paths)})
             self._result = {p: f"{int(hi):08x}{int(lo):08x}" for p, (lo, hi) in found.items()}
             self._calls = []
         return self._result
 
 
+def prepare(arrays: dict[str, Any], version: int = FORMAT) -> None:
+    """Starts compiling, in background threads, the programs `dispatch(arrays)` will need."""
+    on_device = {p: x for p, x in arrays.items() if isinstance(x, jax.Array)}
+    _programs_for([program for _, _, calls in _work(version, on_device) for program, _ in calls])
+
+
 def dispatch(arrays: dict[str, Any], version: int = FORMAT) -> Pending:
     """Starts `checksums(arrays)`: the device programs are dispatched, not waited for.
 
-    numpy arrays are summed here, on the host (the caller may change them after).
-    With several processes, every process must call it (a collective).
+    Waits only for programs still compiling (the first time a kind of leaf is seen,
+    unless `prepare` compiled it ahead). numpy arrays are summed here, on the host
+    (the caller may change them after). With several processes, every process must
+    call it (a collective for arrays sharded over processes).
     """
     on_device = {p: _in_device_memory(x) for p, x in arrays.items() if isinstance(x, jax.Array)}
     host = {p: _host_sum(x, version) for p, x in arrays.items() if p not in on_device}
-    by_kind: dict[tuple, list[str]] = {}
-    for p, x in on_device.items():
-        by_kind.setdefault((x.shape, x.dtype, x.sharding), []).append(p)
-    batches = []  # (kind with batch size, paths)
-    for kind, paths in by_kind.items():
-        size = min(len(paths), _BATCH)
-        batches += [((*kind, size), paths[i : i + size]) for i in range(0, len(paths), size)]
-    programs = _programs_for(version, [kind for kind, _ in batches])
-    calls = []
-    for ((*_, size), paths), program in zip(batches, programs, strict=True):
+    work = _work(version, on_device)
+    programs = iter(_ready([program for _, _, calls in work for program, _ in calls]))
+    pending = []
+    for (*_, size), paths, calls in work:
         leaves = [on_device[p] for p in paths]
         leaves += leaves[-1:] * (size - len(leaves))  # the last batch, padded: one program
-        calls.append((paths, program(leaves)))
-    return Pending(calls, host)
+        pending.append((paths, [next(programs)(*args(leaves)) for _, args in calls]))
+    return Pending(pending, host)
+
+
+def _work(version: int, arrays: dict[str, jax.Array]) -> list[tuple[tuple, list[str], list]]:
+    """(batch key, paths, its calls from `_calls`) of every batch of these arrays."""
+    batches = _batches({p: _kind(x) for p, x in arrays.items()})
+    with _lock:
+        return [(key, paths, _calls(version, key, arrays[paths[0]])) for key, paths in batches]
 
 
 def _host_sum(x: Any, version: int) -> tuple[Any, Any]:
+    bits = _bits_np(np.asarray(x))
     with np.errstate(over="ignore"):
-        return _FOLDS[version](_bits_np(np.asarray(x)), np)
-
-
-def _in_device_memory(x: jax.Array) -> jax.Array:
-    """`x`, copied to device memory if it lives in host memory (CentralStorageStrategy)."""
-    kind = getattr(x.sharding, "memory_kind", None)
-    if kind in (None, "device"):
-        return x
-    return jax.device_put(x, x.sharding.with_memory_kind("device"))
+        return _FOLDS[version](bits, _position(bits.shape, np), np)
 
 
 def checksums(arrays: dict[str, Any], version: int = FORMAT) -> dict[str, str]:
@@ -253,17 +370,38 @@ def checksums(arrays: dict[str, Any], version: int = FORMAT) -> dict[str, str]:
 class PendingRecord:
     """A step's metadata record whose array checksums are still being computed.
 
-    `save` hands it to Orbax in place of the record; `RecordHandler` resolves it
-    in the save's background commit, beside the array writes, so that `save`
-    returns without waiting for the checksums, and the step is committed only
-    once its record, checksums included, is written.
+    `save` hands it to Orbax in place of the record, then `start`s the checksums
+    once Orbax has copied the arrays to host memory, so that they run beside
+    Orbax's write and never delay its copies (on XLA:CPU both share the same
+    worker threads). `RecordHandler` resolves it in the save's background
+    commit: the step is committed only once its record, checksums included, is
+    written.
     """
 
-    def __init__(self, meta: dict, sums: Pending):
-        self._meta, self._sums = meta, sums
+    def __init__(self, meta: dict):
+        self._meta = meta
+        self._sums: Pending | None = None
+        self._error: Exception | None = None
+        self._started = threading.Event()
+
+    def start(self, arrays: dict[str, Any]) -> None:
+        """Dispatches the checksums of `arrays`, once. Never raises: a failure to start
+        them fails `resolve`, so the step is not committed and `wait()` reports it."""
+        if self._started.is_set():
+            return
+        try:
+            self._sums = dispatch(arrays)
+        except Exception as e:
+            self._error = e
+        finally:
+            self._started.set()
 
     def resolve(self) -> dict:
-        """The sealed record: `meta` with "checksums", and its own checksum."""
+        """The sealed record: `meta` with "checksums", and its own checksum (waits for
+        `start`, then for the device programs)."""
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
         return seal({**self._meta, "checksums": self._sums.result()})
 
 

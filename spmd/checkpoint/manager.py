@@ -90,7 +90,8 @@ class CheckpointManager:
       max_to_keep: how many of the latest checkpoints to keep (None: all).
       save_interval_steps: `save` writes only at multiples of this step count.
       async_save: write in background threads; `save` returns once the arrays
-        are copied to host memory.
+        are copied to host memory and their checksums are started on the
+        devices (they run beside the write; the step commits once both are done).
       shared_filesystem: False when the hosts have no folder in common (each
         its own disk): process 0 then writes the whole state (arrays sharded
         over processes are all-gathered first) to its own `directory`, and
@@ -160,6 +161,8 @@ class CheckpointManager:
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
         self._maybe_final = True  # a final-step marker may be there (an ended run's)
+        self._prepared = False  # whether the checksums' programs for the state were started
+        self._async_save = async_save
         self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
             store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
@@ -280,6 +283,9 @@ class CheckpointManager:
         saved = False
         if force or preempted or step % self._interval == 0:
             saved = self._save(step, state, data, metadata)
+        elif not self._prepared:  # compile the checksums' programs before the first write
+            integrity.prepare(ct.to_saveable(_leaves(state))[0])
+            self._prepared = True
         if preempted:
             self._stop(step)
         return saved
@@ -294,24 +300,32 @@ class CheckpointManager:
             final.clear(self.directory)  # the run goes on past its marked last step
         self._maybe_final = False  # the writer holds the directory: no one else marks it
         arrays, keys = ct.to_saveable(_leaves(state))
+        if not self._prepared:  # the first write: compile beside Orbax's copies to host
+            integrity.prepare(arrays)
+            self._prepared = True
         position = guard.every_pipeline(_position(data), self._timeout)
-        # The checksums run on the devices beside Orbax's writes; the record is sealed and
-        # written in the save's commit, so a step is never committed without them.
-        meta = integrity.PendingRecord(
+        record = integrity.PendingRecord(
             {
                 "format": integrity.FORMAT,
                 "prng_keys": keys,
                 "user": _json(metadata, "metadata"),
                 "data_checksum": integrity.json_checksum(position),
-            },
-            integrity.dispatch(arrays),
+            }
         )
+        # The record is sealed in the save's commit, once the checksums are in: a step is
+        # never committed without them. They start once Orbax's async save has copied the
+        # arrays to host memory, so they run beside its write; a synchronous save commits
+        # before it returns, so there they start first.
+        if not self._async_save:
+            record.start(arrays)
         try:
-            saved = self._store.save(step, arrays, position, meta)
+            saved = self._store.save(step, arrays, position, record)
         except CheckpointError:
             raise
         except Exception as e:
             raise guard.write_failed(self._failed([*self._pending, step]), self.directory, e) from e
+        finally:  # after a failure too: with several processes some checksums are collectives
+            record.start(arrays)
         self._pending.append(step)
         return saved
 
