@@ -328,6 +328,28 @@ def test_two_slices_send_over_dcn():
     assert e.roofline.dcn_s == pytest.approx(e.roofline.dcn_bytes / (2 * 100e9 / 64))
 
 
+def test_every_collective_of_a_two_slice_data_parallel_step_is_counted():
+    # XLA gives this program's reduce-scatters and all-gathers the same channel ids.
+    def create(key):
+        return {"w1": jnp.zeros((1024, 4096)), "w2": jnp.zeros((4096, 1024))}
+
+    def train(state, x):
+        def loss(p):
+            return ((jax.nn.relu(x @ p["w1"]) @ p["w2"] - x) ** 2).mean()
+
+        grads = jax.grad(loss)(state)
+        return jax.tree.map(lambda a, g: a - 1e-3 * g, state, grads), {}
+
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e-16", slices=2))
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((256, 1024), jnp.float32))
+    ici = {t.kind: t for t in e.traffic if t.link == "ICI"}
+    for kind in ("all-gather", "reduce-scatter"):
+        assert ici[kind].count == e.collectives[kind].count > 0, kind
+    gathered = e.collectives["all-gather"].bytes  # the weights, whole, on each chip
+    assert ici["all-gather"].wire_bytes == pytest.approx(15 / 16 * gathered)
+
+
 def test_a_state_over_hbm_does_not_fit_and_says_by_how_much():
     def create(key):
         return {"w": jnp.zeros((5, 1 << 30), jnp.float32)}  # 20 GiB, replicated
