@@ -54,6 +54,8 @@ class Chip:
       dims: 3 for a 3-D torus (v4, v5p: the -N name counts TensorCores, two per
         chip), 2 for a 2-D torus (v5e, v6e: the -N name counts chips).
       source: where the figures are published.
+      max_slice_chips: the most chips one slice (one ICI domain) has; larger
+        jobs are several slices joined over DCN.
     """
 
     name: str
@@ -66,6 +68,7 @@ class Chip:
     cores_per_chip: int
     dims: int
     source: str
+    max_slice_chips: int = 1
 
 
 # Figures from Cloud TPU's public system-architecture pages (see docs/planning.md).
@@ -83,6 +86,7 @@ CHIPS: dict[str, Chip] = {
         dims=3,
         source="https://cloud.google.com/tpu/docs/v4 (ICI: the pod's all-reduce bandwidth "
         "over its 4096 chips)",
+        max_slice_chips=4096,  # the v4 pod
     ),
     "v5e": Chip(
         name="v5e",
@@ -96,6 +100,7 @@ CHIPS: dict[str, Chip] = {
         dims=2,
         source="https://cloud.google.com/tpu/docs/v5e and https://cloud.google.com/tpu/docs/v6e "
         "(its v5e column: NICs per host, over 8 chips)",
+        max_slice_chips=256,  # the v5e pod
     ),
     "v5p": Chip(
         name="v5p",
@@ -108,6 +113,7 @@ CHIPS: dict[str, Chip] = {
         cores_per_chip=1,
         dims=3,
         source="https://cloud.google.com/tpu/docs/v5p",
+        max_slice_chips=6144,  # "The maximum v5p shape is 16x16x24 (6144 chips)"
     ),
     "v6e": Chip(
         name="v6e",
@@ -120,6 +126,7 @@ CHIPS: dict[str, Chip] = {
         cores_per_chip=1,
         dims=2,
         source="https://cloud.google.com/tpu/docs/v6e (DCN: NICs per host, over 8 chips)",
+        max_slice_chips=256,  # the v6e pod
     ),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p", "trillium": "v6e"}
@@ -205,27 +212,98 @@ def _bad_name(name: Any, why: str) -> ConfigurationError:
     )
 
 
-def _torus(chips: int, dims: int) -> tuple[int, ...] | None:
-    """Cloud TPU's default shape for `chips` chips: the smallest dimension doubled, last first.
+# The slices Cloud TPU offers, one ICI domain each. 2-D (v5e, v6e): these shapes, up to a
+# 256-chip pod (cloud.google.com/tpu/docs/v5e, /v6e). 3-D (v4, v5p): 2x2x1, 2x2x2, 2x2x4 and
+# 2x4x4, then whole 4x4x4 cubes, every side a multiple of 4 (cloud.google.com/tpu/docs/v4,
+# /types-topologies), up to `Chip.max_slice_chips`. An -N name takes the most cube-like shape
+# of its cubes (fewest chips on the longest side, then on the middle one) with no side over
+# 256 chips: this gives every v4 and v5p entry of MaxText's table of accelerator names,
+# src/maxtext/utils/accelerator_to_spec_map.py (108 of them), and none it leaves out.
+_SHAPES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+_SMALL_3D = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+_CUBE = 4
+_LONGEST_SIDE = 256
 
-    3-D: 4 chips 2x2x1, 8 2x2x2, 16 2x2x4, 32 2x4x4, 64 4x4x4, 128 4x4x8, ...
-    2-D: 1 1x1, 4 2x2, 8 2x4, 16 4x4, 32 4x8, 64 8x8, 128 8x16, 256 16x16.
-    """
-    if dims == 2 and chips in (1, 2):
-        return (1, chips)
-    shape = [2, 2, 1] if dims == 3 else [2, 2]
-    while math.prod(shape) < chips:
-        smallest = min(shape)
-        i = max(j for j, s in enumerate(shape) if s == smallest)
-        shape[i] *= 2
-    return tuple(shape) if math.prod(shape) == chips else None
+
+def _cubes(chips: int) -> tuple[int, ...] | None:
+    """The shape of an -N slice of `chips` v4/v5p chips made of whole cubes, or None."""
+    if chips % _CUBE**3:
+        return None
+    n = chips // _CUBE**3
+    shapes = [
+        (a, b, n // (a * b))
+        for a in range(1, n + 1)
+        for b in range(a, n + 1)
+        if n % (a * b) == 0 and n // (a * b) >= b
+    ]
+    a, b, c = min(shapes, key=lambda t: (t[2], t[1]))
+    return None if c * _CUBE > _LONGEST_SIDE else (a * _CUBE, b * _CUBE, c * _CUBE)
+
+
+def _shape_of(chip: Chip, chips: int) -> tuple[int, ...] | None:
+    """The shape of the -N slice of `chips` chips Cloud TPU offers, or None."""
+    if chips < 1 or chips > chip.max_slice_chips:
+        return None
+    if chip.dims == 2:
+        return next((s for s in _SHAPES_2D if math.prod(s) == chips), None)
+    small = next((s for s in _SMALL_3D if math.prod(s) == chips), None)
+    return small or _cubes(chips)
+
+
+def _offered(chip: Chip, shape: tuple[int, ...]) -> bool:
+    """Whether a torus shape is one Cloud TPU offers as one slice (either order of its sides)."""
+    if math.prod(shape) > chip.max_slice_chips:
+        return False
+    if chip.dims == 2:
+        return tuple(sorted(shape)) in _SHAPES_2D
+    if tuple(sorted(shape, reverse=True)) in {tuple(sorted(s, reverse=True)) for s in _SMALL_3D}:
+        return True
+    return all(s % _CUBE == 0 and s <= _LONGEST_SIDE for s in shape)
+
+
+def _accelerator_name(chip: Chip, chips: int) -> str:
+    return f"{chip.name}-{chips * (2 if chip.dims == 3 else 1)}"
+
+
+def _not_offered(name: Any, chip: Chip, chips: int, shape: str = "") -> ConfigurationError:
+    """No such slice: the sizes there are, or the slices that make the count."""
+    sizes = [c for c in range(1, chip.max_slice_chips + 1) if _shape_of(chip, c) is not None]
+    listed = ", ".join(map(str, sizes[:12])) + (", ..." if len(sizes) > 12 else "")
+    fix = f"pick a {chip.name} slice of {listed} chips (largest: {sizes[-1]})"
+    if chips > chip.max_slice_chips:
+        why = f"one {chip.name} slice has at most {chip.max_slice_chips} chips, one ICI domain"
+        large = [c for c in reversed(sizes) if c * 8 >= chip.max_slice_chips]
+        joined = next((c for c in large if chips % c == 0), None)
+        if joined:
+            fix = (
+                f"{chips} chips are {chips // joined} slices of {joined} joined over the "
+                f'data-center network: spmd.topology("{_accelerator_name(chip, joined)}", '
+                f"slices={chips // joined})"
+            )
+        else:
+            fix += ", and pass slices= for several"
+    elif shape and chip.dims == 3 and chips > math.prod(_SMALL_3D[-1]):
+        why = f"past 32 chips a {chip.name} slice is whole 4x4x4 cubes: each side a multiple of 4"
+    else:
+        why = f"Cloud TPU offers no {chip.name} slice " + (
+            f"of shape {shape}" if shape else f"of {chips} chips"
+        )
+    return ConfigurationError(
+        message(
+            f"A topology names a slice Cloud TPU offers ({why}).",
+            received(name=name, chips=chips),
+            fix + ".",
+        )
+    )
 
 
 def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
     """A Cloud TPU accelerator or topology name as (chip, torus shape of one slice).
 
     Raises:
-      ConfigurationError: the name is none of the accepted forms (listed).
+      ConfigurationError: the name is none of the accepted forms (listed), or
+        names a slice Cloud TPU does not offer (larger than one ICI domain:
+        the message says how many slices make it).
     """
     if not isinstance(name, str):
         raise _bad_name(name, "a string")
@@ -241,17 +319,17 @@ def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
         shape = tuple(int(s) for s in size.split("x"))
         if len(shape) != chip.dims or min(shape) < 1:
             raise _bad_name(name, f"{chip.name} slices have {chip.dims} dimensions")
+        if not _offered(chip, shape):
+            raise _not_offered(name, chip, math.prod(shape), "x".join(map(str, shape)))
         return chip, shape
     count = int(size)
     per_chip = 2 if chip.dims == 3 else 1  # v4/v5p names count TensorCores
     if count < 1 or count % per_chip:
         what = "TensorCores, a positive even number" if per_chip == 2 else "chips, at least 1"
         raise _bad_name(name, f"{chip.name}-N counts {what}")
-    shape = _torus(count // per_chip, chip.dims)
+    shape = _shape_of(chip, count // per_chip)
     if shape is None:
-        raise _bad_name(
-            name, f"{count // per_chip} chips is no standard {chip.name} slice; give its shape"
-        )
+        raise _not_offered(name, chip, count // per_chip)
     return chip, shape
 
 
@@ -275,8 +353,10 @@ def topology(name: str, slices: int = 1) -> Topology:
       A `Topology`: a sequence of abstract devices with the chip's figures.
 
     Raises:
-      ConfigurationError: the name is not one of the accepted forms, slices is
-        not a positive integer, or the TPU compiler is not installed.
+      ConfigurationError: the name is not one of the accepted forms, names no
+        slice Cloud TPU offers (more chips than one ICI domain holds: use
+        `slices`), slices is not a positive integer, or the TPU compiler is
+        not installed.
 
     Example:
       >>> strategy = spmd.TPUStrategy(topology=spmd.topology("v5p-256"))
@@ -288,11 +368,16 @@ def topology(name: str, slices: int = 1) -> Topology:
     jax_name = f"{chip.name}:{'x'.join(map(str, shape))}"
     key = (jax_name, int(slices))
     if key not in _CACHE:
-        _CACHE[key] = _describe(name, jax_name, int(slices))
+        _CACHE[key] = _describe(name, jax_name, int(slices), _host_bounds(shape))
     return Topology(name, chip, shape, int(slices), tuple(_CACHE[key].devices))
 
 
-def _describe(name: str, jax_name: str, slices: int) -> Any:
+def _host_bounds(shape: tuple[int, ...]) -> dict[str, Any]:
+    """libtpu's chips per host for a slice: its default (2x2x1) divides all but one chip."""
+    return {"chips_per_host_bounds": (1, 1, 1)} if math.prod(shape) == 1 else {}
+
+
+def _describe(name: str, jax_name: str, slices: int, options: dict[str, Any]) -> Any:
     try:
         import libtpu  # noqa: F401
     except ImportError as e:
@@ -313,7 +398,7 @@ def _describe(name: str, jax_name: str, slices: int) -> Any:
 
     try:
         return topologies.get_topology_desc(
-            topology_name=jax_name, platform="tpu", num_slices=slices
+            topology_name=jax_name, platform="tpu", num_slices=slices, **options
         )
     except Exception as e:  # the TPU compiler refuses the shape
         raise ConfigurationError(

@@ -29,6 +29,16 @@ pytestmark = pytest.mark.cpu_mesh
         ("v5e:16x16", "v5e", (16, 16)),
         ("V5P:4x4x8", "v5p", (4, 4, 8)),
         ("v5litepod:2x2", "v5e", (2, 2)),
+        ("v5litepod-1", "v5e", (1, 1)),
+        # MaxText's accelerator_to_spec_map: slices of whole 4x4x4 cubes, the most cube-like
+        ("v5p-384", "v5p", (4, 4, 12)),
+        ("v5p-768", "v5p", (4, 8, 12)),
+        ("v5p-1536", "v5p", (8, 8, 12)),
+        ("v5p-8448", "v5p", (8, 12, 44)),
+        ("v5p-12288", "v5p", (16, 16, 24)),  # Cloud TPU's largest v5p slice
+        ("v4-384", "v4", (4, 4, 12)),
+        ("v4-4096", "v4", (8, 16, 16)),
+        ("v5p:4x4x12", "v5p", (4, 4, 12)),
     ],
 )
 def test_cloud_tpu_names_map_to_torus_shapes(name, chip, shape):
@@ -37,12 +47,44 @@ def test_cloud_tpu_names_map_to_torus_shapes(name, chip, shape):
 
 
 @pytest.mark.parametrize(
-    "name", ["v5p-255", "v5p", "v7x-8", "v5e:2x2x2", "v5p:4x4", "tpu", "", 256, "v5p-12"]
+    "name", ["v5p-255", "v5p", "v7x-8", "v5e:2x2x2", "v5p:4x4", "tpu", "", 256]
 )
 def test_bad_names_list_the_accepted_forms(name):
     with pytest.raises(spmd.ConfigurationError, match="v5litepod-16") as info:
         parse(name)
     assert "Received" in str(info.value) and "To fix" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "fix"),
+    [
+        ("v5e-512", 'spmd.topology("v5e-256", slices=2)'),
+        ("v6e-1024", 'spmd.topology("v6e-256", slices=4)'),
+        ("v5p-16384", 'spmd.topology("v5p-8192", slices=2)'),
+        ("v5e:64x64", 'spmd.topology("v5e-256", slices=16)'),
+        ("v5p:32x32x32", 'spmd.topology("v5p-8192", slices=8)'),
+    ],
+)
+def test_more_chips_than_one_ici_domain_is_an_error_suggesting_slices(name, fix):
+    with pytest.raises(spmd.ConfigurationError, match="one ICI domain") as info:
+        parse(name)
+    assert fix in str(info.value) and f"name='{name}'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("v5p-12", "no v5p slice of 6 chips"),
+        ("v5e-2", "no v5e slice of 2 chips"),
+        ("v5e:3x5", "no v5e slice of shape 3x5"),
+        ("v5p:4x4x6", "each side a multiple of 4"),
+        ("v5p-8576", "no v5p slice of 4288 chips"),  # 67 cubes: a side of 268 chips
+    ],
+)
+def test_slices_cloud_tpu_does_not_offer_are_an_error_listing_the_sizes(name, said):
+    with pytest.raises(spmd.ConfigurationError, match=said) as info:
+        parse(name)
+    assert "To fix: pick a" in str(info.value)
 
 
 def test_chip_table_cites_its_source():
@@ -246,11 +288,16 @@ def test_a_topology_strategy_compiles_what_it_cannot_run():
         spmd.TPUStrategy(jax.devices(), topology=spmd.topology("v5e:2x2"))
 
 
-def test_a_shape_the_compiler_refuses_is_a_clear_error():
-    with pytest.raises(spmd.ConfigurationError, match="describes this topology"):
-        spmd.topology("v5e:3x5")
+def test_a_bad_slice_count_is_a_clear_error():
     with pytest.raises(spmd.ConfigurationError, match="slices"):
         spmd.topology("v5e:2x2", slices=0)
+
+
+@pytest.mark.parametrize("name", ["v5litepod-1", "v6e-1"])
+def test_one_chip_slices_are_described(name):
+    # libtpu's default of 2x2x1 chips per host divides no one-chip slice
+    topo = spmd.topology(name)
+    assert len(topo) == 1 and topo.chips == 1
 
 
 def _scanned(layers):
