@@ -207,7 +207,7 @@ def _slice_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
 
     `mesh_utils` first (its ring orders for small slices; a physical axis split
     between logical axes where the sizes ask for it), then the torus mapped
-    here for what it refuses (v4's two TensorCores per chip); devices that are
+    here for what it refuses (v4 per TensorCore, two devices a chip); devices that are
     no whole slice (a subset of it) keep their id order.
     """
     from jax.experimental import mesh_utils

@@ -120,8 +120,9 @@ class Roofline:
 
     Attributes:
       chip: whose figures (`spmd.topologies.Chip`; for CPU devices, measured).
-      devices_per_chip: devices sharing one chip's figures (v4 shows its two
-        TensorCores as two devices; simulated CPU devices share the host).
+      devices_per_chip: devices sharing one chip's figures (a v4 topology with
+        `megacore=False` shows its two TensorCores as two devices; simulated
+        CPU devices share the host).
       flops, hbm_bytes, ici_bytes, dcn_bytes: the step's work per device.
       compute_s, memory_s, ici_s, dcn_s: each over its bandwidth.
       dcn_known: False where the chip has no published DCN figure (then

@@ -29,6 +29,7 @@ __all__ = [
     "chip_of",
     "compile_only",
     "compiler_hbm",
+    "devices_per_chip",
     "hbm_refusal",
     "topology",
 ]
@@ -50,7 +51,8 @@ class Chip:
       ici_bandwidth: inter-chip interconnect bytes/s of one chip, one direction.
       dcn_bandwidth: data-center network bytes/s per chip (between slices),
         or None where Cloud TPU publishes no figure.
-      cores_per_chip: TensorCores per chip that JAX's topology shows as devices.
+      cores_per_chip: TensorCores per chip. JAX on a TPU VM drives v4's and
+        v5p's two as one device (megacore), as `topology` does by default.
       dims: 3 for a 3-D torus (v4, v5p: the -N name counts TensorCores, two per
         chip), 2 for a 2-D torus (v5e, v6e: the -N name counts chips).
       source: where the figures are published.
@@ -110,7 +112,7 @@ CHIPS: dict[str, Chip] = {
         hbm_bandwidth=2765 * _GB,
         ici_bandwidth=4800e9 / 8,  # 4800 Gbps
         dcn_bandwidth=50e9 / 8,  # 50 Gbps per chip
-        cores_per_chip=1,
+        cores_per_chip=2,
         dims=3,
         source="https://cloud.google.com/tpu/docs/v5p",
         max_slice_chips=6144,  # "The maximum v5p shape is 16x16x24 (6144 chips)"
@@ -333,10 +335,10 @@ def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
     return chip, shape
 
 
-_CACHE: dict[tuple[str, int], Any] = {}
+_CACHE: dict[tuple[str, int, bool], Any] = {}
 
 
-def topology(name: str, slices: int = 1) -> Topology:
+def topology(name: str, slices: int = 1, *, megacore: bool = True) -> Topology:
     """The abstract devices of a Cloud TPU slice, to compile for on any machine.
 
     Needs the TPU compiler (`pip install "spmd[tpu-compile]"`, which installs
@@ -348,6 +350,11 @@ def topology(name: str, slices: int = 1) -> Topology:
         or the torus shape "v5p:4x4x8", "v5e:16x16".
       slices: how many such slices, joined over the data-center network (a
         multi-slice job); a mesh on them puts the slices outermost.
+      megacore: v4 and v5p chips hold two TensorCores, which JAX on a TPU VM
+        and MaxText's AOT compile (`chip_config_name="megacore"`) drive as
+        one device with the chip's HBM: one device per chip, as here by
+        default. `megacore=False` (v4 only) gives one device per TensorCore,
+        each with half the HBM.
 
     Returns:
       A `Topology`: a sequence of abstract devices with the chip's figures.
@@ -366,10 +373,30 @@ def topology(name: str, slices: int = 1) -> Topology:
     positive_int(slices, "slices", fix="pass slices=1 for one slice, 2 for two, ...")
     chip, shape = parse(name)
     jax_name = f"{chip.name}:{'x'.join(map(str, shape))}"
-    key = (jax_name, int(slices))
+    options = _host_bounds(shape) | _chip_config(name, chip, megacore)
+    key = (jax_name, int(slices), megacore)
     if key not in _CACHE:
-        _CACHE[key] = _describe(name, jax_name, int(slices), _host_bounds(shape))
+        _CACHE[key] = _describe(name, jax_name, int(slices), options)
     return Topology(name, chip, shape, int(slices), tuple(_CACHE[key].devices))
+
+
+def _chip_config(name: str, chip: Chip, megacore: Any) -> dict[str, Any]:
+    """libtpu's chip configuration: megacore (a chip's two TensorCores as one device), or not.
+
+    MaxText's `accelerator_to_spec_map.py` names "megacore" for v4 and v5p;
+    libtpu's own default is per TensorCore on v4 (it has no other on v5p).
+    """
+    if not isinstance(megacore, bool) or (not megacore and chip.name != "v4"):
+        raise ConfigurationError(
+            message(
+                "megacore is True (a chip's two TensorCores as one device, as JAX runs v4 "
+                "and v5p) or, for v4 only, False (one device per TensorCore); v5e and v6e "
+                "have one TensorCore per chip, and libtpu runs v5p only as megacore.",
+                received(topology=name, megacore=megacore),
+                "leave megacore=True (the default).",
+            )
+        )
+    return {"chip_config_name": "megacore"} if chip.cores_per_chip == 2 and megacore else {}
 
 
 def _host_bounds(shape: tuple[int, ...]) -> dict[str, Any]:
@@ -501,11 +528,21 @@ def hbm_refusal(error: BaseException) -> int | None:
 _HBM: dict[str, int] = {}
 
 
+def devices_per_chip(device: Any) -> int:
+    """How many devices one TPU chip shows as: 2 for v4 per TensorCore, else 1 (megacore)."""
+    chip = chip_of(device)
+    cores = getattr(device, "num_cores", None)  # TensorCores one device drives
+    if chip is None or not isinstance(cores, int) or cores < 1:
+        return 1
+    return max(1, chip.cores_per_chip // cores)
+
+
 def compiler_hbm(device: Any) -> int:
     """The HBM one TPU device has for a program, as the TPU compiler counts it.
 
-    Read once per device kind from the compiler's own refusal of a program
-    larger than any chip (v5e: 15.75 GiB, v5p: 95.74 GiB); the published
+    Read once per device kind (and cores per device) from the compiler's own
+    refusal of a program larger than any chip (v5e: 15.75 GiB, v5p: 95.74 GiB,
+    a v4 chip 30.75 GiB, one of its TensorCores 15.25 GiB); the published
     figure (`Chip.hbm_bytes`) where the compiler does not say.
     """
     import jax
@@ -513,10 +550,10 @@ def compiler_hbm(device: Any) -> int:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    kind = str(device.device_kind)
+    kind = f"{device.device_kind}/{devices_per_chip(device)}"
     if kind not in _HBM:
         chip = chip_of(device)
-        fallback = chip.hbm_bytes // chip.cores_per_chip if chip else 0
+        fallback = chip.hbm_bytes // devices_per_chip(device) if chip else 0
         mesh = Mesh(np.array([device]), ("one",))
         too_big = jax.jit(
             lambda: jnp.zeros((1 << 42,), jnp.int8),

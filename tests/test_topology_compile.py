@@ -150,10 +150,11 @@ def _slice(device):
     return getattr(device, "slice_index", 0)  # one slice's devices have none
 
 
-def _chip_hops(group):
-    """The most links between consecutive devices of a mesh axis (0: two cores of one chip)."""
-    coords = [np.asarray(d.coords) for d in group]
-    return max(int(np.abs(a - b).sum()) for a, b in zip(coords, coords[1:], strict=False))
+def _compact(group):
+    """Whether a mesh axis's chips fill a box of the torus (a line of neighbours, a 2x2 tray)."""
+    chips = {tuple(d.coords) for d in group}
+    box = np.ptp(np.array(sorted(chips)), axis=0) + 1
+    return int(np.prod(box)) == len(chips)
 
 
 @pytest.mark.parametrize(
@@ -164,16 +165,18 @@ def _chip_hops(group):
         ("v5e:16x16", 2, {"data": -1, "model": 4}),
         ("v5e-256", 2, {"data": 2, "fsdp": 32, "model": 8}),
         ("v6e-64", 1, {"data": -1, "model": 8, "expert": 2}),
-        ("v4-32", 2, {"data": -1, "model": 4}),  # v4 shows two TensorCores per chip
+        ("v4-32", 2, {"data": -1, "model": 4}),
+        ("v4-32/per core", 2, {"data": -1, "model": 4}),  # two devices a chip: spmd's own map
     ],
 )
 def test_any_axis_sizes_lay_out_with_inner_axes_on_neighbouring_chips(name, slices, axes):
-    topo = spmd.topology(name, slices=slices)
+    name, _, per_core = name.partition("/")
+    topo = spmd.topology(name, slices=slices, megacore=not per_core)
     mesh = spmd.make_mesh(axes, devices=topo)
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in topo)
     inner = mesh.devices.reshape(-1, mesh.devices.shape[-1])
-    for group in inner:  # the busiest axis: a line of neighbouring chips in one slice
-        assert len({_slice(d) for d in group}) == 1 and _chip_hops(group) <= 1
+    for group in inner:  # the busiest axis: neighbouring chips of one slice
+        assert len({_slice(d) for d in group}) == 1 and _compact(group)
     for index, part in enumerate(mesh.devices):  # the slices are the outermost axis
         assert {_slice(d) for d in part.flat} == {index * slices // len(mesh.devices)}
 
@@ -286,6 +289,62 @@ def test_a_topology_strategy_compiles_what_it_cannot_run():
     assert e.chip == "v5e"
     with pytest.raises(spmd.ConfigurationError, match="not both"):
         spmd.TPUStrategy(jax.devices(), topology=spmd.topology("v5e:2x2"))
+
+
+def _twenty_gib(key):
+    return {"w": jnp.zeros((8, 20 * (1 << 30) // 4 // 8), jnp.float32)}  # replicated
+
+
+def _scale(state, x):
+    return {"w": state["w"] * 0.9 + x.mean()}, {"m": x.mean()}
+
+
+def test_v4_is_planned_per_chip_as_jax_runs_it():
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    topo = spmd.topology("v4-8")  # 4 chips: one device each, as on a v4 TPU VM
+    assert (len(topo), topo.chips) == (4, 4)
+    strategy = spmd.TPUStrategy(topology=topo)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    e = strategy.explain(_scale, strategy.abstract_state(_twenty_gib, jax.random.key(0)), x)
+    assert e.fits and 30 << 30 < e.hbm_capacity < 32 << 30  # the compiler's: 30.75 GiB
+    assert e.roofline.devices_per_chip == 1
+    # The oracle: plain jax.jit on the devices MaxText's AOT compile asks libtpu for.
+    devices = topologies.get_topology_desc(
+        topology_name="v4:2x2x1", platform="tpu", chip_config_name="megacore"
+    ).devices
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    whole, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("d"))
+    state = {"w": jax.ShapeDtypeStruct((8, 20 * (1 << 30) // 32), jnp.float32, sharding=whole)}
+    compiled = (
+        jax.jit(_scale, donate_argnums=0, out_shardings=({"w": whole}, {"m": whole}))
+        .lower(state, jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=rows))
+        .compile()
+    )
+    assert compiled.memory_analysis().argument_size_in_bytes == e.argument_bytes
+
+
+def test_v4_per_tensorcore_is_asked_for_and_halves_the_hbm():
+    topo = spmd.topology("v4-8", megacore=False)
+    assert (len(topo), topo.chips) == (8, 4)
+    strategy = spmd.TPUStrategy(topology=topo)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    e = strategy.explain(_scale, strategy.abstract_state(_twenty_gib, jax.random.key(0)), x)
+    assert e.fits is False and 15 << 30 < e.hbm_capacity < 16 << 30  # 15.25 GiB a core
+    assert e.roofline is None  # refused for want of HBM: no program to estimate
+
+
+@pytest.mark.parametrize("name", ["v5p-8", "v5e-8", "v6e-4"])
+def test_megacore_false_is_an_error_where_a_chip_has_no_per_core_mode(name):
+    with pytest.raises(spmd.ConfigurationError, match="megacore") as info:
+        spmd.topology(name, megacore=False)
+    assert "v4 only" in str(info.value) and f"topology='{name}'" in str(info.value)
+
+
+def test_v5p_is_one_device_per_chip():
+    topo = spmd.topology("v5p-8")
+    assert (len(topo), topo.chips) == (4, 4)
 
 
 def test_a_bad_slice_count_is_a_clear_error():
