@@ -491,9 +491,11 @@ def _cannot_run(what: str, **got: Any) -> ConfigurationError:
             f"{what} needs devices this process has; this strategy is built on an abstract "
             "TPU topology, which compiles but cannot run.",
             received(**got, what=what),
-            "use strategy.abstract_state(...) for the state and strategy.explain(...) or "
-            "step.lower(...).compile() for the program; run on the TPU slice itself with "
-            "a strategy built on its devices (spmd.TPUStrategy()).",
+            "use state = strategy.abstract_state(create_fn, *args) for the state, and "
+            "strategy.explain(step, state, *batch) or step.lower(state, *batch)[0].compile() "
+            "(lower returns the Lowered program and the state's pure pytree) for the program; "
+            "run on the TPU slice itself with a strategy built on its devices "
+            "(spmd.TPUStrategy()).",
         )
     )
 

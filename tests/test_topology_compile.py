@@ -269,6 +269,22 @@ def test_every_way_to_run_a_topology_strategy_says_it_compiles_only(what, tmp_pa
     assert str(info.value).startswith(what) and "To fix" in str(info.value)
 
 
+def test_the_cannot_run_advice_works_as_written():
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
+    step = strategy.step(_train)
+    state = strategy.abstract_state(_create, jax.random.key(0))
+    batch = (jax.ShapeDtypeStruct(X.shape, X.dtype),)
+    with pytest.raises(spmd.ConfigurationError) as info:
+        step(state, X)
+    advice = re.findall(
+        r"(?:strategy|step)\.\w+\((?:step, )?state, \*batch\)(?:\[0\]\.compile\(\))?",
+        str(info.value),
+    )
+    assert len(advice) == 2, str(info.value)
+    for call in advice:  # each call it names runs, as written
+        eval(call, {"strategy": strategy, "step": step, "state": state, "batch": batch})
+
+
 @pytest.mark.parametrize("what", list(DILOCO_WAYS_TO_RUN))
 def test_every_way_to_run_diloco_on_a_topology_says_it_compiles_only(what, tmp_path):
     with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology") as info:
