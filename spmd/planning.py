@@ -10,8 +10,6 @@ machine, see `measured_chip`).
 
 from __future__ import annotations
 
-import math
-import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,20 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 
+from spmd.candidates import candidates, model_layout
 from spmd.errors import ConfigurationError, message, received
 from spmd.explain import Explanation, _human
-from spmd.mesh import make_mesh
+from spmd.logical import LogicalRules
 from spmd.roofline import Roofline, estimate
-from spmd.rules import path_str
-from spmd.strategy import nnx_state
+from spmd.rules import Rule
 from spmd.strategy.base import Step, Strategy
 from spmd.topologies import Chip, Topology, chip_of, topology
 
 __all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "load_entry", "measured_chip"]
-
-MIN_SHARDED_ELEMENTS = 1 << 14  # smaller leaves stay replicated: splitting them costs more
 
 
 @dataclass(frozen=True)
@@ -187,126 +182,6 @@ def measured_chip(device: Any) -> Chip:
     return _MEASURED[key]
 
 
-# ------------------------------------------------------------------ candidates
-
-
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(2, n + 1) if n % k == 0]
-
-
-def _fsdp_spec(shape: Sequence[int], axis: str, size: int, taken: PartitionSpec | None = None):
-    """The leaf's spec with its largest free dimension that `size` divides split over `axis`."""
-    entries = list(taken or ()) + [None] * (len(shape) - len(taken or ()))
-    if math.prod(shape) < MIN_SHARDED_ELEMENTS:
-        return PartitionSpec(*entries)
-    free = [i for i, e in enumerate(entries) if e is None and shape[i] % size == 0]
-    if free:
-        dim = max(free, key=lambda i: shape[i])
-        entries[dim] = axis
-    return PartitionSpec(*entries)
-
-
-def _tp_spec(shape: Sequence[int], axis: str, size: int) -> PartitionSpec:
-    """A matrix's last dimension over `axis` (column-parallel), where `size` divides it."""
-    if len(shape) < 2 or math.prod(shape) < MIN_SHARDED_ELEMENTS or shape[-1] % size:
-        return PartitionSpec()
-    return PartitionSpec(*([None] * (len(shape) - 1)), axis)
-
-
-def _rules(leaves, fsdp: int = 1, tp: int = 1):
-    rules = []
-    for path, leaf in leaves:
-        shape = tuple(getattr(leaf, "shape", ()))
-        spec = _tp_spec(shape, "model", tp) if tp > 1 else PartitionSpec()
-        if fsdp > 1:
-            spec = _fsdp_spec(shape, "fsdp", fsdp, spec)
-        if any(e is not None for e in spec):
-            rules.append(("^" + _escape(path) + "$", spec))
-    return rules
-
-
-def _escape(path: str) -> str:
-    return re.escape(path)
-
-
-def candidates(
-    state_leaves: Sequence[tuple[str, Any]],
-    devices: Sequence[Any],
-    slices: int = 1,
-    host_memory: bool = False,
-) -> list[tuple[str, Callable[[], Strategy]]]:
-    """The layouts `auto_strategy` tries for these state leaves on these devices.
-
-    Data parallel; FSDP over every k dividing the devices (the rest data
-    parallel: HSDP when the data axis crosses slices); tensor parallel over
-    2, 4, 8 (each matrix's last dimension split: column-parallel, no
-    Megatron pairing inferred); FSDP x TP with FSDP over every device the
-    TP axis leaves inside a slice; and, where the devices have host memory,
-    the widest FSDP with the state kept in host memory between steps.
-
-    Returns:
-      (name, a function building the `Strategy`) pairs.
-    """
-    n = len(devices)
-    per_slice = n // slices
-    out: list[tuple[str, Callable[[], Strategy]]] = []
-
-    def strategy(axes, rules, batch_axes, placement="device"):
-        def build():
-            mesh = make_mesh(axes, devices)
-            return Strategy(mesh, rules=rules, batch_axes=batch_axes, placement=placement)
-
-        return build
-
-    out.append(("data parallel", strategy({"data": n}, [], ("data",))))
-    for k in _divisors(per_slice) + ([n] if slices > 1 else []):
-        data = n // k
-        name = f"FSDP over {k}" + (
-            f" (HSDP: data {data} over DCN)" if slices > 1 and k == per_slice else ""
-        )
-        out.append(
-            (
-                name,
-                strategy({"data": data, "fsdp": k}, _rules(state_leaves, fsdp=k), ("data", "fsdp")),
-            )
-        )
-    for m in (2, 4, 8):
-        if per_slice % m:
-            continue
-        out.append(
-            (
-                f"TP over {m}",
-                strategy({"data": n // m, "model": m}, _rules(state_leaves, tp=m), ("data",)),
-            )
-        )
-        k = per_slice // m
-        if k > 1:
-            out.append(
-                (
-                    f"FSDP {k} x TP {m}",
-                    strategy(
-                        {"data": slices, "fsdp": k, "model": m},
-                        _rules(state_leaves, fsdp=k, tp=m),
-                        ("data", "fsdp"),
-                    ),
-                )
-            )
-    if host_memory:
-        k = per_slice
-        out.append(
-            (
-                f"FSDP over {k}, state in host memory",
-                strategy(
-                    {"data": n // k, "fsdp": k},
-                    _rules(state_leaves, fsdp=k),
-                    ("data", "fsdp"),
-                    placement="host",
-                ),
-            )
-        )
-    return out
-
-
 # ------------------------------------------------------------------ auto_strategy
 
 
@@ -349,6 +224,8 @@ def auto_strategy(
     slices: int = 1,
     only: Sequence[str] | None = None,
     extra: dict[str, Strategy] | None = None,
+    rules: Sequence[Rule] = (),
+    logical_axis_rules: LogicalRules = (),
 ) -> tuple[Strategy, Plan]:
     """Compiles candidate layouts for a target, drops those that do not fit, ranks the rest.
 
@@ -360,6 +237,11 @@ def auto_strategy(
     roofline's step time from Cloud TPU's published figures. On CPU and GPU
     devices every candidate that compiles is ranked, by the same roofline
     with this machine's measured figures (`measured_chip`).
+
+    A flax model's annotations are kept: every candidate's mesh has the mesh
+    axes they name (through `logical_axis_rules`), tensor parallelism splits
+    the one that is not data or fsdp, and a leaf keeps its annotation wherever
+    it splits (see `spmd.planning.candidates`).
 
     Args:
       create_fn: builds the train state from `args` (as for `strategy.init`).
@@ -376,6 +258,9 @@ def auto_strategy(
         (e.g. `["FSDP"]`); all of them by default.
       extra: more candidates to compare, name -> `Strategy` on the same
         devices (e.g. a tuned tensor-parallel layout).
+      rules: state rules given to every candidate, ahead of its own.
+      logical_axis_rules: maps the model's flax annotation names to mesh axes,
+        in every candidate (as `spmd.Strategy(logical_axis_rules=)`).
 
     Returns:
       (the best `Strategy`, the `Plan`: every candidate with its estimate or
@@ -393,12 +278,20 @@ def auto_strategy(
     args = (jax.random.key(0),) if args is None else tuple(args)
     batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
     fn = step.fn if isinstance(step, Step) else step
-    plain = Strategy(make_mesh({"data": len(devices)}, devices))
-    abstract = nnx_state.pure(plain.abstract_state(create_fn, *args))
-    leaves = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
+    model = model_layout(create_fn, args, devices, rules, logical_axis_rules)
     host = any(m.kind == "pinned_host" for m in devices[0].addressable_memories())
     host = host and devices[0].platform == "tpu"
-    built = candidates(leaves, devices, n_slices, host_memory=host)
+    built = candidates(
+        model.leaves,
+        devices,
+        n_slices,
+        host_memory=host,
+        annotated=model.annotated,
+        model_axes=model.axes,
+        rules=rules,
+        logical_axis_rules=logical_axis_rules,
+    )
     built += [(name, (lambda s=s: s)) for name, s in (extra or {}).items()]
     if only:
         built = [(name, b) for name, b in built if any(o in name for o in only)]

@@ -4,10 +4,13 @@ import subprocess
 import sys
 import textwrap
 
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import spmd
 
@@ -192,3 +195,127 @@ def test_spmd_plan_prints_the_table_for_a_users_module(tmp_path):
         timeout=300,
     )
     assert bad.returncode == 1 and "MODULE:FUNCTION" in bad.stderr
+
+
+# ------------------------------------------------------------------ annotated flax models
+
+
+class _DotReluDot(nnx.Module):
+    """flax's GSPMD guide model (examples/09_flax_gspmd.py): kernels annotated in mesh axes."""
+
+    def __init__(self, depth, rngs):
+        init_fn = nnx.initializers.lecun_normal()
+        self.dot1 = nnx.Linear(
+            depth,
+            depth,
+            kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
+            use_bias=False,
+            rngs=rngs,
+        )
+        self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), out_sharding=("model", None))
+
+    def __call__(self, x):
+        y = jax.nn.relu(self.dot1(x))
+        y = jax.lax.with_sharding_constraint(y, P("data", "model"))
+        return jnp.dot(y, self.w2[...])
+
+
+class _MultiDotReluDot(nnx.Module):
+    def __init__(self, depth, num_layers, rngs):
+        @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: None})
+        def create_sublayers(r):
+            return _DotReluDot(depth, r)
+
+        self.layers = create_sublayers(rngs.split(num_layers))
+
+    def __call__(self, x):
+        x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), x, self.layers)
+        return x
+
+
+def _nnx_create():
+    model = _MultiDotReluDot(256, 2, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def _nnx_step(state, x, y):
+    model, optimizer = state
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+class _LogicalMLP(linen.Module):
+    """A linen model annotated with logical names, as MaxText's and t5x's are."""
+
+    @linen.compact
+    def __call__(self, x):
+        init = linen.initializers.lecun_normal()
+        h = linen.Dense(1024, kernel_init=linen.with_logical_partitioning(init, ("embed", "mlp")))
+        out = linen.Dense(256, kernel_init=linen.with_logical_partitioning(init, ("mlp", "embed")))
+        return out(jax.nn.relu(h(x)))
+
+
+def _linen_create(key):
+    params = _LogicalMLP().init(key, jnp.ones((1, 256)))["params"]
+    return {"params": params, "opt": optax.adam(1e-3).init(params)}
+
+
+def _linen_step(state, x):
+    def loss(p):
+        return jnp.mean((_LogicalMLP().apply({"params": p}, x) - x) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    updates, opt = optax.adam(1e-3).update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+
+def _explained(strategy, create, step, batch, args=()):
+    return strategy.explain(step, strategy.abstract_state(create, *args), *batch)
+
+
+def test_an_nnx_model_annotated_in_mesh_axes_is_planned_with_its_annotations():
+    topo = spmd.topology("v5e-8")
+    xs = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    only = ["data parallel", "TP over 4", "FSDP 2 x TP 4"]
+    _, plan = spmd.auto_strategy(_nnx_create, _nnx_step, (xs, xs), topo, args=(), only=only)
+    assert sorted(c.name for c in plan.ranked) == sorted(only), str(plan)
+    by_name = {c.name: c for c in plan.ranked}
+    assert dict(by_name["data parallel"].strategy.mesh.shape) == {"data": 8, "model": 1}
+    # TP over 4 is the guide's own layout: data 2 x model 4, the annotations over "model"
+    guide = spmd.Strategy(spmd.make_mesh({"data": 2, "model": 4}, topo), batch_axes=("data",))
+    want = _explained(guide, _nnx_create, _nnx_step, (xs, xs))
+    got = by_name["TP over 4"].explanation
+    assert (got.state_bytes, got.argument_bytes) == (want.state_bytes, want.argument_bytes)
+    # FSDP x TP keeps the annotations over "model" and adds fsdp: a quarter of TP's state
+    both = by_name["FSDP 2 x TP 4"].explanation
+    assert both.state_bytes < got.state_bytes
+
+
+def test_a_linen_logical_model_is_planned_through_logical_axis_rules():
+    topo = spmd.topology("v5e-8")
+    logical = [("embed", None), ("mlp", "model")]
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    _, plan = spmd.auto_strategy(
+        _linen_create,
+        _linen_step,
+        (x,),
+        topo,
+        only=["data parallel", "TP over 2"],
+        logical_axis_rules=logical,
+    )
+    assert sorted(c.name for c in plan.ranked) == ["TP over 2", "data parallel"], str(plan)
+    tp = next(c for c in plan.ranked if c.name == "TP over 2")
+    assert tp.strategy.logical_axis_rules == tuple(logical)
+    hand = spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}, topo), logical_axis_rules=logical)
+    want = _explained(hand, _linen_create, _linen_step, (x,), (jax.random.key(0),))
+    assert tp.explanation.state_bytes == want.state_bytes
+
+
+def test_rules_given_to_auto_strategy_lay_out_every_candidate():
+    topo = spmd.topology("v5e-8")
+    _, plan = spmd.auto_strategy(
+        _create, _step, X, topo, only=["data parallel", "FSDP over 8"], rules=[(".*", None)]
+    )
+    states = {c.name: c.explanation.state_bytes for c in plan.ranked}
+    assert states["data parallel"] == states["FSDP over 8"] > 0  # every leaf replicated
