@@ -19,9 +19,10 @@ from typing import Any
 import jax
 
 from spmd.candidates import candidates, model_layout
-from spmd.errors import ConfigurationError, message, received
+from spmd.errors import ConfigurationError, SpmdError, message, received
 from spmd.explain import Explanation, _human
 from spmd.logical import LogicalRules
+from spmd.mesh import make_mesh
 from spmd.roofline import Roofline, estimate
 from spmd.rules import Rule
 from spmd.strategy.base import Step, Strategy
@@ -209,6 +210,19 @@ def _target(devices_or_topology: Any, slices: int) -> tuple[list[Any], str, int]
     return devices, f"{len(devices)} {devices[0].platform} devices", n_slices
 
 
+def _matching(built: list, only: tuple[str, ...]) -> list:
+    kept = [(name, b) for name, b in built if any(o in name for o in only)] if only else built
+    if not kept:
+        raise ConfigurationError(
+            message(
+                "only keeps the candidates whose names contain one of its strings; none does.",
+                received(only=list(only), candidates=[name for name, _ in built]),
+                'pass parts of the names above, e.g. only=["FSDP"] or only=["TP over 4"].',
+            )
+        )
+    return kept
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return (text[0] if text else type(error).__name__)[:200]
@@ -238,6 +252,10 @@ def auto_strategy(
     devices every candidate that compiles is ranked, by the same roofline
     with this machine's measured figures (`measured_chip`).
 
+    The step is first traced on one device of the target (every mesh axis of
+    size 1): an error there is a bug in `create_fn`, the step or the batch,
+    raised at once (with a note), not a layout that does not fit.
+
     A flax model's annotations are kept: every candidate's mesh has the mesh
     axes they name (through `logical_axis_rules`), tensor parallelism splits
     the one that is not data or fsdp, and a leaf keeps its annotation wherever
@@ -246,7 +264,7 @@ def auto_strategy(
     Args:
       create_fn: builds the train state from `args` (as for `strategy.init`).
       step: the train step `(state, *batch) -> (state, metrics)`, a function
-        or a `Step` (its function is used).
+        or a `Step` (its options, such as static arguments, are kept).
       batch: the step's data arguments after the state: a tuple of arrays or
         `jax.ShapeDtypeStruct`s of the global batch (one array alone is a
         tuple of one).
@@ -267,8 +285,10 @@ def auto_strategy(
       why it was dropped; `print()` it for a table).
 
     Raises:
-      ConfigurationError: the target is not understood, or no candidate fits
-        (the message holds the table).
+      ConfigurationError: the target is not understood, `only` keeps no
+        candidate, or no candidate fits (the message holds the table).
+      Exception: what `create_fn` or the step raises when traced on one
+        device, as raised, with a note that says so.
 
     Example:
       >>> best, plan = spmd.auto_strategy(create, train_step, (tokens,), "v5p-256")
@@ -276,10 +296,12 @@ def auto_strategy(
     """
     devices, target, n_slices = _target(devices_or_topology, slices)
     args = (jax.random.key(0),) if args is None else tuple(args)
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    fn = step.fn if isinstance(step, Step) else step
+    batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+    wanted = tuple(only or ())
+    extras = list((extra or {}).items())
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
-    model = model_layout(create_fn, args, devices, rules, logical_axis_rules)
+    model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
+    _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
     host = any(m.kind == "pinned_host" for m in devices[0].addressable_memories())
     host = host and devices[0].platform == "tpu"
     built = candidates(
@@ -292,31 +314,76 @@ def auto_strategy(
         rules=rules,
         logical_axis_rules=logical_axis_rules,
     )
-    built += [(name, (lambda s=s: s)) for name, s in (extra or {}).items()]
-    if only:
-        built = [(name, b) for name, b in built if any(o in name for o in only)]
+    built += [(name, (lambda s=s: s)) for name, s in extras]
+    built = _matching(built, wanted)
     chip = chip_of(devices[0])
-    results = []
-    for name, build in built:
-        results.append(_try(name, build, create_fn, fn, batch, args, chip, len(devices)))
+    results = [_try(name, b, create_fn, step, batch, args, chip, len(devices)) for name, b in built]
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
     plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
     if plan.best is None:
-        raise ConfigurationError(
-            message(
-                "At least one layout fits the target.",
-                received(target=target, plan="\n" + str(plan)),
-                "use a larger slice (or more slices), a smaller batch, remat "
-                "(jax.checkpoint) in the model, or a smaller model.",
-            )
-        )
+        raise _nothing_fits(target, plan)
     return plan.best.strategy, plan
 
 
-_USER_ERRORS = (AttributeError, NameError, ImportError, KeyError, IndexError, SyntaxError)
+_ONE_DEVICE_NOTE = (
+    "spmd.auto_strategy: this was raised tracing {what} on one device of the target (every "
+    "mesh axis of size 1), before any layout was tried: a bug in create_fn, the step or the "
+    "batch, not a layout that does not fit."
+)
 
 
-def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
+def _traced(fn: Callable[[], Any], what: str = "create_fn") -> Any:
+    """`fn()`, with a note on what it raises: it ran on one device, before any layout."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn()
+    except Exception as e:
+        e.add_note(_ONE_DEVICE_NOTE.format(what=what))
+        raise
+
+
+def _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules):
+    """Traces the step on one device (every axis of size 1): what fails there fails anywhere."""
+    sizes = {"data": 1} | {a: 1 for a in model.axes}
+    one = Strategy(
+        make_mesh(sizes, devices[:1]), rules=rules, logical_axis_rules=logical_axis_rules
+    )
+    state = _traced(lambda: one.abstract_state(create_fn, *args))
+    _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
+
+
+def _bound(strategy: Strategy, step: Callable[..., Any] | Step) -> Step:
+    """The step on `strategy`, a `Step`'s options kept."""
+    if not isinstance(step, Step):
+        return strategy.step(step)
+    return strategy.step(
+        step.fn,
+        donate=step.donate,
+        static_argnames=step.static_argnames,
+        batch_axis=step.batch_axis,
+    )
+
+
+def _nothing_fits(target: str, plan: Plan) -> ConfigurationError:
+    unfit = any(c.dropped.startswith("does not fit") for c in plan.dropped)
+    fix = (
+        "use a larger slice (or more slices), a smaller batch, remat (jax.checkpoint) in the "
+        "model, or a smaller model."
+        if unfit
+        else "read each layout's reason above: a layout spmd cannot lay out on this target, or "
+        "one the compiler refuses; pass a layout of your own as extra=, or another target."
+    )
+    return ConfigurationError(
+        message(
+            "At least one layout fits the target.",
+            received(target=target, plan="\n" + str(plan)),
+            fix,
+        )
+    )
+
+
+def _try(name, build, create_fn, step, batch, args, chip, n_devices) -> Candidate:
     try:
         strategy = build()
     except Exception as e:  # a layout this mesh cannot make
@@ -325,10 +392,10 @@ def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             state = strategy.abstract_state(create_fn, *args)
-            e = strategy.explain(fn, state, *batch)
-    except _USER_ERRORS:  # a bug in the model or step: every candidate would hide it
-        raise
-    except Exception as err:
+            e = strategy.explain(step, state, *batch)
+    except SpmdError as err:  # spmd's checks of this layout: the batch, the rules
+        return Candidate(name, strategy, dropped=f"cannot be laid out: {_first_line(err)}")
+    except Exception as err:  # it traced on one device: the compiler, or this layout
         return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
     if e.fits is False:
         over = _human(-(e.hbm_headroom or 0))

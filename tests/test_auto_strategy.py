@@ -319,3 +319,50 @@ def test_rules_given_to_auto_strategy_lay_out_every_candidate():
     )
     states = {c.name: c.explanation.state_bytes for c in plan.ranked}
     assert states["data parallel"] == states["FSDP over 8"] > 0  # every leaf replicated
+
+
+# ------------------------------------------------------------------ what auto_strategy is given
+
+
+def _shape_bug(state, x):  # the batch is (64, 257): x @ w1 cannot contract
+    return _step(state, x)
+
+
+@pytest.mark.parametrize(
+    ("step", "batch", "raised"),
+    [
+        (_shape_bug, (jax.ShapeDtypeStruct((64, 257), jnp.float32),), TypeError),
+        (lambda s, x: (_ for _ in ()).throw(ValueError("my bug")), (X,), ValueError),
+        (_step, {"x": X}, TypeError),  # a dict where the step takes an array
+    ],
+)
+def test_a_bug_in_the_step_is_raised_at_once_not_nothing_fits(step, batch, raised):
+    with pytest.raises(raised) as info:
+        spmd.auto_strategy(_create, step, batch, "v5e-8")
+    assert not isinstance(info.value, spmd.ConfigurationError)
+    assert "before any layout was tried" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_a_bug_in_create_fn_is_raised_at_once():
+    def create(key):
+        raise KeyError("embedding")
+
+    with pytest.raises(KeyError) as info:
+        spmd.auto_strategy(create, _step, X, "v5e-8")
+    assert "create_fn" in "".join(info.value.__notes__)
+
+
+def test_a_batch_some_layouts_cannot_split_drops_them_with_the_reason():
+    twelve = jax.ShapeDtypeStruct((12, 256), jnp.float32)
+    _, plan = spmd.auto_strategy(
+        _create, _step, twelve, "v5e-8", only=["data parallel", "TP over 4"]
+    )
+    assert [c.name for c in plan.ranked] == ["TP over 4"]  # data 2 splits 12 rows
+    (dp,) = plan.dropped
+    assert dp.dropped.startswith("cannot be laid out: The global batch must split evenly")
+
+
+def test_only_matching_nothing_lists_the_candidates():
+    with pytest.raises(spmd.ConfigurationError, match="none does") as info:
+        spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=["nothing"])
+    assert "'data parallel', 'FSDP over 2'" in str(info.value)
