@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,6 +210,41 @@ def _target(devices_or_topology: Any, slices: int) -> tuple[list[Any], str, int]
     return devices, f"{len(devices)} {devices[0].platform} devices", n_slices
 
 
+def _extra(extra: Any, devices: Sequence[Any]) -> list[tuple[str, Strategy]]:
+    """`extra`'s layouts, each checked to be on the target's devices."""
+    if extra is None:
+        return []
+    fix = (
+        'pass extra={"name": strategy}, each strategy built on the target\'s devices, e.g. '
+        "spmd.Strategy(spmd.make_mesh({...}, devices=topo), ...) with topo = "
+        "spmd.topology(...) as given to auto_strategy."
+    )
+    if not isinstance(extra, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Strategy) for k, v in extra.items()
+    ):
+        raise ConfigurationError(
+            message("extra maps names to Strategy values.", received(extra=extra), fix)
+        )
+    target = set(devices)
+    for name, strategy in extra.items():
+        own = list(strategy.mesh.devices.flat)
+        if set(own) != target:
+            raise ConfigurationError(
+                message(
+                    "auto_strategy compares layouts on the target's devices; "
+                    f"extra[{name!r}] is on other devices.",
+                    received(extra=name, its_devices=_devices(own), target=_devices(devices)),
+                    fix,
+                )
+            )
+    return list(extra.items())
+
+
+def _devices(devices: Sequence[Any]) -> str:
+    kinds = sorted({str(getattr(d, "device_kind", d.platform)) for d in devices})
+    return f"{len(devices)} devices ({', '.join(kinds)})"
+
+
 def _matching(built: list, only: tuple[str, ...]) -> list:
     kept = [(name, b) for name, b in built if any(o in name for o in only)] if only else built
     if not kept:
@@ -237,7 +272,7 @@ def auto_strategy(
     args: Sequence[Any] | None = None,
     slices: int = 1,
     only: Sequence[str] | None = None,
-    extra: dict[str, Strategy] | None = None,
+    extra: Mapping[str, Strategy] | None = None,
     rules: Sequence[Rule] = (),
     logical_axis_rules: LogicalRules = (),
 ) -> tuple[Strategy, Plan]:
@@ -274,7 +309,7 @@ def auto_strategy(
       slices: with a topology name, how many slices.
       only: keep the candidates whose names contain one of these strings
         (e.g. `["FSDP"]`); all of them by default.
-      extra: more candidates to compare, name -> `Strategy` on the same
+      extra: more candidates to compare, name -> `Strategy` on the target's
         devices (e.g. a tuned tensor-parallel layout).
       rules: state rules given to every candidate, ahead of its own.
       logical_axis_rules: maps the model's flax annotation names to mesh axes,
@@ -285,8 +320,9 @@ def auto_strategy(
       why it was dropped; `print()` it for a table).
 
     Raises:
-      ConfigurationError: the target is not understood, `only` keeps no
-        candidate, or no candidate fits (the message holds the table).
+      ConfigurationError: the target or `extra` is not understood (a layout
+        of `extra` on other devices than the target's included), `only` keeps
+        no candidate, or no candidate fits (the message holds the table).
       Exception: what `create_fn` or the step raises when traced on one
         device, as raised, with a note that says so.
 
@@ -298,7 +334,7 @@ def auto_strategy(
     args = (jax.random.key(0),) if args is None else tuple(args)
     batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
     wanted = tuple(only or ())
-    extras = list((extra or {}).items())
+    extras = _extra(extra, devices)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
     _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)

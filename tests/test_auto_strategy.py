@@ -324,6 +324,35 @@ def test_rules_given_to_auto_strategy_lay_out_every_candidate():
 # ------------------------------------------------------------------ what auto_strategy is given
 
 
+def test_extra_layouts_on_other_devices_are_an_error():
+    with pytest.raises(spmd.ConfigurationError, match="on the target's devices") as info:
+        spmd.auto_strategy(
+            _create,
+            _step,
+            X,
+            "v5e-8",
+            extra={"mine": spmd.TPUStrategy(topology=spmd.topology("v5p-8"))},
+        )
+    assert "extra='mine'" in str(info.value) and "TPU v5 lite" in str(info.value)
+    with pytest.raises(spmd.ConfigurationError, match="on the target's devices"):
+        spmd.auto_strategy(_create, _step, X, "v5e-8", extra={"cpu": spmd.MirroredStrategy()})
+
+
+@pytest.mark.parametrize("extra", [{"mine": "FSDP"}, ["a strategy"], {1: None}])
+def test_extra_that_is_no_dict_of_strategies_is_an_error(extra):
+    with pytest.raises(spmd.ConfigurationError, match="extra maps names to Strategy"):
+        spmd.auto_strategy(_create, _step, X, "v5e-8", extra=extra)
+
+
+def test_extra_layouts_on_the_target_are_ranked_beside_the_candidates():
+    topo = spmd.topology("v5e-8")
+    mine = spmd.TPUStrategy(topology=topo)
+    _, plan = spmd.auto_strategy(
+        _create, _step, X, topo, only=["data parallel", "mine"], extra={"mine": mine}
+    )
+    assert sorted(c.name for c in plan.ranked) == ["data parallel", "mine"]
+
+
 def _shape_bug(state, x):  # the batch is (64, 257): x @ w1 cannot contract
     return _step(state, x)
 
