@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,6 +210,23 @@ def _target(devices_or_topology: Any, slices: int) -> tuple[list[Any], str, int]
     return devices, f"{len(devices)} {devices[0].platform} devices", n_slices
 
 
+def _only(only: Any) -> tuple[str, ...]:
+    """`only` as names to look for: a string is one name."""
+    if only is None:
+        return ()
+    names = (only,) if isinstance(only, str) else only
+    if not isinstance(names, Iterable) or not all(isinstance(o, str) for o in names):
+        raise ConfigurationError(
+            message(
+                "only is a string, or a list of strings, each kept candidate's name contains "
+                "one of.",
+                received(only=only),
+                'pass e.g. only=["FSDP"] or only="TP over 4".',
+            )
+        )
+    return tuple(names)
+
+
 def _extra(extra: Any, devices: Sequence[Any]) -> list[tuple[str, Strategy]]:
     """`extra`'s layouts, each checked to be on the target's devices."""
     if extra is None:
@@ -271,7 +288,7 @@ def auto_strategy(
     *,
     args: Sequence[Any] | None = None,
     slices: int = 1,
-    only: Sequence[str] | None = None,
+    only: str | Sequence[str] | None = None,
     extra: Mapping[str, Strategy] | None = None,
     rules: Sequence[Rule] = (),
     logical_axis_rules: LogicalRules = (),
@@ -307,8 +324,8 @@ def auto_strategy(
         a list of devices, or None for this process's devices.
       args: `create_fn`'s arguments; `(jax.random.key(0),)` by default.
       slices: with a topology name, how many slices.
-      only: keep the candidates whose names contain one of these strings
-        (e.g. `["FSDP"]`); all of them by default.
+      only: keep the candidates whose names contain this string, or one of
+        these strings (e.g. `["FSDP"]`); all of them by default.
       extra: more candidates to compare, name -> `Strategy` on the target's
         devices (e.g. a tuned tensor-parallel layout).
       rules: state rules given to every candidate, ahead of its own.
@@ -320,9 +337,9 @@ def auto_strategy(
       why it was dropped; `print()` it for a table).
 
     Raises:
-      ConfigurationError: the target or `extra` is not understood (a layout
-        of `extra` on other devices than the target's included), `only` keeps
-        no candidate, or no candidate fits (the message holds the table).
+      ConfigurationError: the target, `only` or `extra` is not understood (a
+        layout of `extra` on other devices than the target's included), `only`
+        keeps no candidate, or no candidate fits (the message holds the table).
       Exception: what `create_fn` or the step raises when traced on one
         device, as raised, with a note that says so.
 
@@ -333,7 +350,7 @@ def auto_strategy(
     devices, target, n_slices = _target(devices_or_topology, slices)
     args = (jax.random.key(0),) if args is None else tuple(args)
     batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
-    wanted = tuple(only or ())
+    wanted = _only(only)
     extras = _extra(extra, devices)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))

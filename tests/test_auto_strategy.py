@@ -391,6 +391,13 @@ def test_a_batch_some_layouts_cannot_split_drops_them_with_the_reason():
     assert dp.dropped.startswith("cannot be laid out: The global batch must split evenly")
 
 
+def test_only_is_a_name_or_a_list_of_names():
+    _, plan = spmd.auto_strategy(_create, _step, X, "v5e:2x2", only="FSDP over 4")
+    assert [c.name for c in plan.candidates] == ["FSDP over 4", "FSDP over 4, state in host memory"]
+    with pytest.raises(spmd.ConfigurationError, match="only is a string, or a list of strings"):
+        spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=[8])
+
+
 def test_only_matching_nothing_lists_the_candidates():
     with pytest.raises(spmd.ConfigurationError, match="none does") as info:
         spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=["nothing"])
