@@ -27,6 +27,7 @@ from spmd.roofline import Roofline, estimate
 from spmd.rules import Rule
 from spmd.strategy.base import Step, Strategy
 from spmd.topologies import Chip, Topology, chip_of, topology
+from spmd.validate import positive_int
 
 __all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "load_entry", "measured_chip"]
 
@@ -183,31 +184,57 @@ def measured_chip(device: Any) -> Chip:
     return _MEASURED[key]
 
 
-# ------------------------------------------------------------------ auto_strategy
+# ------------------------------------------------------------------ the target and the options
 
 
-def _target(devices_or_topology: Any, slices: int) -> tuple[list[Any], str, int]:
+def _target(devices_or_topology: Any, slices: Any) -> tuple[list[Any], str, int]:
+    """The target's devices, its name in the table, and its slice count."""
+    positive_int(slices, "slices", fix="pass slices=2 with a topology name for two slices.")
+    if isinstance(devices_or_topology, str):
+        devices_or_topology = topology(devices_or_topology, slices=slices)
+    elif slices != 1:
+        raise ConfigurationError(
+            message(
+                "slices= goes with a topology name: an spmd.topology(...) or a device list "
+                "already holds its slices.",
+                received(target=devices_or_topology, slices=slices),
+                'pass the name ("v5e-256", slices=2) or spmd.topology("v5e-256", slices=2) '
+                "without slices=.",
+            )
+        )
     if devices_or_topology is None:
         devices = jax.devices()
         return devices, f"this process's {len(devices)} {devices[0].platform} devices", 1
-    if isinstance(devices_or_topology, str):
-        devices_or_topology = topology(devices_or_topology, slices=slices)
     if isinstance(devices_or_topology, Topology):
         t = devices_or_topology
         name = t.name + (f" x {t.slices} slices" if t.slices > 1 else "")
         return list(t.devices), f"{name} ({t.chips} {t.chip.name} chips)", t.slices
-    devices = list(devices_or_topology)
-    if not devices or not all(hasattr(d, "platform") for d in devices):
+    devices = list(devices_or_topology) if isinstance(devices_or_topology, Iterable) else []
+    if not devices or not all(hasattr(d, "platform") and hasattr(d, "id") for d in devices):
         raise ConfigurationError(
             message(
-                "auto_strategy's target is a topology name, an spmd.topology(...), or a list of "
-                "jax.Devices.",
+                "auto_strategy's target is a topology name, an spmd.topology(...), a list of "
+                "jax.Devices, or None for this process's devices.",
                 received(target=devices_or_topology),
                 'pass e.g. "v5p-256", spmd.topology("v5e:16x16", slices=2) or jax.devices().',
             )
         )
     n_slices = len({getattr(d, "slice_index", 0) for d in devices})
     return devices, f"{len(devices)} {devices[0].platform} devices", n_slices
+
+
+def _args(args: Any) -> tuple:
+    if args is None:
+        return (jax.random.key(0),)
+    if not isinstance(args, tuple | list):
+        raise ConfigurationError(
+            message(
+                "args is the tuple of create_fn's arguments.",
+                received(args=args, type=type(args).__name__),
+                "pass args=(jax.random.key(0),), or args=() for a create_fn of no arguments.",
+            )
+        )
+    return tuple(args)
 
 
 def _only(only: Any) -> tuple[str, ...]:
@@ -322,7 +349,8 @@ def auto_strategy(
         tuple of one).
       devices_or_topology: a topology name ("v5p-256"), an `spmd.topology`,
         a list of devices, or None for this process's devices.
-      args: `create_fn`'s arguments; `(jax.random.key(0),)` by default.
+      args: the tuple of `create_fn`'s arguments; `(jax.random.key(0),)` by
+        default.
       slices: with a topology name, how many slices.
       only: keep the candidates whose names contain this string, or one of
         these strings (e.g. `["FSDP"]`); all of them by default.
@@ -337,9 +365,9 @@ def auto_strategy(
       why it was dropped; `print()` it for a table).
 
     Raises:
-      ConfigurationError: the target, `only` or `extra` is not understood (a
-        layout of `extra` on other devices than the target's included), `only`
-        keeps no candidate, or no candidate fits (the message holds the table).
+      ConfigurationError: the target, `args`, `only`, `extra` or `slices` is
+        not understood, `only` keeps no candidate, or no candidate fits (the
+        message holds the table).
       Exception: what `create_fn` or the step raises when traced on one
         device, as raised, with a note that says so.
 
@@ -348,7 +376,7 @@ def auto_strategy(
       >>> print(plan)
     """
     devices, target, n_slices = _target(devices_or_topology, slices)
-    args = (jax.random.key(0),) if args is None else tuple(args)
+    args = _args(args)
     batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
     wanted = _only(only)
     extras = _extra(extra, devices)

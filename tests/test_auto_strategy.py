@@ -402,3 +402,19 @@ def test_only_matching_nothing_lists_the_candidates():
     with pytest.raises(spmd.ConfigurationError, match="none does") as info:
         spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=["nothing"])
     assert "'data parallel', 'FSDP over 2'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"args": jax.random.key(0)}, "args is the tuple of create_fn's arguments"),
+        ({"devices_or_topology": 8}, "auto_strategy's target is a topology name"),
+        ({"slices": 2}, "slices= goes with a topology name"),
+        ({"slices": 0}, "slices"),
+    ],
+)
+def test_arguments_auto_strategy_cannot_use_are_clear_errors(kwargs, said):
+    kwargs = {"devices_or_topology": spmd.topology("v5e:2x2")} | kwargs
+    with pytest.raises(spmd.ConfigurationError, match=said) as info:
+        spmd.auto_strategy(_create, _step, X, **kwargs)
+    assert "To fix" in str(info.value)
