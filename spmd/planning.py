@@ -29,7 +29,7 @@ from spmd.strategy.base import Step, Strategy
 from spmd.topologies import Chip, Topology, chip_of, topology
 from spmd.validate import positive_int
 
-__all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "load_entry", "measured_chip"]
+__all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "measured_chip"]
 
 
 @dataclass(frozen=True)
@@ -502,59 +502,3 @@ def _try(name, build, create_fn, step, batch, args, chip, n_devices) -> Candidat
 def _accessed(e: Explanation) -> float:
     """HBM bytes a step reads and writes at least: its arguments, outputs and temporaries."""
     return float(e.argument_bytes + e.output_bytes + e.temp_bytes)
-
-
-def load_entry(entry: str) -> tuple[Any, Any, Any, Any]:
-    """`module:function` -> (create_fn, step, batch, args) from what the function returns.
-
-    The function returns a dict with `create_fn`, `step`, `batch` (and
-    optionally `args`), or the tuple `(create_fn, step, batch[, args])`. The
-    module is imported with the current directory on `sys.path`.
-
-    Raises:
-      ConfigurationError: the entry is not `module:function`, does not import,
-        or returns something else.
-    """
-    import importlib
-    import os
-    import sys
-
-    fix = (
-        "pass MODULE:FUNCTION, e.g. train:plan_inputs, where train.py defines plan_inputs() "
-        "returning dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),))."
-    )
-    module_name, _, function_name = entry.partition(":")
-    if not module_name or not function_name.isidentifier():
-        raise ConfigurationError(
-            message("The entry point is MODULE:FUNCTION.", received(entry=entry), fix)
-        )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigurationError(
-            message("The entry point's module imports.", received(entry=entry, error=str(e)), fix)
-        ) from e
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ConfigurationError(
-            message(
-                f"{module_name} defines a function {function_name}().",
-                received(entry=entry, found=function),
-                fix,
-            )
-        )
-    pieces = function()
-    if isinstance(pieces, dict) and {"create_fn", "step", "batch"} <= set(pieces):
-        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args")
-    if isinstance(pieces, tuple) and len(pieces) in (3, 4):
-        return (*pieces, None) if len(pieces) == 3 else pieces
-    raise ConfigurationError(
-        message(
-            f"{entry}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
-            "tuple (create_fn, step, batch[, args]).",
-            received(entry=entry, returned=type(pieces).__name__),
-            fix,
-        )
-    )

@@ -418,3 +418,96 @@ def test_arguments_auto_strategy_cannot_use_are_clear_errors(kwargs, said):
     with pytest.raises(spmd.ConfigurationError, match=said) as info:
         spmd.auto_strategy(_create, _step, X, **kwargs)
     assert "To fix" in str(info.value)
+
+
+# ------------------------------------------------------------------ spmd plan's entry points
+
+SCRIPT = """
+import argparse, pathlib, sys
+import jax, jax.numpy as jnp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--width", type=int, default=512)
+config, _ = parser.parse_known_args()
+SEEN_ARGV = list(sys.argv)
+
+def create(key):
+    return {"w": jax.random.normal(key, (config.width, config.width))}
+
+def step(state, x):
+    g = jax.grad(lambda p: ((x @ p["w"]) ** 2).mean())(state)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), {}
+
+def plan_inputs():
+    return dict(create_fn=create, step=step,
+                batch=(jax.ShapeDtypeStruct((32, config.width), jnp.float32),))
+
+def plan_raises():
+    raise RuntimeError("my data path is missing")
+
+if __name__ == "__main__":
+    pathlib.Path(sys.argv[0]).with_suffix(".trained").write_text("the training ran")
+"""
+
+
+def _plan(argv, capsys):
+    from spmd.cli.main import main
+
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["{path}:plan_inputs"],
+        ["{path}"],  # plan_inputs() by default
+        ["--", "python", "{path}", "--width", "256"],  # its arguments in sys.argv
+        ["--", "{path}", "--width", "256"],
+    ],
+)
+def test_spmd_plan_takes_a_script_path(entry, tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    words = [w.format(path=script) for w in entry]
+    code, out, err = _plan(["--target", "v5e:2x2", "--only", "FSDP over 4", *words], capsys)
+    assert code == 0, err
+    assert "auto_strategy for v5e:2x2" in out and "FSDP over 4" in out
+    assert not script.with_suffix(".trained").exists()  # the script's __main__ block did not run
+    seen = sys.modules["train"].SEEN_ARGV
+    assert seen == [str(script), *(["--width", "256"] if "--width" in entry else [])]
+
+
+def test_a_plan_function_that_raises_shows_its_traceback_under_one_line(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    code, out, err = _plan(["--target", "v5e:2x2", f"{script}:plan_raises"], capsys)
+    assert code == 1 and not out
+    first, *rest = err.splitlines()
+    assert first.startswith("spmd plan: error: ") and "plan_raises() raised RuntimeError" in first
+    assert "Traceback (most recent call last)" in err and 'raise RuntimeError("my data path' in err
+    assert rest[-1] == "RuntimeError: my data path is missing"
+
+
+def test_a_module_that_raises_on_import_shows_its_traceback(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken.py").write_text("import jax\nraise ValueError('import-time failure')\n")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _plan(["broken:plan_inputs"], capsys)
+    assert code == 1 and err.startswith("spmd plan: error: importing broken raised ValueError")
+    assert err.rstrip().endswith("ValueError: import-time failure")
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--target", "v5e-4", "--cpu-devices", "4", "m:f"], "--cpu-devices simulates CPU"),
+        (["--slices", "2", "m:f"], "--slices counts TPU slices"),
+        (["--target", "v5e-4", "m:f", "--width", "2"], "only a script takes arguments"),
+        (["--target", "v5e-4"], "give the model's entry point"),
+    ],
+)
+def test_spmd_plan_options_that_would_do_nothing_are_errors(argv, said, capsys):
+    with pytest.raises(SystemExit) as info:
+        _plan(argv, capsys)
+    assert info.value.code == 2 and said in capsys.readouterr().err
