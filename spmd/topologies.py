@@ -12,6 +12,7 @@ ICI and DCN bandwidth) are in `CHIPS`, with the Cloud TPU page each comes from.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -30,6 +31,7 @@ __all__ = [
     "compile_only",
     "compiler_hbm",
     "devices_per_chip",
+    "eager_refused",
     "hbm_refusal",
     "topology",
 ]
@@ -460,16 +462,54 @@ def compile_only(devices: Sequence[Any]) -> bool:
     return False
 
 
-def check_runnable(strategy: Any, what: str) -> None:
-    """Raises if `strategy` is built on an abstract topology: it compiles, it cannot run.
-
-    Cached on the strategy, so the check costs a dict lookup after the first.
-    """
+def _is_compile_only(strategy: Any) -> bool:
+    """`compile_only` of a strategy's devices, cached on it (a dict lookup after the first)."""
     cache = strategy.__dict__
     if "_compile_only" not in cache:
         cache["_compile_only"] = compile_only(list(strategy.mesh.devices.flat))
-    if cache["_compile_only"]:
+    return cache["_compile_only"]
+
+
+def check_runnable(strategy: Any, what: str) -> None:
+    """Raises if `strategy` is built on an abstract topology: it compiles, it cannot run."""
+    if _is_compile_only(strategy):
         raise _cannot_run(what, strategy=repr(strategy))
+
+
+def _ran_on_abstract(error: BaseException) -> bool:
+    """Whether `error` is JAX's when asked to run on compile-only devices: an eager op's
+    (its executable has no devices) or a transfer's (the compile-only client has none)."""
+    text = str(error)
+    return "compile-only" in text or (isinstance(error, AttributeError) and "local_devices" in text)
+
+
+@contextlib.contextmanager
+def eager_refused(strategy: Any) -> Iterator[None]:
+    """Inside a topology strategy's scope, an eager computation is a clear error.
+
+    Under `strategy.scope()` JAX runs eager code (building a flax model,
+    `jnp.ones`) on the mesh's devices; an abstract topology's cannot run it.
+
+    Raises:
+      ConfigurationError: such code ran (from JAX's own error).
+    """
+    try:
+        yield
+    except Exception as e:
+        if not _ran_on_abstract(e) or not _is_compile_only(strategy):
+            raise
+        raise ConfigurationError(
+            message(
+                "Code inside strategy.scope() ran a computation eagerly (building a flax "
+                "model, jnp.ones(...), ...); this strategy is built on an abstract TPU "
+                "topology, whose devices compile but cannot run.",
+                received(strategy=repr(strategy), error=str(e).splitlines()[0]),
+                "build the state abstractly: state = strategy.abstract_state(create_fn) "
+                "(create_fn builds the model, e.g. nnx.Linear(4, 4, rngs=nnx.Rngs(0))), or "
+                "model = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0))) inside "
+                "the scope.",
+            )
+        ) from e
 
 
 def check_placeable(tree: Any, what: str) -> None:

@@ -292,6 +292,22 @@ def test_every_way_to_run_diloco_on_a_topology_says_it_compiles_only(what, tmp_p
     assert str(info.value).startswith(what)
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: spmd.TPUStrategy(topology=spmd.topology("v5e:2x2")), _diloco]
+)
+def test_building_a_flax_model_in_a_topology_scope_says_to_build_it_abstractly(make):
+    from flax import nnx
+
+    strategy = make()
+    refused = pytest.raises(spmd.ConfigurationError, match="nnx.eval_shape")
+    with refused as info, strategy.scope():
+        nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    assert "abstract_state" in str(info.value) and "ran a computation eagerly" in str(info.value)
+    with strategy.scope():  # what the advice says works
+        model = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    assert isinstance(model.kernel.get_value(), jax.ShapeDtypeStruct)
+
+
 def test_a_topology_strategy_compiles_what_it_cannot_run():
     """The refusals are for running: inside a step `strategy.run` compiles, and
     a strategy takes devices or a topology, not both."""
