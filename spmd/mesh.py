@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from spmd.errors import ConfigurationError, message, received
+from spmd.topologies import is_name
 from spmd.validate import is_integer
 
 __all__ = ["dividing_devices", "make_mesh", "order_devices", "prime_factors", "resolve_devices"]
@@ -106,8 +107,11 @@ def _resolve_device(device: Any) -> Any:
             'string such as "/gpu:0" or "/job:worker/replica:0/task:1/device:GPU:0" naming '
             "an existing device.",
             received(device=device, available=[str(d) for d in jax.devices()][:16]),
-            "pick from jax.devices() (or jax.local_devices() for this process's), or pass "
-            "devices=None for all of them.",
+            f"for the TPU slice {device!r}, pass its devices: spmd.topology({device!r}) (or "
+            f"TPUStrategy(topology={device!r}))."
+            if is_name(device)
+            else "pick from jax.devices() (or jax.local_devices() for this process's), or "
+            "pass devices=None for all of them.",
         )
     )
 

@@ -33,6 +33,7 @@ __all__ = [
     "devices_per_chip",
     "eager_refused",
     "hbm_refusal",
+    "is_name",
     "topology",
 ]
 
@@ -301,6 +302,14 @@ def _not_offered(name: Any, chip: Chip, chips: int, shape: str = "") -> Configur
     )
 
 
+_NAME = re.compile(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)")
+
+
+def is_name(text: Any) -> bool:
+    """Whether `text` has the form of a Cloud TPU slice name ("v5p-256", "v5e:4x4")."""
+    return isinstance(text, str) and _NAME.fullmatch(text.strip().lower()) is not None
+
+
 def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
     """A Cloud TPU accelerator or topology name as (chip, torus shape of one slice).
 
@@ -312,7 +321,7 @@ def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
     if not isinstance(name, str):
         raise _bad_name(name, "a string")
     text = name.strip().lower()
-    match = re.fullmatch(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)", text)
+    match = _NAME.fullmatch(text)
     if not match:
         raise _bad_name(name, "generation, then -N or :AxBxC")
     generation, sep, size = match.groups()

@@ -190,6 +190,15 @@ def test_parameter_server_strategy_lays_out_on_realistic_slices(name):
     assert state["w"].sharding.shard_shape((256, 512)) == (32, 512)
 
 
+def test_strategies_take_a_topology_by_its_name():
+    tpu = spmd.TPUStrategy(topology="v5p-8")
+    assert set(tpu.mesh.devices.flat) == set(spmd.topology("v5p-8"))
+    mwms = spmd.MultiWorkerMirroredStrategy(topology="v5e-16")
+    assert dict(mwms.mesh.shape) == {"host": 4, "replica": 4}
+    with pytest.raises(spmd.ConfigurationError, match=r"spmd.topology\('v5e-8'\)"):
+        spmd.make_mesh({"data": -1}, devices="v5e-8")
+
+
 def test_devices_that_are_no_whole_slice_keep_their_order():
     topo = spmd.topology("v5e:4x4")
     mesh = spmd.make_mesh({"data": 3}, devices=topo[:3])
