@@ -166,6 +166,21 @@ def dividing_devices(devices: Sequence[Any], global_batch_size: int) -> list[Any
     return chosen
 
 
+def _check_one_kind(devices: Sequence[Any]) -> None:
+    """TPU devices of a mesh are one generation: XLA compiles one program for one chip."""
+    kinds = sorted({(d.platform, str(getattr(d, "device_kind", ""))) for d in devices})
+    if len(kinds) > 1 and any(platform == "tpu" for platform, _ in kinds):
+        raise ConfigurationError(
+            message(
+                "A mesh's devices are of one kind: XLA compiles one program, for one TPU "
+                "generation.",
+                received(device_kinds=[f"{p}: {k}" for p, k in kinds], num_devices=len(devices)),
+                "use the devices of one topology (spmd.topology(...), several slices of it "
+                "with slices=) or of one TPU job.",
+            )
+        )
+
+
 def _is_tpu(devices: Sequence[Any]) -> bool:
     return bool(devices) and all(getattr(d, "platform", "") == "tpu" for d in devices)
 
@@ -286,8 +301,8 @@ def make_mesh(
 
     Raises:
       ConfigurationError: an axis name is not a string identifier, the axis
-        sizes do not multiply to the device count, or TPU slices of different
-        sizes are given.
+        sizes do not multiply to the device count, TPU slices of different
+        sizes are given, or TPU devices of different kinds (generations).
 
     Example:
       >>> mesh = spmd.make_mesh({"data": -1, "model": 2})
@@ -313,6 +328,7 @@ def make_mesh(
     shape = _resolve_shape(axes, len(devices))
     if isinstance(axis_types, AxisType):
         axis_types = (axis_types,) * len(shape)
+    _check_one_kind(devices)
     if _is_tpu(devices):
         array = _tpu_device_array(shape, devices)
     else:

@@ -205,6 +205,13 @@ def test_devices_that_are_no_whole_slice_keep_their_order():
     assert list(mesh.devices.flat) == sorted(topo[:3], key=lambda d: d.id)
 
 
+def test_devices_of_two_tpu_generations_are_a_clear_error():
+    mixed = list(spmd.topology("v5e-4")) + list(spmd.topology("v5p-8"))
+    with pytest.raises(spmd.ConfigurationError, match="one TPU generation") as info:
+        spmd.TPUStrategy(topology=mixed)
+    assert "tpu: TPU v5 lite" in str(info.value) and "tpu: TPU v5'" in str(info.value)
+
+
 def test_slices_of_different_sizes_are_a_clear_error():
     two = spmd.topology("v5e-4", slices=2)
     with pytest.raises(spmd.ConfigurationError, match="slices of equal size") as info:
