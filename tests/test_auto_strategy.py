@@ -488,6 +488,7 @@ def test_a_plan_function_that_raises_shows_its_traceback_under_one_line(tmp_path
     assert first.startswith("spmd plan: error: ") and "plan_raises() raised RuntimeError" in first
     assert "Traceback (most recent call last)" in err and 'raise RuntimeError("my data path' in err
     assert rest[-1] == "RuntimeError: my data path is missing"
+    assert "plan_command.py" not in err  # the traceback is the user's code's
 
 
 def test_a_module_that_raises_on_import_shows_its_traceback(tmp_path, capsys, monkeypatch):
@@ -496,6 +497,7 @@ def test_a_module_that_raises_on_import_shows_its_traceback(tmp_path, capsys, mo
     code, _, err = _plan(["broken:plan_inputs"], capsys)
     assert code == 1 and err.startswith("spmd plan: error: importing broken raised ValueError")
     assert err.rstrip().endswith("ValueError: import-time failure")
+    assert "importlib" not in err and "broken.py" in err
 
 
 @pytest.mark.parametrize(

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         create_fn, step, batch, create_args = load_entry(entry, argv)
     except EntryRaised as e:
         print(f"spmd plan: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        traceback.print_exception(e.__cause__, file=sys.stderr)
+        _print_user_traceback(e.__cause__)
         return 1
     target = None if args.target == "cpu" else args.target
     _, plan = auto_strategy(
@@ -150,6 +150,19 @@ def run(args: argparse.Namespace) -> int:
     )
     print(plan)
     return 0
+
+
+def _print_user_traceback(error: BaseException) -> None:
+    """The error's traceback from the user's code in: this module's and importlib's frames
+    left out."""
+    tb = error.__traceback__
+    while tb is not None and _not_users(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb, file=sys.stderr)
+
+
+def _not_users(filename: str) -> bool:
+    return filename == __file__ or "importlib" in filename
 
 
 def _script(entry: str) -> bool:
