@@ -324,7 +324,7 @@ def explain_traced(
 def _tpu_fields(devices: list, hlo: str, cost: Mapping, memory: Any, traced_flops: float):
     """On TPU devices: the chip, its HBM, the traffic by link and the roofline."""
     from spmd.roofline import estimate, traffic
-    from spmd.topologies import chip_of, compiler_hbm
+    from spmd.topologies import chip_of, compiler_hbm, devices_per_chip
 
     if not devices:
         return {}
@@ -336,7 +336,7 @@ def _tpu_fields(devices: list, hlo: str, cost: Mapping, memory: Any, traced_flop
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     flows = traffic(hlo, int(found[1]) if found else len(devices) // slices, slices)
     flops = max(float(cost.get("flops", 0.0)), traced_flops / len(devices))
-    share = chip.cores_per_chip
+    share = devices_per_chip(devices[0])
     return {
         "chip": chip.name,
         "hbm_capacity": capacity,

@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from spmd.errors import ConfigurationError, message, received
+from spmd.topologies import is_name
 from spmd.validate import is_integer
 
 __all__ = ["dividing_devices", "make_mesh", "order_devices", "prime_factors", "resolve_devices"]
@@ -106,8 +107,11 @@ def _resolve_device(device: Any) -> Any:
             'string such as "/gpu:0" or "/job:worker/replica:0/task:1/device:GPU:0" naming '
             "an existing device.",
             received(device=device, available=[str(d) for d in jax.devices()][:16]),
-            "pick from jax.devices() (or jax.local_devices() for this process's), or pass "
-            "devices=None for all of them.",
+            f"for the TPU slice {device!r}, pass its devices: spmd.topology({device!r}) (or "
+            f"TPUStrategy(topology={device!r}))."
+            if is_name(device)
+            else "pick from jax.devices() (or jax.local_devices() for this process's), or "
+            "pass devices=None for all of them.",
         )
     )
 
@@ -162,6 +166,21 @@ def dividing_devices(devices: Sequence[Any], global_batch_size: int) -> list[Any
     return chosen
 
 
+def _check_one_kind(devices: Sequence[Any]) -> None:
+    """TPU devices of a mesh are one generation: XLA compiles one program for one chip."""
+    kinds = sorted({(d.platform, str(getattr(d, "device_kind", ""))) for d in devices})
+    if len(kinds) > 1 and any(platform == "tpu" for platform, _ in kinds):
+        raise ConfigurationError(
+            message(
+                "A mesh's devices are of one kind: XLA compiles one program, for one TPU "
+                "generation.",
+                received(device_kinds=[f"{p}: {k}" for p, k in kinds], num_devices=len(devices)),
+                "use the devices of one topology (spmd.topology(...), several slices of it "
+                "with slices=) or of one TPU job.",
+            )
+        )
+
+
 def _is_tpu(devices: Sequence[Any]) -> bool:
     return bool(devices) and all(getattr(d, "platform", "") == "tpu" for d in devices)
 
@@ -207,7 +226,7 @@ def _slice_array(shape: tuple[int, ...], devices: Sequence[Any]) -> np.ndarray:
 
     `mesh_utils` first (its ring orders for small slices; a physical axis split
     between logical axes where the sizes ask for it), then the torus mapped
-    here for what it refuses (v4's two TensorCores per chip); devices that are
+    here for what it refuses (v4 per TensorCore, two devices a chip); devices that are
     no whole slice (a subset of it) keep their id order.
     """
     from jax.experimental import mesh_utils
@@ -282,8 +301,8 @@ def make_mesh(
 
     Raises:
       ConfigurationError: an axis name is not a string identifier, the axis
-        sizes do not multiply to the device count, or TPU slices of different
-        sizes are given.
+        sizes do not multiply to the device count, TPU slices of different
+        sizes are given, or TPU devices of different kinds (generations).
 
     Example:
       >>> mesh = spmd.make_mesh({"data": -1, "model": 2})
@@ -309,6 +328,7 @@ def make_mesh(
     shape = _resolve_shape(axes, len(devices))
     if isinstance(axis_types, AxisType):
         axis_types = (axis_types,) * len(shape)
+    _check_one_kind(devices)
     if _is_tpu(devices):
         array = _tpu_device_array(shape, devices)
     else:

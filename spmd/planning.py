@@ -10,29 +10,26 @@ machine, see `measured_chip`).
 
 from __future__ import annotations
 
-import math
-import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.sharding import PartitionSpec
 
-from spmd.errors import ConfigurationError, message, received
+from spmd.candidates import candidates, model_layout
+from spmd.errors import ConfigurationError, SpmdError, message, received
 from spmd.explain import Explanation, _human
+from spmd.logical import LogicalRules
 from spmd.mesh import make_mesh
 from spmd.roofline import Roofline, estimate
-from spmd.rules import path_str
-from spmd.strategy import nnx_state
+from spmd.rules import Rule
 from spmd.strategy.base import Step, Strategy
 from spmd.topologies import Chip, Topology, chip_of, topology
+from spmd.validate import positive_int
 
-__all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "load_entry", "measured_chip"]
-
-MIN_SHARDED_ELEMENTS = 1 << 14  # smaller leaves stay replicated: splitting them costs more
+__all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "measured_chip"]
 
 
 @dataclass(frozen=True)
@@ -187,151 +184,122 @@ def measured_chip(device: Any) -> Chip:
     return _MEASURED[key]
 
 
-# ------------------------------------------------------------------ candidates
+# ------------------------------------------------------------------ the target and the options
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(2, n + 1) if n % k == 0]
-
-
-def _fsdp_spec(shape: Sequence[int], axis: str, size: int, taken: PartitionSpec | None = None):
-    """The leaf's spec with its largest free dimension that `size` divides split over `axis`."""
-    entries = list(taken or ()) + [None] * (len(shape) - len(taken or ()))
-    if math.prod(shape) < MIN_SHARDED_ELEMENTS:
-        return PartitionSpec(*entries)
-    free = [i for i, e in enumerate(entries) if e is None and shape[i] % size == 0]
-    if free:
-        dim = max(free, key=lambda i: shape[i])
-        entries[dim] = axis
-    return PartitionSpec(*entries)
-
-
-def _tp_spec(shape: Sequence[int], axis: str, size: int) -> PartitionSpec:
-    """A matrix's last dimension over `axis` (column-parallel), where `size` divides it."""
-    if len(shape) < 2 or math.prod(shape) < MIN_SHARDED_ELEMENTS or shape[-1] % size:
-        return PartitionSpec()
-    return PartitionSpec(*([None] * (len(shape) - 1)), axis)
-
-
-def _rules(leaves, fsdp: int = 1, tp: int = 1):
-    rules = []
-    for path, leaf in leaves:
-        shape = tuple(getattr(leaf, "shape", ()))
-        spec = _tp_spec(shape, "model", tp) if tp > 1 else PartitionSpec()
-        if fsdp > 1:
-            spec = _fsdp_spec(shape, "fsdp", fsdp, spec)
-        if any(e is not None for e in spec):
-            rules.append(("^" + _escape(path) + "$", spec))
-    return rules
-
-
-def _escape(path: str) -> str:
-    return re.escape(path)
-
-
-def candidates(
-    state_leaves: Sequence[tuple[str, Any]],
-    devices: Sequence[Any],
-    slices: int = 1,
-    host_memory: bool = False,
-) -> list[tuple[str, Callable[[], Strategy]]]:
-    """The layouts `auto_strategy` tries for these state leaves on these devices.
-
-    Data parallel; FSDP over every k dividing the devices (the rest data
-    parallel: HSDP when the data axis crosses slices); tensor parallel over
-    2, 4, 8 (each matrix's last dimension split: column-parallel, no
-    Megatron pairing inferred); FSDP x TP with FSDP over every device the
-    TP axis leaves inside a slice; and, where the devices have host memory,
-    the widest FSDP with the state kept in host memory between steps.
-
-    Returns:
-      (name, a function building the `Strategy`) pairs.
-    """
-    n = len(devices)
-    per_slice = n // slices
-    out: list[tuple[str, Callable[[], Strategy]]] = []
-
-    def strategy(axes, rules, batch_axes, placement="device"):
-        def build():
-            mesh = make_mesh(axes, devices)
-            return Strategy(mesh, rules=rules, batch_axes=batch_axes, placement=placement)
-
-        return build
-
-    out.append(("data parallel", strategy({"data": n}, [], ("data",))))
-    for k in _divisors(per_slice) + ([n] if slices > 1 else []):
-        data = n // k
-        name = f"FSDP over {k}" + (
-            f" (HSDP: data {data} over DCN)" if slices > 1 and k == per_slice else ""
-        )
-        out.append(
-            (
-                name,
-                strategy({"data": data, "fsdp": k}, _rules(state_leaves, fsdp=k), ("data", "fsdp")),
+def _target(devices_or_topology: Any, slices: Any) -> tuple[list[Any], str, int]:
+    """The target's devices, its name in the table, and its slice count."""
+    positive_int(slices, "slices", fix="pass slices=2 with a topology name for two slices.")
+    if isinstance(devices_or_topology, str):
+        devices_or_topology = topology(devices_or_topology, slices=slices)
+    elif slices != 1:
+        raise ConfigurationError(
+            message(
+                "slices= goes with a topology name: an spmd.topology(...) or a device list "
+                "already holds its slices.",
+                received(target=devices_or_topology, slices=slices),
+                'pass the name ("v5e-256", slices=2) or spmd.topology("v5e-256", slices=2) '
+                "without slices=.",
             )
         )
-    for m in (2, 4, 8):
-        if per_slice % m:
-            continue
-        out.append(
-            (
-                f"TP over {m}",
-                strategy({"data": n // m, "model": m}, _rules(state_leaves, tp=m), ("data",)),
-            )
-        )
-        k = per_slice // m
-        if k > 1:
-            out.append(
-                (
-                    f"FSDP {k} x TP {m}",
-                    strategy(
-                        {"data": slices, "fsdp": k, "model": m},
-                        _rules(state_leaves, fsdp=k, tp=m),
-                        ("data", "fsdp"),
-                    ),
-                )
-            )
-    if host_memory:
-        k = per_slice
-        out.append(
-            (
-                f"FSDP over {k}, state in host memory",
-                strategy(
-                    {"data": n // k, "fsdp": k},
-                    _rules(state_leaves, fsdp=k),
-                    ("data", "fsdp"),
-                    placement="host",
-                ),
-            )
-        )
-    return out
-
-
-# ------------------------------------------------------------------ auto_strategy
-
-
-def _target(devices_or_topology: Any, slices: int) -> tuple[list[Any], str, int]:
     if devices_or_topology is None:
         devices = jax.devices()
         return devices, f"this process's {len(devices)} {devices[0].platform} devices", 1
-    if isinstance(devices_or_topology, str):
-        devices_or_topology = topology(devices_or_topology, slices=slices)
     if isinstance(devices_or_topology, Topology):
         t = devices_or_topology
         name = t.name + (f" x {t.slices} slices" if t.slices > 1 else "")
         return list(t.devices), f"{name} ({t.chips} {t.chip.name} chips)", t.slices
-    devices = list(devices_or_topology)
-    if not devices or not all(hasattr(d, "platform") for d in devices):
+    devices = list(devices_or_topology) if isinstance(devices_or_topology, Iterable) else []
+    if not devices or not all(hasattr(d, "platform") and hasattr(d, "id") for d in devices):
         raise ConfigurationError(
             message(
-                "auto_strategy's target is a topology name, an spmd.topology(...), or a list of "
-                "jax.Devices.",
+                "auto_strategy's target is a topology name, an spmd.topology(...), a list of "
+                "jax.Devices, or None for this process's devices.",
                 received(target=devices_or_topology),
                 'pass e.g. "v5p-256", spmd.topology("v5e:16x16", slices=2) or jax.devices().',
             )
         )
     n_slices = len({getattr(d, "slice_index", 0) for d in devices})
     return devices, f"{len(devices)} {devices[0].platform} devices", n_slices
+
+
+def _args(args: Any) -> tuple:
+    if args is None:
+        return (jax.random.key(0),)
+    if not isinstance(args, tuple | list):
+        raise ConfigurationError(
+            message(
+                "args is the tuple of create_fn's arguments.",
+                received(args=args, type=type(args).__name__),
+                "pass args=(jax.random.key(0),), or args=() for a create_fn of no arguments.",
+            )
+        )
+    return tuple(args)
+
+
+def _only(only: Any) -> tuple[str, ...]:
+    """`only` as names to look for: a string is one name."""
+    if only is None:
+        return ()
+    names = (only,) if isinstance(only, str) else only
+    if not isinstance(names, Iterable) or not all(isinstance(o, str) for o in names):
+        raise ConfigurationError(
+            message(
+                "only is a string, or a list of strings, each kept candidate's name contains "
+                "one of.",
+                received(only=only),
+                'pass e.g. only=["FSDP"] or only="TP over 4".',
+            )
+        )
+    return tuple(names)
+
+
+def _extra(extra: Any, devices: Sequence[Any]) -> list[tuple[str, Strategy]]:
+    """`extra`'s layouts, each checked to be on the target's devices."""
+    if extra is None:
+        return []
+    fix = (
+        'pass extra={"name": strategy}, each strategy built on the target\'s devices, e.g. '
+        "spmd.Strategy(spmd.make_mesh({...}, devices=topo), ...) with topo = "
+        "spmd.topology(...) as given to auto_strategy."
+    )
+    if not isinstance(extra, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Strategy) for k, v in extra.items()
+    ):
+        raise ConfigurationError(
+            message("extra maps names to Strategy values.", received(extra=extra), fix)
+        )
+    target = set(devices)
+    for name, strategy in extra.items():
+        own = list(strategy.mesh.devices.flat)
+        if set(own) != target:
+            raise ConfigurationError(
+                message(
+                    "auto_strategy compares layouts on the target's devices; "
+                    f"extra[{name!r}] is on other devices.",
+                    received(extra=name, its_devices=_devices(own), target=_devices(devices)),
+                    fix,
+                )
+            )
+    return list(extra.items())
+
+
+def _devices(devices: Sequence[Any]) -> str:
+    kinds = sorted({str(getattr(d, "device_kind", d.platform)) for d in devices})
+    return f"{len(devices)} devices ({', '.join(kinds)})"
+
+
+def _matching(built: list, only: tuple[str, ...]) -> list:
+    kept = [(name, b) for name, b in built if any(o in name for o in only)] if only else built
+    if not kept:
+        raise ConfigurationError(
+            message(
+                "only keeps the candidates whose names contain one of its strings; none does.",
+                received(only=list(only), candidates=[name for name, _ in built]),
+                'pass parts of the names above, e.g. only=["FSDP"] or only=["TP over 4"].',
+            )
+        )
+    return kept
 
 
 def _first_line(error: BaseException) -> str:
@@ -347,8 +315,10 @@ def auto_strategy(
     *,
     args: Sequence[Any] | None = None,
     slices: int = 1,
-    only: Sequence[str] | None = None,
-    extra: dict[str, Strategy] | None = None,
+    only: str | Sequence[str] | None = None,
+    extra: Mapping[str, Strategy] | None = None,
+    rules: Sequence[Rule] = (),
+    logical_axis_rules: LogicalRules = (),
 ) -> tuple[Strategy, Plan]:
     """Compiles candidate layouts for a target, drops those that do not fit, ranks the rest.
 
@@ -361,69 +331,140 @@ def auto_strategy(
     devices every candidate that compiles is ranked, by the same roofline
     with this machine's measured figures (`measured_chip`).
 
+    The step is first traced on one device of the target (every mesh axis of
+    size 1): an error there is a bug in `create_fn`, the step or the batch,
+    raised at once (with a note), not a layout that does not fit.
+
+    A flax model's annotations are kept: every candidate's mesh has the mesh
+    axes they name (through `logical_axis_rules`), tensor parallelism splits
+    the one that is not data or fsdp, and a leaf keeps its annotation wherever
+    it splits (see `spmd.planning.candidates`).
+
     Args:
       create_fn: builds the train state from `args` (as for `strategy.init`).
       step: the train step `(state, *batch) -> (state, metrics)`, a function
-        or a `Step` (its function is used).
+        or a `Step` (its options, such as static arguments, are kept).
       batch: the step's data arguments after the state: a tuple of arrays or
         `jax.ShapeDtypeStruct`s of the global batch (one array alone is a
         tuple of one).
       devices_or_topology: a topology name ("v5p-256"), an `spmd.topology`,
         a list of devices, or None for this process's devices.
-      args: `create_fn`'s arguments; `(jax.random.key(0),)` by default.
+      args: the tuple of `create_fn`'s arguments; `(jax.random.key(0),)` by
+        default.
       slices: with a topology name, how many slices.
-      only: keep the candidates whose names contain one of these strings
-        (e.g. `["FSDP"]`); all of them by default.
-      extra: more candidates to compare, name -> `Strategy` on the same
+      only: keep the candidates whose names contain this string, or one of
+        these strings (e.g. `["FSDP"]`); all of them by default.
+      extra: more candidates to compare, name -> `Strategy` on the target's
         devices (e.g. a tuned tensor-parallel layout).
+      rules: state rules given to every candidate, ahead of its own.
+      logical_axis_rules: maps the model's flax annotation names to mesh axes,
+        in every candidate (as `spmd.Strategy(logical_axis_rules=)`).
 
     Returns:
       (the best `Strategy`, the `Plan`: every candidate with its estimate or
       why it was dropped; `print()` it for a table).
 
     Raises:
-      ConfigurationError: the target is not understood, or no candidate fits
-        (the message holds the table).
+      ConfigurationError: the target, `args`, `only`, `extra` or `slices` is
+        not understood, `only` keeps no candidate, or no candidate fits (the
+        message holds the table).
+      Exception: what `create_fn` or the step raises when traced on one
+        device, as raised, with a note that says so.
 
     Example:
       >>> best, plan = spmd.auto_strategy(create, train_step, (tokens,), "v5p-256")
       >>> print(plan)
     """
     devices, target, n_slices = _target(devices_or_topology, slices)
-    args = (jax.random.key(0),) if args is None else tuple(args)
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    fn = step.fn if isinstance(step, Step) else step
-    plain = Strategy(make_mesh({"data": len(devices)}, devices))
-    abstract = nnx_state.pure(plain.abstract_state(create_fn, *args))
-    leaves = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    args = _args(args)
+    batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+    wanted = _only(only)
+    extras = _extra(extra, devices)
+    rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
+    model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
+    _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
     host = any(m.kind == "pinned_host" for m in devices[0].addressable_memories())
     host = host and devices[0].platform == "tpu"
-    built = candidates(leaves, devices, n_slices, host_memory=host)
-    built += [(name, (lambda s=s: s)) for name, s in (extra or {}).items()]
-    if only:
-        built = [(name, b) for name, b in built if any(o in name for o in only)]
+    built = candidates(
+        model.leaves,
+        devices,
+        n_slices,
+        host_memory=host,
+        annotated=model.annotated,
+        model_axes=model.axes,
+        rules=rules,
+        logical_axis_rules=logical_axis_rules,
+    )
+    built += [(name, (lambda s=s: s)) for name, s in extras]
+    built = _matching(built, wanted)
     chip = chip_of(devices[0])
-    results = []
-    for name, build in built:
-        results.append(_try(name, build, create_fn, fn, batch, args, chip, len(devices)))
+    results = [_try(name, b, create_fn, step, batch, args, chip, len(devices)) for name, b in built]
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
     plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
     if plan.best is None:
-        raise ConfigurationError(
-            message(
-                "At least one layout fits the target.",
-                received(target=target, plan="\n" + str(plan)),
-                "use a larger slice (or more slices), a smaller batch, remat "
-                "(jax.checkpoint) in the model, or a smaller model.",
-            )
-        )
+        raise _nothing_fits(target, plan)
     return plan.best.strategy, plan
 
 
-_USER_ERRORS = (AttributeError, NameError, ImportError, KeyError, IndexError, SyntaxError)
+_ONE_DEVICE_NOTE = (
+    "spmd.auto_strategy: this was raised tracing {what} on one device of the target (every "
+    "mesh axis of size 1), before any layout was tried: a bug in create_fn, the step or the "
+    "batch, not a layout that does not fit."
+)
 
 
-def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
+def _traced(fn: Callable[[], Any], what: str = "create_fn") -> Any:
+    """`fn()`, with a note on what it raises: it ran on one device, before any layout."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn()
+    except Exception as e:
+        e.add_note(_ONE_DEVICE_NOTE.format(what=what))
+        raise
+
+
+def _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules):
+    """Traces the step on one device (every axis of size 1): what fails there fails anywhere."""
+    sizes = {"data": 1} | {a: 1 for a in model.axes}
+    one = Strategy(
+        make_mesh(sizes, devices[:1]), rules=rules, logical_axis_rules=logical_axis_rules
+    )
+    state = _traced(lambda: one.abstract_state(create_fn, *args))
+    _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
+
+
+def _bound(strategy: Strategy, step: Callable[..., Any] | Step) -> Step:
+    """The step on `strategy`, a `Step`'s options kept."""
+    if not isinstance(step, Step):
+        return strategy.step(step)
+    return strategy.step(
+        step.fn,
+        donate=step.donate,
+        static_argnames=step.static_argnames,
+        batch_axis=step.batch_axis,
+    )
+
+
+def _nothing_fits(target: str, plan: Plan) -> ConfigurationError:
+    unfit = any(c.dropped.startswith("does not fit") for c in plan.dropped)
+    fix = (
+        "use a larger slice (or more slices), a smaller batch, remat (jax.checkpoint) in the "
+        "model, or a smaller model."
+        if unfit
+        else "read each layout's reason above: a layout spmd cannot lay out on this target, or "
+        "one the compiler refuses; pass a layout of your own as extra=, or another target."
+    )
+    return ConfigurationError(
+        message(
+            "At least one layout fits the target.",
+            received(target=target, plan="\n" + str(plan)),
+            fix,
+        )
+    )
+
+
+def _try(name, build, create_fn, step, batch, args, chip, n_devices) -> Candidate:
     try:
         strategy = build()
     except Exception as e:  # a layout this mesh cannot make
@@ -432,10 +473,10 @@ def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             state = strategy.abstract_state(create_fn, *args)
-            e = strategy.explain(fn, state, *batch)
-    except _USER_ERRORS:  # a bug in the model or step: every candidate would hide it
-        raise
-    except Exception as err:
+            e = strategy.explain(step, state, *batch)
+    except SpmdError as err:  # spmd's checks of this layout: the batch, the rules
+        return Candidate(name, strategy, dropped=f"cannot be laid out: {_first_line(err)}")
+    except Exception as err:  # it traced on one device: the compiler, or this layout
         return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
     if e.fits is False:
         over = _human(-(e.hbm_headroom or 0))
@@ -461,59 +502,3 @@ def _try(name, build, create_fn, fn, batch, args, chip, n_devices) -> Candidate:
 def _accessed(e: Explanation) -> float:
     """HBM bytes a step reads and writes at least: its arguments, outputs and temporaries."""
     return float(e.argument_bytes + e.output_bytes + e.temp_bytes)
-
-
-def load_entry(entry: str) -> tuple[Any, Any, Any, Any]:
-    """`module:function` -> (create_fn, step, batch, args) from what the function returns.
-
-    The function returns a dict with `create_fn`, `step`, `batch` (and
-    optionally `args`), or the tuple `(create_fn, step, batch[, args])`. The
-    module is imported with the current directory on `sys.path`.
-
-    Raises:
-      ConfigurationError: the entry is not `module:function`, does not import,
-        or returns something else.
-    """
-    import importlib
-    import os
-    import sys
-
-    fix = (
-        "pass MODULE:FUNCTION, e.g. train:plan_inputs, where train.py defines plan_inputs() "
-        "returning dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),))."
-    )
-    module_name, _, function_name = entry.partition(":")
-    if not module_name or not function_name.isidentifier():
-        raise ConfigurationError(
-            message("The entry point is MODULE:FUNCTION.", received(entry=entry), fix)
-        )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigurationError(
-            message("The entry point's module imports.", received(entry=entry, error=str(e)), fix)
-        ) from e
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise ConfigurationError(
-            message(
-                f"{module_name} defines a function {function_name}().",
-                received(entry=entry, found=function),
-                fix,
-            )
-        )
-    pieces = function()
-    if isinstance(pieces, dict) and {"create_fn", "step", "batch"} <= set(pieces):
-        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args")
-    if isinstance(pieces, tuple) and len(pieces) in (3, 4):
-        return (*pieces, None) if len(pieces) == 3 else pieces
-    raise ConfigurationError(
-        message(
-            f"{entry}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
-            "tuple (create_fn, step, batch[, args]).",
-            received(entry=entry, returned=type(pieces).__name__),
-            fix,
-        )
-    )

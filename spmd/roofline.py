@@ -120,8 +120,9 @@ class Roofline:
 
     Attributes:
       chip: whose figures (`spmd.topologies.Chip`; for CPU devices, measured).
-      devices_per_chip: devices sharing one chip's figures (v4 shows its two
-        TensorCores as two devices; simulated CPU devices share the host).
+      devices_per_chip: devices sharing one chip's figures (a v4 topology with
+        `megacore=False` shows its two TensorCores as two devices; simulated
+        CPU devices share the host).
       flops, hbm_bytes, ici_bytes, dcn_bytes: the step's work per device.
       compute_s, memory_s, ici_s, dcn_s: each over its bandwidth.
       dcn_known: False where the chip has no published DCN figure (then
@@ -316,12 +317,14 @@ def _multipliers(comps: dict[str, list[str]]) -> dict[str, int]:
 def flows(hlo: str, num_partitions: int, slices: int = 1) -> tuple[Flow, ...]:
     """The collectives of an optimized HLO module, each once, with how often a step runs it.
 
-    A collective split over several computations (an async start and done)
-    counts once, by its channel; a DCN transfer once, by its rendezvous.
+    A collective split over several computations (an async start and done,
+    or the start, body and done of TPU's async collective fusion) counts once,
+    by its kind and channel (XLA numbers channels per kind: a reduce-scatter
+    and an all-gather may share one); a DCN transfer once, by its rendezvous.
     """
     comps = _computations(hlo)
     runs = _multipliers(comps)
-    seen: dict[tuple[str, str], Flow] = {}
+    seen: dict[tuple[str, ...], Flow] = {}
     for comp, lines in comps.items():
         if comp == "__entry__":
             continue
@@ -339,7 +342,7 @@ def flows(hlo: str, num_partitions: int, slices: int = 1) -> tuple[Flow, ...]:
 
 def _flow(
     line: str, match: re.Match, comp: str, times: int, num_partitions: int, slices: int
-) -> tuple[tuple[str, str], Flow]:
+) -> tuple[tuple[str, ...], Flow]:
     """One collective instruction (or megascale send) as (its key, its `Flow`)."""
     if match["op"] == "send":
         kind = _MEGASCALE.search(line)["kind"].lower().replace("_", "-")
@@ -354,7 +357,7 @@ def _flow(
     channel = _CHANNEL.search(line)
     groups = replica_groups(line, num_partitions)
     nbytes = _bytes(_result(match["type"], bool(match["start"])))
-    key = ("ICI", channel["id"] if channel else f"{comp}/{match['name']}")
+    key = ("ICI", kind, channel["id"] if channel else f"{comp}/{match['name']}")
     return key, Flow(kind, "ICI", times, nbytes, ring_bytes(kind, nbytes, len(groups[0])), groups)
 
 

@@ -12,6 +12,7 @@ ICI and DCN bandwidth) are in `CHIPS`, with the Cloud TPU page each comes from.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -29,7 +30,10 @@ __all__ = [
     "chip_of",
     "compile_only",
     "compiler_hbm",
+    "devices_per_chip",
+    "eager_refused",
     "hbm_refusal",
+    "is_name",
     "topology",
 ]
 
@@ -50,10 +54,13 @@ class Chip:
       ici_bandwidth: inter-chip interconnect bytes/s of one chip, one direction.
       dcn_bandwidth: data-center network bytes/s per chip (between slices),
         or None where Cloud TPU publishes no figure.
-      cores_per_chip: TensorCores per chip that JAX's topology shows as devices.
+      cores_per_chip: TensorCores per chip. JAX on a TPU VM drives v4's and
+        v5p's two as one device (megacore), as `topology` does by default.
       dims: 3 for a 3-D torus (v4, v5p: the -N name counts TensorCores, two per
         chip), 2 for a 2-D torus (v5e, v6e: the -N name counts chips).
       source: where the figures are published.
+      max_slice_chips: the most chips one slice (one ICI domain) has; larger
+        jobs are several slices joined over DCN.
     """
 
     name: str
@@ -66,6 +73,7 @@ class Chip:
     cores_per_chip: int
     dims: int
     source: str
+    max_slice_chips: int = 1
 
 
 # Figures from Cloud TPU's public system-architecture pages (see docs/planning.md).
@@ -83,6 +91,7 @@ CHIPS: dict[str, Chip] = {
         dims=3,
         source="https://cloud.google.com/tpu/docs/v4 (ICI: the pod's all-reduce bandwidth "
         "over its 4096 chips)",
+        max_slice_chips=4096,  # the v4 pod
     ),
     "v5e": Chip(
         name="v5e",
@@ -96,6 +105,7 @@ CHIPS: dict[str, Chip] = {
         dims=2,
         source="https://cloud.google.com/tpu/docs/v5e and https://cloud.google.com/tpu/docs/v6e "
         "(its v5e column: NICs per host, over 8 chips)",
+        max_slice_chips=256,  # the v5e pod
     ),
     "v5p": Chip(
         name="v5p",
@@ -105,9 +115,10 @@ CHIPS: dict[str, Chip] = {
         hbm_bandwidth=2765 * _GB,
         ici_bandwidth=4800e9 / 8,  # 4800 Gbps
         dcn_bandwidth=50e9 / 8,  # 50 Gbps per chip
-        cores_per_chip=1,
+        cores_per_chip=2,
         dims=3,
         source="https://cloud.google.com/tpu/docs/v5p",
+        max_slice_chips=6144,  # "The maximum v5p shape is 16x16x24 (6144 chips)"
     ),
     "v6e": Chip(
         name="v6e",
@@ -120,6 +131,7 @@ CHIPS: dict[str, Chip] = {
         cores_per_chip=1,
         dims=2,
         source="https://cloud.google.com/tpu/docs/v6e (DCN: NICs per host, over 8 chips)",
+        max_slice_chips=256,  # the v6e pod
     ),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p", "trillium": "v6e"}
@@ -205,32 +217,111 @@ def _bad_name(name: Any, why: str) -> ConfigurationError:
     )
 
 
-def _torus(chips: int, dims: int) -> tuple[int, ...] | None:
-    """Cloud TPU's default shape for `chips` chips: the smallest dimension doubled, last first.
+# The slices Cloud TPU offers, one ICI domain each. 2-D (v5e, v6e): these shapes, up to a
+# 256-chip pod (cloud.google.com/tpu/docs/v5e, /v6e). 3-D (v4, v5p): 2x2x1, 2x2x2, 2x2x4 and
+# 2x4x4, then whole 4x4x4 cubes, every side a multiple of 4 (cloud.google.com/tpu/docs/v4,
+# /types-topologies), up to `Chip.max_slice_chips`. An -N name takes the most cube-like shape
+# of its cubes (fewest chips on the longest side, then on the middle one) with no side over
+# 256 chips: this gives every v4 and v5p entry of MaxText's table of accelerator names,
+# src/maxtext/utils/accelerator_to_spec_map.py (108 of them), and none it leaves out.
+_SHAPES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+_SMALL_3D = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+_CUBE = 4
+_LONGEST_SIDE = 256
 
-    3-D: 4 chips 2x2x1, 8 2x2x2, 16 2x2x4, 32 2x4x4, 64 4x4x4, 128 4x4x8, ...
-    2-D: 1 1x1, 4 2x2, 8 2x4, 16 4x4, 32 4x8, 64 8x8, 128 8x16, 256 16x16.
-    """
-    if dims == 2 and chips in (1, 2):
-        return (1, chips)
-    shape = [2, 2, 1] if dims == 3 else [2, 2]
-    while math.prod(shape) < chips:
-        smallest = min(shape)
-        i = max(j for j, s in enumerate(shape) if s == smallest)
-        shape[i] *= 2
-    return tuple(shape) if math.prod(shape) == chips else None
+
+def _cubes(chips: int) -> tuple[int, ...] | None:
+    """The shape of an -N slice of `chips` v4/v5p chips made of whole cubes, or None."""
+    if chips % _CUBE**3:
+        return None
+    n = chips // _CUBE**3
+    shapes = [
+        (a, b, n // (a * b))
+        for a in range(1, n + 1)
+        for b in range(a, n + 1)
+        if n % (a * b) == 0 and n // (a * b) >= b
+    ]
+    a, b, c = min(shapes, key=lambda t: (t[2], t[1]))
+    return None if c * _CUBE > _LONGEST_SIDE else (a * _CUBE, b * _CUBE, c * _CUBE)
+
+
+def _shape_of(chip: Chip, chips: int) -> tuple[int, ...] | None:
+    """The shape of the -N slice of `chips` chips Cloud TPU offers, or None."""
+    if chips < 1 or chips > chip.max_slice_chips:
+        return None
+    if chip.dims == 2:
+        return next((s for s in _SHAPES_2D if math.prod(s) == chips), None)
+    small = next((s for s in _SMALL_3D if math.prod(s) == chips), None)
+    return small or _cubes(chips)
+
+
+def _offered(chip: Chip, shape: tuple[int, ...]) -> bool:
+    """Whether a torus shape is one Cloud TPU offers as one slice (either order of its sides)."""
+    if math.prod(shape) > chip.max_slice_chips:
+        return False
+    if chip.dims == 2:
+        return tuple(sorted(shape)) in _SHAPES_2D
+    if tuple(sorted(shape, reverse=True)) in {tuple(sorted(s, reverse=True)) for s in _SMALL_3D}:
+        return True
+    return all(s % _CUBE == 0 and s <= _LONGEST_SIDE for s in shape)
+
+
+def _accelerator_name(chip: Chip, chips: int) -> str:
+    return f"{chip.name}-{chips * (2 if chip.dims == 3 else 1)}"
+
+
+def _not_offered(name: Any, chip: Chip, chips: int, shape: str = "") -> ConfigurationError:
+    """No such slice: the sizes there are, or the slices that make the count."""
+    sizes = [c for c in range(1, chip.max_slice_chips + 1) if _shape_of(chip, c) is not None]
+    listed = ", ".join(map(str, sizes[:12])) + (", ..." if len(sizes) > 12 else "")
+    fix = f"pick a {chip.name} slice of {listed} chips (largest: {sizes[-1]})"
+    if chips > chip.max_slice_chips:
+        why = f"one {chip.name} slice has at most {chip.max_slice_chips} chips, one ICI domain"
+        large = [c for c in reversed(sizes) if c * 8 >= chip.max_slice_chips]
+        joined = next((c for c in large if chips % c == 0), None)
+        if joined:
+            fix = (
+                f"{chips} chips are {chips // joined} slices of {joined} joined over the "
+                f'data-center network: spmd.topology("{_accelerator_name(chip, joined)}", '
+                f"slices={chips // joined})"
+            )
+        else:
+            fix += ", and pass slices= for several"
+    elif shape and chip.dims == 3 and chips > math.prod(_SMALL_3D[-1]):
+        why = f"past 32 chips a {chip.name} slice is whole 4x4x4 cubes: each side a multiple of 4"
+    else:
+        why = f"Cloud TPU offers no {chip.name} slice " + (
+            f"of shape {shape}" if shape else f"of {chips} chips"
+        )
+    return ConfigurationError(
+        message(
+            f"A topology names a slice Cloud TPU offers ({why}).",
+            received(name=name, chips=chips),
+            fix + ".",
+        )
+    )
+
+
+_NAME = re.compile(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)")
+
+
+def is_name(text: Any) -> bool:
+    """Whether `text` has the form of a Cloud TPU slice name ("v5p-256", "v5e:4x4")."""
+    return isinstance(text, str) and _NAME.fullmatch(text.strip().lower()) is not None
 
 
 def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
     """A Cloud TPU accelerator or topology name as (chip, torus shape of one slice).
 
     Raises:
-      ConfigurationError: the name is none of the accepted forms (listed).
+      ConfigurationError: the name is none of the accepted forms (listed), or
+        names a slice Cloud TPU does not offer (larger than one ICI domain:
+        the message says how many slices make it).
     """
     if not isinstance(name, str):
         raise _bad_name(name, "a string")
     text = name.strip().lower()
-    match = re.fullmatch(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)", text)
+    match = _NAME.fullmatch(text)
     if not match:
         raise _bad_name(name, "generation, then -N or :AxBxC")
     generation, sep, size = match.groups()
@@ -241,24 +332,24 @@ def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
         shape = tuple(int(s) for s in size.split("x"))
         if len(shape) != chip.dims or min(shape) < 1:
             raise _bad_name(name, f"{chip.name} slices have {chip.dims} dimensions")
+        if not _offered(chip, shape):
+            raise _not_offered(name, chip, math.prod(shape), "x".join(map(str, shape)))
         return chip, shape
     count = int(size)
     per_chip = 2 if chip.dims == 3 else 1  # v4/v5p names count TensorCores
     if count < 1 or count % per_chip:
         what = "TensorCores, a positive even number" if per_chip == 2 else "chips, at least 1"
         raise _bad_name(name, f"{chip.name}-N counts {what}")
-    shape = _torus(count // per_chip, chip.dims)
+    shape = _shape_of(chip, count // per_chip)
     if shape is None:
-        raise _bad_name(
-            name, f"{count // per_chip} chips is no standard {chip.name} slice; give its shape"
-        )
+        raise _not_offered(name, chip, count // per_chip)
     return chip, shape
 
 
-_CACHE: dict[tuple[str, int], Any] = {}
+_CACHE: dict[tuple[str, int, bool], Any] = {}
 
 
-def topology(name: str, slices: int = 1) -> Topology:
+def topology(name: str, slices: int = 1, *, megacore: bool = True) -> Topology:
     """The abstract devices of a Cloud TPU slice, to compile for on any machine.
 
     Needs the TPU compiler (`pip install "spmd[tpu-compile]"`, which installs
@@ -270,13 +361,20 @@ def topology(name: str, slices: int = 1) -> Topology:
         or the torus shape "v5p:4x4x8", "v5e:16x16".
       slices: how many such slices, joined over the data-center network (a
         multi-slice job); a mesh on them puts the slices outermost.
+      megacore: v4 and v5p chips hold two TensorCores, which JAX on a TPU VM
+        and MaxText's AOT compile (`chip_config_name="megacore"`) drive as
+        one device with the chip's HBM: one device per chip, as here by
+        default. `megacore=False` (v4 only) gives one device per TensorCore,
+        each with half the HBM.
 
     Returns:
       A `Topology`: a sequence of abstract devices with the chip's figures.
 
     Raises:
-      ConfigurationError: the name is not one of the accepted forms, slices is
-        not a positive integer, or the TPU compiler is not installed.
+      ConfigurationError: the name is not one of the accepted forms, names no
+        slice Cloud TPU offers (more chips than one ICI domain holds: use
+        `slices`), slices is not a positive integer, or the TPU compiler is
+        not installed.
 
     Example:
       >>> strategy = spmd.TPUStrategy(topology=spmd.topology("v5p-256"))
@@ -286,13 +384,38 @@ def topology(name: str, slices: int = 1) -> Topology:
     positive_int(slices, "slices", fix="pass slices=1 for one slice, 2 for two, ...")
     chip, shape = parse(name)
     jax_name = f"{chip.name}:{'x'.join(map(str, shape))}"
-    key = (jax_name, int(slices))
+    options = _host_bounds(shape) | _chip_config(name, chip, megacore)
+    key = (jax_name, int(slices), megacore)
     if key not in _CACHE:
-        _CACHE[key] = _describe(name, jax_name, int(slices))
+        _CACHE[key] = _describe(name, jax_name, int(slices), options)
     return Topology(name, chip, shape, int(slices), tuple(_CACHE[key].devices))
 
 
-def _describe(name: str, jax_name: str, slices: int) -> Any:
+def _chip_config(name: str, chip: Chip, megacore: Any) -> dict[str, Any]:
+    """libtpu's chip configuration: megacore (a chip's two TensorCores as one device), or not.
+
+    MaxText's `accelerator_to_spec_map.py` names "megacore" for v4 and v5p;
+    libtpu's own default is per TensorCore on v4 (it has no other on v5p).
+    """
+    if not isinstance(megacore, bool) or (not megacore and chip.name != "v4"):
+        raise ConfigurationError(
+            message(
+                "megacore is True (a chip's two TensorCores as one device, as JAX runs v4 "
+                "and v5p) or, for v4 only, False (one device per TensorCore); v5e and v6e "
+                "have one TensorCore per chip, and libtpu runs v5p only as megacore.",
+                received(topology=name, megacore=megacore),
+                "leave megacore=True (the default).",
+            )
+        )
+    return {"chip_config_name": "megacore"} if chip.cores_per_chip == 2 and megacore else {}
+
+
+def _host_bounds(shape: tuple[int, ...]) -> dict[str, Any]:
+    """libtpu's chips per host for a slice: its default (2x2x1) divides all but one chip."""
+    return {"chips_per_host_bounds": (1, 1, 1)} if math.prod(shape) == 1 else {}
+
+
+def _describe(name: str, jax_name: str, slices: int, options: dict[str, Any]) -> Any:
     try:
         import libtpu  # noqa: F401
     except ImportError as e:
@@ -313,7 +436,7 @@ def _describe(name: str, jax_name: str, slices: int) -> Any:
 
     try:
         return topologies.get_topology_desc(
-            topology_name=jax_name, platform="tpu", num_slices=slices
+            topology_name=jax_name, platform="tpu", num_slices=slices, **options
         )
     except Exception as e:  # the TPU compiler refuses the shape
         raise ConfigurationError(
@@ -348,16 +471,54 @@ def compile_only(devices: Sequence[Any]) -> bool:
     return False
 
 
-def check_runnable(strategy: Any, what: str) -> None:
-    """Raises if `strategy` is built on an abstract topology: it compiles, it cannot run.
-
-    Cached on the strategy, so the check costs a dict lookup after the first.
-    """
+def _is_compile_only(strategy: Any) -> bool:
+    """`compile_only` of a strategy's devices, cached on it (a dict lookup after the first)."""
     cache = strategy.__dict__
     if "_compile_only" not in cache:
         cache["_compile_only"] = compile_only(list(strategy.mesh.devices.flat))
-    if cache["_compile_only"]:
+    return cache["_compile_only"]
+
+
+def check_runnable(strategy: Any, what: str) -> None:
+    """Raises if `strategy` is built on an abstract topology: it compiles, it cannot run."""
+    if _is_compile_only(strategy):
         raise _cannot_run(what, strategy=repr(strategy))
+
+
+def _ran_on_abstract(error: BaseException) -> bool:
+    """Whether `error` is JAX's when asked to run on compile-only devices: an eager op's
+    (its executable has no devices) or a transfer's (the compile-only client has none)."""
+    text = str(error)
+    return "compile-only" in text or (isinstance(error, AttributeError) and "local_devices" in text)
+
+
+@contextlib.contextmanager
+def eager_refused(strategy: Any) -> Iterator[None]:
+    """Inside a topology strategy's scope, an eager computation is a clear error.
+
+    Under `strategy.scope()` JAX runs eager code (building a flax model,
+    `jnp.ones`) on the mesh's devices; an abstract topology's cannot run it.
+
+    Raises:
+      ConfigurationError: such code ran (from JAX's own error).
+    """
+    try:
+        yield
+    except Exception as e:
+        if not _ran_on_abstract(e) or not _is_compile_only(strategy):
+            raise
+        raise ConfigurationError(
+            message(
+                "Code inside strategy.scope() ran a computation eagerly (building a flax "
+                "model, jnp.ones(...), ...); this strategy is built on an abstract TPU "
+                "topology, whose devices compile but cannot run.",
+                received(strategy=repr(strategy), error=str(e).splitlines()[0]),
+                "build the state abstractly: state = strategy.abstract_state(create_fn) "
+                "(create_fn builds the model, e.g. nnx.Linear(4, 4, rngs=nnx.Rngs(0))), or "
+                "model = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0))) inside "
+                "the scope.",
+            )
+        ) from e
 
 
 def check_placeable(tree: Any, what: str) -> None:
@@ -379,9 +540,11 @@ def _cannot_run(what: str, **got: Any) -> ConfigurationError:
             f"{what} needs devices this process has; this strategy is built on an abstract "
             "TPU topology, which compiles but cannot run.",
             received(**got, what=what),
-            "use strategy.abstract_state(...) for the state and strategy.explain(...) or "
-            "step.lower(...).compile() for the program; run on the TPU slice itself with "
-            "a strategy built on its devices (spmd.TPUStrategy()).",
+            "use state = strategy.abstract_state(create_fn, *args) for the state, and "
+            "strategy.explain(step, state, *batch) or step.lower(state, *batch)[0].compile() "
+            "(lower returns the Lowered program and the state's pure pytree) for the program; "
+            "run on the TPU slice itself with a strategy built on its devices "
+            "(spmd.TPUStrategy()).",
         )
     )
 
@@ -416,11 +579,21 @@ def hbm_refusal(error: BaseException) -> int | None:
 _HBM: dict[str, int] = {}
 
 
+def devices_per_chip(device: Any) -> int:
+    """How many devices one TPU chip shows as: 2 for v4 per TensorCore, else 1 (megacore)."""
+    chip = chip_of(device)
+    cores = getattr(device, "num_cores", None)  # TensorCores one device drives
+    if chip is None or not isinstance(cores, int) or cores < 1:
+        return 1
+    return max(1, chip.cores_per_chip // cores)
+
+
 def compiler_hbm(device: Any) -> int:
     """The HBM one TPU device has for a program, as the TPU compiler counts it.
 
-    Read once per device kind from the compiler's own refusal of a program
-    larger than any chip (v5e: 15.75 GiB, v5p: 95.74 GiB); the published
+    Read once per device kind (and cores per device) from the compiler's own
+    refusal of a program larger than any chip (v5e: 15.75 GiB, v5p: 95.74 GiB,
+    a v4 chip 30.75 GiB, one of its TensorCores 15.25 GiB); the published
     figure (`Chip.hbm_bytes`) where the compiler does not say.
     """
     import jax
@@ -428,10 +601,10 @@ def compiler_hbm(device: Any) -> int:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    kind = str(device.device_kind)
+    kind = f"{device.device_kind}/{devices_per_chip(device)}"
     if kind not in _HBM:
         chip = chip_of(device)
-        fallback = chip.hbm_bytes // chip.cores_per_chip if chip else 0
+        fallback = chip.hbm_bytes // devices_per_chip(device) if chip else 0
         mesh = Mesh(np.array([device]), ("one",))
         too_big = jax.jit(
             lambda: jnp.zeros((1 << 42,), jnp.int8),

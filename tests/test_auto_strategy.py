@@ -4,10 +4,13 @@ import subprocess
 import sys
 import textwrap
 
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import spmd
 
@@ -192,3 +195,321 @@ def test_spmd_plan_prints_the_table_for_a_users_module(tmp_path):
         timeout=300,
     )
     assert bad.returncode == 1 and "MODULE:FUNCTION" in bad.stderr
+
+
+# ------------------------------------------------------------------ annotated flax models
+
+
+class _DotReluDot(nnx.Module):
+    """flax's GSPMD guide model (examples/09_flax_gspmd.py): kernels annotated in mesh axes."""
+
+    def __init__(self, depth, rngs):
+        init_fn = nnx.initializers.lecun_normal()
+        self.dot1 = nnx.Linear(
+            depth,
+            depth,
+            kernel_init=nnx.with_partitioning(init_fn, (None, "model")),
+            use_bias=False,
+            rngs=rngs,
+        )
+        self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), out_sharding=("model", None))
+
+    def __call__(self, x):
+        y = jax.nn.relu(self.dot1(x))
+        y = jax.lax.with_sharding_constraint(y, P("data", "model"))
+        return jnp.dot(y, self.w2[...])
+
+
+class _MultiDotReluDot(nnx.Module):
+    def __init__(self, depth, num_layers, rngs):
+        @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: None})
+        def create_sublayers(r):
+            return _DotReluDot(depth, r)
+
+        self.layers = create_sublayers(rngs.split(num_layers))
+
+    def __call__(self, x):
+        x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), x, self.layers)
+        return x
+
+
+def _nnx_create():
+    model = _MultiDotReluDot(256, 2, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def _nnx_step(state, x, y):
+    model, optimizer = state
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+class _LogicalMLP(linen.Module):
+    """A linen model annotated with logical names, as MaxText's and t5x's are."""
+
+    @linen.compact
+    def __call__(self, x):
+        init = linen.initializers.lecun_normal()
+        h = linen.Dense(1024, kernel_init=linen.with_logical_partitioning(init, ("embed", "mlp")))
+        out = linen.Dense(256, kernel_init=linen.with_logical_partitioning(init, ("mlp", "embed")))
+        return out(jax.nn.relu(h(x)))
+
+
+def _linen_create(key):
+    params = _LogicalMLP().init(key, jnp.ones((1, 256)))["params"]
+    return {"params": params, "opt": optax.adam(1e-3).init(params)}
+
+
+def _linen_step(state, x):
+    def loss(p):
+        return jnp.mean((_LogicalMLP().apply({"params": p}, x) - x) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(state["params"])
+    updates, opt = optax.adam(1e-3).update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": value}
+
+
+def _explained(strategy, create, step, batch, args=()):
+    return strategy.explain(step, strategy.abstract_state(create, *args), *batch)
+
+
+def test_an_nnx_model_annotated_in_mesh_axes_is_planned_with_its_annotations():
+    topo = spmd.topology("v5e-8")
+    xs = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    only = ["data parallel", "TP over 4", "FSDP 2 x TP 4"]
+    _, plan = spmd.auto_strategy(_nnx_create, _nnx_step, (xs, xs), topo, args=(), only=only)
+    assert sorted(c.name for c in plan.ranked) == sorted(only), str(plan)
+    by_name = {c.name: c for c in plan.ranked}
+    assert dict(by_name["data parallel"].strategy.mesh.shape) == {"data": 8, "model": 1}
+    # TP over 4 is the guide's own layout: data 2 x model 4, the annotations over "model"
+    guide = spmd.Strategy(spmd.make_mesh({"data": 2, "model": 4}, topo), batch_axes=("data",))
+    want = _explained(guide, _nnx_create, _nnx_step, (xs, xs))
+    got = by_name["TP over 4"].explanation
+    assert (got.state_bytes, got.argument_bytes) == (want.state_bytes, want.argument_bytes)
+    # FSDP x TP keeps the annotations over "model" and adds fsdp: a quarter of TP's state
+    both = by_name["FSDP 2 x TP 4"].explanation
+    assert both.state_bytes < got.state_bytes
+
+
+def test_a_linen_logical_model_is_planned_through_logical_axis_rules():
+    topo = spmd.topology("v5e-8")
+    logical = [("embed", None), ("mlp", "model")]
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    _, plan = spmd.auto_strategy(
+        _linen_create,
+        _linen_step,
+        (x,),
+        topo,
+        only=["data parallel", "TP over 2"],
+        logical_axis_rules=logical,
+    )
+    assert sorted(c.name for c in plan.ranked) == ["TP over 2", "data parallel"], str(plan)
+    tp = next(c for c in plan.ranked if c.name == "TP over 2")
+    assert tp.strategy.logical_axis_rules == tuple(logical)
+    hand = spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}, topo), logical_axis_rules=logical)
+    want = _explained(hand, _linen_create, _linen_step, (x,), (jax.random.key(0),))
+    assert tp.explanation.state_bytes == want.state_bytes
+
+
+def test_rules_given_to_auto_strategy_lay_out_every_candidate():
+    topo = spmd.topology("v5e-8")
+    _, plan = spmd.auto_strategy(
+        _create, _step, X, topo, only=["data parallel", "FSDP over 8"], rules=[(".*", None)]
+    )
+    states = {c.name: c.explanation.state_bytes for c in plan.ranked}
+    assert states["data parallel"] == states["FSDP over 8"] > 0  # every leaf replicated
+
+
+# ------------------------------------------------------------------ what auto_strategy is given
+
+
+def test_extra_layouts_on_other_devices_are_an_error():
+    with pytest.raises(spmd.ConfigurationError, match="on the target's devices") as info:
+        spmd.auto_strategy(
+            _create,
+            _step,
+            X,
+            "v5e-8",
+            extra={"mine": spmd.TPUStrategy(topology=spmd.topology("v5p-8"))},
+        )
+    assert "extra='mine'" in str(info.value) and "TPU v5 lite" in str(info.value)
+    with pytest.raises(spmd.ConfigurationError, match="on the target's devices"):
+        spmd.auto_strategy(_create, _step, X, "v5e-8", extra={"cpu": spmd.MirroredStrategy()})
+
+
+@pytest.mark.parametrize("extra", [{"mine": "FSDP"}, ["a strategy"], {1: None}])
+def test_extra_that_is_no_dict_of_strategies_is_an_error(extra):
+    with pytest.raises(spmd.ConfigurationError, match="extra maps names to Strategy"):
+        spmd.auto_strategy(_create, _step, X, "v5e-8", extra=extra)
+
+
+def test_extra_layouts_on_the_target_are_ranked_beside_the_candidates():
+    topo = spmd.topology("v5e-8")
+    mine = spmd.TPUStrategy(topology=topo)
+    _, plan = spmd.auto_strategy(
+        _create, _step, X, topo, only=["data parallel", "mine"], extra={"mine": mine}
+    )
+    assert sorted(c.name for c in plan.ranked) == ["data parallel", "mine"]
+
+
+def _shape_bug(state, x):  # the batch is (64, 257): x @ w1 cannot contract
+    return _step(state, x)
+
+
+@pytest.mark.parametrize(
+    ("step", "batch", "raised"),
+    [
+        (_shape_bug, (jax.ShapeDtypeStruct((64, 257), jnp.float32),), TypeError),
+        (lambda s, x: (_ for _ in ()).throw(ValueError("my bug")), (X,), ValueError),
+        (_step, {"x": X}, TypeError),  # a dict where the step takes an array
+    ],
+)
+def test_a_bug_in_the_step_is_raised_at_once_not_nothing_fits(step, batch, raised):
+    with pytest.raises(raised) as info:
+        spmd.auto_strategy(_create, step, batch, "v5e-8")
+    assert not isinstance(info.value, spmd.ConfigurationError)
+    assert "before any layout was tried" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_a_bug_in_create_fn_is_raised_at_once():
+    def create(key):
+        raise KeyError("embedding")
+
+    with pytest.raises(KeyError) as info:
+        spmd.auto_strategy(create, _step, X, "v5e-8")
+    assert "create_fn" in "".join(info.value.__notes__)
+
+
+def test_a_batch_some_layouts_cannot_split_drops_them_with_the_reason():
+    twelve = jax.ShapeDtypeStruct((12, 256), jnp.float32)
+    _, plan = spmd.auto_strategy(
+        _create, _step, twelve, "v5e-8", only=["data parallel", "TP over 4"]
+    )
+    assert [c.name for c in plan.ranked] == ["TP over 4"]  # data 2 splits 12 rows
+    (dp,) = plan.dropped
+    assert dp.dropped.startswith("cannot be laid out: The global batch must split evenly")
+
+
+def test_only_is_a_name_or_a_list_of_names():
+    _, plan = spmd.auto_strategy(_create, _step, X, "v5e:2x2", only="FSDP over 4")
+    assert [c.name for c in plan.candidates] == ["FSDP over 4", "FSDP over 4, state in host memory"]
+    with pytest.raises(spmd.ConfigurationError, match="only is a string, or a list of strings"):
+        spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=[8])
+
+
+def test_only_matching_nothing_lists_the_candidates():
+    with pytest.raises(spmd.ConfigurationError, match="none does") as info:
+        spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=["nothing"])
+    assert "'data parallel', 'FSDP over 2'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"args": jax.random.key(0)}, "args is the tuple of create_fn's arguments"),
+        ({"devices_or_topology": 8}, "auto_strategy's target is a topology name"),
+        ({"slices": 2}, "slices= goes with a topology name"),
+        ({"slices": 0}, "slices"),
+    ],
+)
+def test_arguments_auto_strategy_cannot_use_are_clear_errors(kwargs, said):
+    kwargs = {"devices_or_topology": spmd.topology("v5e:2x2")} | kwargs
+    with pytest.raises(spmd.ConfigurationError, match=said) as info:
+        spmd.auto_strategy(_create, _step, X, **kwargs)
+    assert "To fix" in str(info.value)
+
+
+# ------------------------------------------------------------------ spmd plan's entry points
+
+SCRIPT = """
+import argparse, pathlib, sys
+import jax, jax.numpy as jnp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--width", type=int, default=512)
+config, _ = parser.parse_known_args()
+SEEN_ARGV = list(sys.argv)
+
+def create(key):
+    return {"w": jax.random.normal(key, (config.width, config.width))}
+
+def step(state, x):
+    g = jax.grad(lambda p: ((x @ p["w"]) ** 2).mean())(state)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, state, g), {}
+
+def plan_inputs():
+    return dict(create_fn=create, step=step,
+                batch=(jax.ShapeDtypeStruct((32, config.width), jnp.float32),))
+
+def plan_raises():
+    raise RuntimeError("my data path is missing")
+
+if __name__ == "__main__":
+    pathlib.Path(sys.argv[0]).with_suffix(".trained").write_text("the training ran")
+"""
+
+
+def _plan(argv, capsys):
+    from spmd.cli.main import main
+
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["{path}:plan_inputs"],
+        ["{path}"],  # plan_inputs() by default
+        ["--", "python", "{path}", "--width", "256"],  # its arguments in sys.argv
+        ["--", "{path}", "--width", "256"],
+    ],
+)
+def test_spmd_plan_takes_a_script_path(entry, tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    words = [w.format(path=script) for w in entry]
+    code, out, err = _plan(["--target", "v5e:2x2", "--only", "FSDP over 4", *words], capsys)
+    assert code == 0, err
+    assert "auto_strategy for v5e:2x2" in out and "FSDP over 4" in out
+    assert not script.with_suffix(".trained").exists()  # the script's __main__ block did not run
+    seen = sys.modules["train"].SEEN_ARGV
+    assert seen == [str(script), *(["--width", "256"] if "--width" in entry else [])]
+
+
+def test_a_plan_function_that_raises_shows_its_traceback_under_one_line(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    code, out, err = _plan(["--target", "v5e:2x2", f"{script}:plan_raises"], capsys)
+    assert code == 1 and not out
+    first, *rest = err.splitlines()
+    assert first.startswith("spmd plan: error: ") and "plan_raises() raised RuntimeError" in first
+    assert "Traceback (most recent call last)" in err and 'raise RuntimeError("my data path' in err
+    assert rest[-1] == "RuntimeError: my data path is missing"
+    assert "plan_command.py" not in err  # the traceback is the user's code's
+
+
+def test_a_module_that_raises_on_import_shows_its_traceback(tmp_path, capsys, monkeypatch):
+    (tmp_path / "broken.py").write_text("import jax\nraise ValueError('import-time failure')\n")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _plan(["broken:plan_inputs"], capsys)
+    assert code == 1 and err.startswith("spmd plan: error: importing broken raised ValueError")
+    assert err.rstrip().endswith("ValueError: import-time failure")
+    assert "importlib" not in err and "broken.py" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--target", "v5e-4", "--cpu-devices", "4", "m:f"], "--cpu-devices simulates CPU"),
+        (["--slices", "2", "m:f"], "--slices counts TPU slices"),
+        (["--target", "v5e-4", "m:f", "--width", "2"], "only a script takes arguments"),
+        (["--target", "v5e-4"], "give the model's entry point"),
+    ],
+)
+def test_spmd_plan_options_that_would_do_nothing_are_errors(argv, said, capsys):
+    with pytest.raises(SystemExit) as info:
+        _plan(argv, capsys)
+    assert info.value.code == 2 and said in capsys.readouterr().err

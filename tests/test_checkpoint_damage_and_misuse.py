@@ -400,3 +400,13 @@ def test_a_64_bit_state_restored_with_64_bit_mode_off_is_refused_not_set_aside(t
         restored = ckpt.restore(1)  # without a target: numpy, as saved
     np.testing.assert_array_equal(restored["w"], state["w"])
     assert restored["step"].dtype == np.int64
+
+
+def test_saving_an_abstract_state_is_an_error_that_writes_nothing(tmp_path):
+    strategy = spmd.MirroredStrategy()
+    abstract = strategy.abstract_state(make_state, 0)
+    with spmd.CheckpointManager(tmp_path, async_save=False) as ckpt:
+        with pytest.raises(spmd.CheckpointError, match="a placed state") as info:
+            ckpt.save(1, abstract, force=True)
+        assert "abstract_leaves=['b', 'key', 'w']" in str(info.value)
+        assert ckpt.all_steps() == []

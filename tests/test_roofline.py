@@ -53,3 +53,35 @@ def test_the_step_time_is_the_stated_roofline():
     v4 = estimate(CHIPS["v4"], 1.0, 1.0, flows, devices_per_chip=2)
     assert v4.dcn_s == 0 and not v4.dcn_known  # no published DCN figure: left out, and said
     assert v4.compute_s == pytest.approx(1.0 / (275e12 / 2))
+
+
+SHARED_CHANNELS = """HloModule step, num_partitions=4
+
+%fused_start (p0: f32[64,128]) -> f32[256,128] {
+  %p0 = f32[64,128]{1,0:T(8,128)} parameter(0)
+  ROOT %ag.0 = f32[256,128]{1,0:T(8,128)} all-gather(%p0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%fused_body (p1: f32[64,128]) -> f32[256,128] {
+  %p1 = f32[64,128]{1,0:T(8,128)} parameter(0)
+  ROOT %ag.1 = f32[256,128]{1,0:T(8,128)S(1)} all-gather(%p1), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[256,128]) -> f32[64,128] {
+  %a = f32[256,128]{1,0:T(8,128)} parameter(0)
+  %rs = f32[64,128]{1,0:T(8,128)} reduce-scatter(%a), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+  %f0 = f32[256,128]{1,0:T(8,128)} fusion(%rs), kind=kOutput, calls=%fused_start
+  %f1 = f32[256,128]{1,0:T(8,128)} fusion(%rs), kind=kOutput, calls=%fused_body
+  ROOT %out = f32[64,128]{1,0:T(8,128)} copy(%rs)
+}
+"""
+
+
+def test_collectives_of_different_kinds_on_one_channel_are_each_counted():
+    # XLA numbers channels per kind: this reduce-scatter and all-gather share channel 1,
+    # and the all-gather's async pieces (start and body) share it too: one of each.
+    flows = {(t.kind, t.link): t for t in traffic(SHARED_CHANNELS, num_partitions=4)}
+    assert set(flows) == {("all-gather", "ICI"), ("reduce-scatter", "ICI")}
+    gather, scatter = flows[("all-gather", "ICI")], flows[("reduce-scatter", "ICI")]
+    assert gather.count == 1 and gather.wire_bytes == pytest.approx(3 / 4 * 256 * 128 * 4)
+    assert scatter.count == 1 and scatter.wire_bytes == pytest.approx(3 * 64 * 128 * 4)

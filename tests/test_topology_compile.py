@@ -29,6 +29,16 @@ pytestmark = pytest.mark.cpu_mesh
         ("v5e:16x16", "v5e", (16, 16)),
         ("V5P:4x4x8", "v5p", (4, 4, 8)),
         ("v5litepod:2x2", "v5e", (2, 2)),
+        ("v5litepod-1", "v5e", (1, 1)),
+        # MaxText's accelerator_to_spec_map: slices of whole 4x4x4 cubes, the most cube-like
+        ("v5p-384", "v5p", (4, 4, 12)),
+        ("v5p-768", "v5p", (4, 8, 12)),
+        ("v5p-1536", "v5p", (8, 8, 12)),
+        ("v5p-8448", "v5p", (8, 12, 44)),
+        ("v5p-12288", "v5p", (16, 16, 24)),  # Cloud TPU's largest v5p slice
+        ("v4-384", "v4", (4, 4, 12)),
+        ("v4-4096", "v4", (8, 16, 16)),
+        ("v5p:4x4x12", "v5p", (4, 4, 12)),
     ],
 )
 def test_cloud_tpu_names_map_to_torus_shapes(name, chip, shape):
@@ -37,12 +47,44 @@ def test_cloud_tpu_names_map_to_torus_shapes(name, chip, shape):
 
 
 @pytest.mark.parametrize(
-    "name", ["v5p-255", "v5p", "v7x-8", "v5e:2x2x2", "v5p:4x4", "tpu", "", 256, "v5p-12"]
+    "name", ["v5p-255", "v5p", "v7x-8", "v5e:2x2x2", "v5p:4x4", "tpu", "", 256]
 )
 def test_bad_names_list_the_accepted_forms(name):
     with pytest.raises(spmd.ConfigurationError, match="v5litepod-16") as info:
         parse(name)
     assert "Received" in str(info.value) and "To fix" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "fix"),
+    [
+        ("v5e-512", 'spmd.topology("v5e-256", slices=2)'),
+        ("v6e-1024", 'spmd.topology("v6e-256", slices=4)'),
+        ("v5p-16384", 'spmd.topology("v5p-8192", slices=2)'),
+        ("v5e:64x64", 'spmd.topology("v5e-256", slices=16)'),
+        ("v5p:32x32x32", 'spmd.topology("v5p-8192", slices=8)'),
+    ],
+)
+def test_more_chips_than_one_ici_domain_is_an_error_suggesting_slices(name, fix):
+    with pytest.raises(spmd.ConfigurationError, match="one ICI domain") as info:
+        parse(name)
+    assert fix in str(info.value) and f"name='{name}'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("v5p-12", "no v5p slice of 6 chips"),
+        ("v5e-2", "no v5e slice of 2 chips"),
+        ("v5e:3x5", "no v5e slice of shape 3x5"),
+        ("v5p:4x4x6", "each side a multiple of 4"),
+        ("v5p-8576", "no v5p slice of 4288 chips"),  # 67 cubes: a side of 268 chips
+    ],
+)
+def test_slices_cloud_tpu_does_not_offer_are_an_error_listing_the_sizes(name, said):
+    with pytest.raises(spmd.ConfigurationError, match=said) as info:
+        parse(name)
+    assert "To fix: pick a" in str(info.value)
 
 
 def test_chip_table_cites_its_source():
@@ -108,10 +150,11 @@ def _slice(device):
     return getattr(device, "slice_index", 0)  # one slice's devices have none
 
 
-def _chip_hops(group):
-    """The most links between consecutive devices of a mesh axis (0: two cores of one chip)."""
-    coords = [np.asarray(d.coords) for d in group]
-    return max(int(np.abs(a - b).sum()) for a, b in zip(coords, coords[1:], strict=False))
+def _compact(group):
+    """Whether a mesh axis's chips fill a box of the torus (a line of neighbours, a 2x2 tray)."""
+    chips = {tuple(d.coords) for d in group}
+    box = np.ptp(np.array(sorted(chips)), axis=0) + 1
+    return int(np.prod(box)) == len(chips)
 
 
 @pytest.mark.parametrize(
@@ -122,16 +165,18 @@ def _chip_hops(group):
         ("v5e:16x16", 2, {"data": -1, "model": 4}),
         ("v5e-256", 2, {"data": 2, "fsdp": 32, "model": 8}),
         ("v6e-64", 1, {"data": -1, "model": 8, "expert": 2}),
-        ("v4-32", 2, {"data": -1, "model": 4}),  # v4 shows two TensorCores per chip
+        ("v4-32", 2, {"data": -1, "model": 4}),
+        ("v4-32/per core", 2, {"data": -1, "model": 4}),  # two devices a chip: spmd's own map
     ],
 )
 def test_any_axis_sizes_lay_out_with_inner_axes_on_neighbouring_chips(name, slices, axes):
-    topo = spmd.topology(name, slices=slices)
+    name, _, per_core = name.partition("/")
+    topo = spmd.topology(name, slices=slices, megacore=not per_core)
     mesh = spmd.make_mesh(axes, devices=topo)
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in topo)
     inner = mesh.devices.reshape(-1, mesh.devices.shape[-1])
-    for group in inner:  # the busiest axis: a line of neighbouring chips in one slice
-        assert len({_slice(d) for d in group}) == 1 and _chip_hops(group) <= 1
+    for group in inner:  # the busiest axis: neighbouring chips of one slice
+        assert len({_slice(d) for d in group}) == 1 and _compact(group)
     for index, part in enumerate(mesh.devices):  # the slices are the outermost axis
         assert {_slice(d) for d in part.flat} == {index * slices // len(mesh.devices)}
 
@@ -145,10 +190,26 @@ def test_parameter_server_strategy_lays_out_on_realistic_slices(name):
     assert state["w"].sharding.shard_shape((256, 512)) == (32, 512)
 
 
+def test_strategies_take_a_topology_by_its_name():
+    tpu = spmd.TPUStrategy(topology="v5p-8")
+    assert set(tpu.mesh.devices.flat) == set(spmd.topology("v5p-8"))
+    mwms = spmd.MultiWorkerMirroredStrategy(topology="v5e-16")
+    assert dict(mwms.mesh.shape) == {"host": 4, "replica": 4}
+    with pytest.raises(spmd.ConfigurationError, match=r"spmd.topology\('v5e-8'\)"):
+        spmd.make_mesh({"data": -1}, devices="v5e-8")
+
+
 def test_devices_that_are_no_whole_slice_keep_their_order():
     topo = spmd.topology("v5e:4x4")
     mesh = spmd.make_mesh({"data": 3}, devices=topo[:3])
     assert list(mesh.devices.flat) == sorted(topo[:3], key=lambda d: d.id)
+
+
+def test_devices_of_two_tpu_generations_are_a_clear_error():
+    mixed = list(spmd.topology("v5e-4")) + list(spmd.topology("v5p-8"))
+    with pytest.raises(spmd.ConfigurationError, match="one TPU generation") as info:
+        spmd.TPUStrategy(topology=mixed)
+    assert "tpu: TPU v5 lite" in str(info.value) and "tpu: TPU v5'" in str(info.value)
 
 
 def test_slices_of_different_sizes_are_a_clear_error():
@@ -224,11 +285,43 @@ def test_every_way_to_run_a_topology_strategy_says_it_compiles_only(what, tmp_pa
     assert str(info.value).startswith(what) and "To fix" in str(info.value)
 
 
+def test_the_cannot_run_advice_works_as_written():
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e:2x2"))
+    step = strategy.step(_train)
+    state = strategy.abstract_state(_create, jax.random.key(0))
+    batch = (jax.ShapeDtypeStruct(X.shape, X.dtype),)
+    with pytest.raises(spmd.ConfigurationError) as info:
+        step(state, X)
+    advice = re.findall(
+        r"(?:strategy|step)\.\w+\((?:step, )?state, \*batch\)(?:\[0\]\.compile\(\))?",
+        str(info.value),
+    )
+    assert len(advice) == 2, str(info.value)
+    for call in advice:  # each call it names runs, as written
+        eval(call, {"strategy": strategy, "step": step, "state": state, "batch": batch})
+
+
 @pytest.mark.parametrize("what", list(DILOCO_WAYS_TO_RUN))
 def test_every_way_to_run_diloco_on_a_topology_says_it_compiles_only(what, tmp_path):
     with pytest.raises(spmd.ConfigurationError, match="abstract TPU topology") as info:
         DILOCO_WAYS_TO_RUN[what](_diloco(), tmp_path)
     assert str(info.value).startswith(what)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: spmd.TPUStrategy(topology=spmd.topology("v5e:2x2")), _diloco]
+)
+def test_building_a_flax_model_in_a_topology_scope_says_to_build_it_abstractly(make):
+    from flax import nnx
+
+    strategy = make()
+    refused = pytest.raises(spmd.ConfigurationError, match="nnx.eval_shape")
+    with refused as info, strategy.scope():
+        nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    assert "abstract_state" in str(info.value) and "ran a computation eagerly" in str(info.value)
+    with strategy.scope():  # what the advice says works
+        model = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+    assert isinstance(model.kernel.get_value(), jax.ShapeDtypeStruct)
 
 
 def test_a_topology_strategy_compiles_what_it_cannot_run():
@@ -246,11 +339,72 @@ def test_a_topology_strategy_compiles_what_it_cannot_run():
         spmd.TPUStrategy(jax.devices(), topology=spmd.topology("v5e:2x2"))
 
 
-def test_a_shape_the_compiler_refuses_is_a_clear_error():
-    with pytest.raises(spmd.ConfigurationError, match="describes this topology"):
-        spmd.topology("v5e:3x5")
+def _twenty_gib(key):
+    return {"w": jnp.zeros((8, 20 * (1 << 30) // 4 // 8), jnp.float32)}  # replicated
+
+
+def _scale(state, x):
+    return {"w": state["w"] * 0.9 + x.mean()}, {"m": x.mean()}
+
+
+def test_v4_is_planned_per_chip_as_jax_runs_it():
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    topo = spmd.topology("v4-8")  # 4 chips: one device each, as on a v4 TPU VM
+    assert (len(topo), topo.chips) == (4, 4)
+    strategy = spmd.TPUStrategy(topology=topo)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    e = strategy.explain(_scale, strategy.abstract_state(_twenty_gib, jax.random.key(0)), x)
+    assert e.fits and 30 << 30 < e.hbm_capacity < 32 << 30  # the compiler's: 30.75 GiB
+    assert e.roofline.devices_per_chip == 1
+    # The oracle: plain jax.jit on the devices MaxText's AOT compile asks libtpu for.
+    devices = topologies.get_topology_desc(
+        topology_name="v4:2x2x1", platform="tpu", chip_config_name="megacore"
+    ).devices
+    mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+    whole, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("d"))
+    state = {"w": jax.ShapeDtypeStruct((8, 20 * (1 << 30) // 32), jnp.float32, sharding=whole)}
+    compiled = (
+        jax.jit(_scale, donate_argnums=0, out_shardings=({"w": whole}, {"m": whole}))
+        .lower(state, jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=rows))
+        .compile()
+    )
+    assert compiled.memory_analysis().argument_size_in_bytes == e.argument_bytes
+
+
+def test_v4_per_tensorcore_is_asked_for_and_halves_the_hbm():
+    topo = spmd.topology("v4-8", megacore=False)
+    assert (len(topo), topo.chips) == (8, 4)
+    strategy = spmd.TPUStrategy(topology=topo)
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+    e = strategy.explain(_scale, strategy.abstract_state(_twenty_gib, jax.random.key(0)), x)
+    assert e.fits is False and 15 << 30 < e.hbm_capacity < 16 << 30  # 15.25 GiB a core
+    assert e.roofline is None  # refused for want of HBM: no program to estimate
+
+
+@pytest.mark.parametrize("name", ["v5p-8", "v5e-8", "v6e-4"])
+def test_megacore_false_is_an_error_where_a_chip_has_no_per_core_mode(name):
+    with pytest.raises(spmd.ConfigurationError, match="megacore") as info:
+        spmd.topology(name, megacore=False)
+    assert "v4 only" in str(info.value) and f"topology='{name}'" in str(info.value)
+
+
+def test_v5p_is_one_device_per_chip():
+    topo = spmd.topology("v5p-8")
+    assert (len(topo), topo.chips) == (4, 4)
+
+
+def test_a_bad_slice_count_is_a_clear_error():
     with pytest.raises(spmd.ConfigurationError, match="slices"):
         spmd.topology("v5e:2x2", slices=0)
+
+
+@pytest.mark.parametrize("name", ["v5litepod-1", "v6e-1"])
+def test_one_chip_slices_are_described(name):
+    # libtpu's default of 2x2x1 chips per host divides no one-chip slice
+    topo = spmd.topology(name)
+    assert len(topo) == 1 and topo.chips == 1
 
 
 def _scanned(layers):
@@ -326,6 +480,28 @@ def test_two_slices_send_over_dcn():
     dcn = [t for t in e.traffic if t.link == "DCN"]
     assert dcn and dcn[0].kind == "all-reduce" and dcn[0].wire_bytes > 0
     assert e.roofline.dcn_s == pytest.approx(e.roofline.dcn_bytes / (2 * 100e9 / 64))
+
+
+def test_every_collective_of_a_two_slice_data_parallel_step_is_counted():
+    # XLA gives this program's reduce-scatters and all-gathers the same channel ids.
+    def create(key):
+        return {"w1": jnp.zeros((1024, 4096)), "w2": jnp.zeros((4096, 1024))}
+
+    def train(state, x):
+        def loss(p):
+            return ((jax.nn.relu(x @ p["w1"]) @ p["w2"] - x) ** 2).mean()
+
+        grads = jax.grad(loss)(state)
+        return jax.tree.map(lambda a, g: a - 1e-3 * g, state, grads), {}
+
+    strategy = spmd.TPUStrategy(topology=spmd.topology("v5e-16", slices=2))
+    state = strategy.abstract_state(create, jax.random.key(0))
+    e = strategy.explain(train, state, jax.ShapeDtypeStruct((256, 1024), jnp.float32))
+    ici = {t.kind: t for t in e.traffic if t.link == "ICI"}
+    for kind in ("all-gather", "reduce-scatter"):
+        assert ici[kind].count == e.collectives[kind].count > 0, kind
+    gathered = e.collectives["all-gather"].bytes  # the weights, whole, on each chip
+    assert ici["all-gather"].wire_bytes == pytest.approx(15 / 16 * gathered)
 
 
 def test_a_state_over_hbm_does_not_fit_and_says_by_how_much():

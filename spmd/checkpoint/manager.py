@@ -641,7 +641,7 @@ def _check_positive(value: Any, name: str, hint: str) -> None:
 
 
 def _leaves(state: Any) -> ct.Flat:
-    """The state's leaves by path; a state without arrays is an error."""
+    """The state's leaves by path; a state without arrays, or an abstract one, is an error."""
     flat = ct.flatten(state)[0]
     if not flat:
         raise CheckpointError(
@@ -649,6 +649,17 @@ def _leaves(state: Any) -> ct.Flat:
                 "save needs a state with at least one array.",
                 received(state_type=type(state).__name__, leaves=0),
                 "pass the train state itself (params, optimizer state, ...).",
+            )
+        )
+    abstract = [path for path, leaf in flat.items() if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if abstract:
+        raise CheckpointError(
+            message(
+                "save writes a placed state (arrays), not an abstract one (jax.ShapeDtypeStruct "
+                "leaves, as strategy.abstract_state returns: shapes, no values).",
+                received(abstract_leaves=abstract[:5], of=len(flat)),
+                "save the state strategy.init(...) or a step returns; an abstract state is "
+                "what manager.restore(step, target=...) takes.",
             )
         )
     return flat

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import spmd
+from spmd.cli import plan_command
 from spmd.cli.demo_command import add_subcommand, strategy_name
 from spmd.cli.types import non_negative_int, positive_float, positive_int
 from spmd.clusters.launch_results import EXIT_GRACE
@@ -210,66 +211,11 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 # One function per subcommand, each adding its parser with `run=` (and `parser=`)
 # defaults.
-# ------------------------------------------------------------------ spmd plan
-
-
-def _add_plan(subparsers: Subparsers) -> None:
-    """Registers `spmd plan --target v5p-256 module:function`."""
-    p = subparsers.add_parser(
-        "plan",
-        help="rank the layouts of a model's train step for a TPU slice (no TPU needed)",
-        description=(
-            "Import MODULE and call FUNCTION(), which returns the model's pieces: a dict with "
-            "create_fn, step and batch (and optionally args), or the tuple (create_fn, step, "
-            "batch[, args]); batch holds jax.ShapeDtypeStructs of the global batch. Then compile "
-            "every candidate layout for the target with the TPU compiler (the tpu-compile extra), "
-            "drop those that do not fit and print the rest ranked by estimated step time "
-            "(spmd.auto_strategy; docs/planning.md). Nothing is allocated or run."
-        ),
-        epilog="example: spmd plan --target v5p-256 train:plan_inputs",
-    )
-    p.add_argument(
-        "--target",
-        default="cpu",
-        help='a Cloud TPU name ("v5p-256", "v5e:16x16", "v6e-64"), or "cpu" for this '
-        "process's devices (default)",
-    )
-    p.add_argument("--slices", type=positive_int, default=1, help="how many slices (DCN)")
-    p.add_argument(
-        "--cpu-devices",
-        type=positive_int,
-        metavar="N",
-        help="with --target cpu: simulate N CPU devices (jax_num_cpu_devices)",
-    )
-    p.add_argument(
-        "--only", action="append", metavar="TEXT", help="keep the layouts whose names contain TEXT"
-    )
-    p.add_argument("entry", metavar="MODULE:FUNCTION", help="where the model's pieces come from")
-    p.set_defaults(run=_run_plan, parser=p)
-
-
-def _run_plan(args: argparse.Namespace) -> int:
-    """Runs `spmd plan`."""
-    if args.cpu_devices:
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    from spmd.planning import auto_strategy, load_entry
-
-    create_fn, step, batch, create_args = load_entry(args.entry)
-    target = None if args.target == "cpu" else args.target
-    _, plan = auto_strategy(
-        create_fn, step, batch, target, args=create_args, slices=args.slices, only=args.only
-    )
-    print(plan)
-    return 0
-
-
 SUBCOMMANDS: tuple[Callable[[Subparsers], None], ...] = (
     _add_demo,
     _add_launch,
     _add_env,
-    _add_plan,
+    plan_command.add_subcommand,
 )
 
 

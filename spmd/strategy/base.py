@@ -41,7 +41,7 @@ from spmd.strategy.replica import (
 from spmd.strategy.state_placement import place_state
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT, Step
 from spmd.strategy.step_layout import put_leaf
-from spmd.topologies import check_runnable
+from spmd.topologies import check_runnable, eager_refused
 
 if TYPE_CHECKING:
     from spmd.data.dataset import DistributedDataset, InputContext, InputOptions, NumpyDataset
@@ -177,7 +177,9 @@ class Strategy:
         """Makes this the current strategy (`spmd.get_strategy()`) and sets the mesh context.
 
         Raises:
-          ConfigurationError: another strategy's scope is already open.
+          ConfigurationError: another strategy's scope is already open, or
+            (on an abstract `spmd.topology`) code inside ran a computation
+            eagerly: build the state with `abstract_state` or `nnx.eval_shape`.
         """
         current = current_strategy()
         if current is not None and current != self:
@@ -188,7 +190,7 @@ class Strategy:
                     "leave the open scope before entering another strategy's scope.",
                 )
             )
-        with running_strategy(self), self.context():
+        with running_strategy(self), self.context(), eager_refused(self):
             yield self
 
     @contextlib.contextmanager

@@ -19,7 +19,7 @@ from spmd.strategy.base import Strategy
 from spmd.strategy.island_step import IslandStep, explain_islands
 from spmd.strategy.islands import ISLAND, DiLoCoState, island_strategies
 from spmd.strategy.replica import running_strategy
-from spmd.topologies import check_runnable
+from spmd.topologies import check_runnable, eager_refused
 from spmd.validate import positive_int
 
 __all__ = ["DiLoCo", "DiLoCoState"]
@@ -161,7 +161,7 @@ class DiLoCo:
     @contextlib.contextmanager
     def scope(self) -> Iterator[DiLoCo]:
         """Makes this the current strategy (`spmd.get_strategy()`) and sets the mesh."""
-        with running_strategy(self), self.synchronous.context():
+        with running_strategy(self), self.synchronous.context(), eager_refused(self):
             yield self
 
     # -- the state ------------------------------------------------------------

@@ -16,6 +16,7 @@ from spmd.logical import LogicalRules
 from spmd.mesh import dividing_devices, make_mesh, order_devices, prime_factors, resolve_devices
 from spmd.rules import MinSizePartitioner, Partitioner
 from spmd.strategy.base import Strategy, _default_strategy
+from spmd.topologies import topology as spmd_topology
 from spmd.validate import positive_int
 
 __all__ = [
@@ -143,9 +144,9 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
       communication_options: which all-reduce to use (see `CommunicationOptions`).
       logical_axis_rules: maps flax annotation names to mesh axes;
         names it leaves unmapped are replicated.
-      topology: an `spmd.topology(...)` to compile for instead of this job's
-        devices: its hosts and their chips make the mesh (the strategy
-        compiles and explains steps; it cannot run them).
+      topology: an `spmd.topology(...)`, or its name ("v5p-256"), to compile
+        for instead of this job's devices: its hosts and their chips make the
+        mesh (the strategy compiles and explains steps; it cannot run them).
       global_batch_size: use the most devices whose count divides it (an
         elastic job keeps its global batch, unpadded, at any process count);
         not with `topology`.
@@ -168,7 +169,7 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
                     "pass one of them.",
                 )
             )
-        devices = resolve_devices(topology)
+        devices = resolve_devices(_topology(topology))
         hosts = len({d.process_index for d in devices})
         mesh = make_mesh({"host": hosts, "replica": len(devices) // hosts}, devices)
         return _named(
@@ -208,6 +209,11 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
         batch_axes=mesh.axis_names,
         name="MultiWorkerMirroredStrategy",
     )
+
+
+def _topology(topology: Any) -> Any:
+    """A `topology=` argument: a Cloud TPU name is `spmd.topology(name)`."""
+    return spmd_topology(topology) if isinstance(topology, str) else topology
 
 
 def _dividing_mesh(global_batch_size: int) -> Any:
@@ -253,9 +259,9 @@ def TPUStrategy(  # noqa: N802
       devices: TPU devices; every TPU device of every process by default.
       logical_axis_rules: maps flax annotation names to mesh axes;
         names it leaves unmapped are replicated.
-      topology: an `spmd.topology("v5p-256")` to compile for without a TPU:
-        the strategy lays out its mesh, computes abstract states and compiles
-        and explains steps, but cannot run them.
+      topology: an `spmd.topology("v5p-256")`, or its name "v5p-256", to
+        compile for without a TPU: the strategy lays out its mesh, computes
+        abstract states and compiles and explains steps, but cannot run them.
 
     Raises:
       ConfigurationError: there are no TPU devices, or both devices and
@@ -270,7 +276,7 @@ def TPUStrategy(  # noqa: N802
                 "pass topology=spmd.topology(...) alone to compile for a slice you do not have.",
             )
         )
-    devices = topology if topology is not None else devices
+    devices = _topology(topology) if topology is not None else devices
     devices = jax.devices() if devices is None else resolve_devices(devices)
     platforms = sorted({getattr(d, "platform", "?") for d in devices})
     if platforms != ["tpu"]:
