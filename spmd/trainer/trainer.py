@@ -321,8 +321,10 @@ class Trainer:
         out, _ = self._forward(state["params"], state["rest"], x, False)
         return self._sums(out, y, real, weights, self.loss_fn(out, y))
 
-    def _predict_step(self, state, x, *_):
-        return self._forward(state["params"], state["rest"], x, False)[0]
+    def _predict_step(self, state, x, mask=None):
+        """The outputs and the padding mask, replicated (as a step's outputs come back): every
+        process holds every row, whichever process's devices computed it."""
+        return self._forward(state["params"], state["rest"], x, False)[0], mask
 
     def _step(self, name: str):
         if name not in self._steps:
@@ -631,9 +633,9 @@ class Trainer:
         for batch in dataset:
             elements, mask = split_batch(batch)
             check_rows(elements[0], "predict")
-            out = jax.tree.map(np.asarray, step(self.state, elements[0]))
+            out, mask = jax.device_get(step(self.state, elements[0], mask))
             if mask is not None:  # a padded batch: keep the real rows
-                keep = np.asarray(mask) > 0
+                keep = mask > 0
                 out = jax.tree.map(lambda o, keep=keep: o[keep], out)
             rows.append(out)
         if not rows:
