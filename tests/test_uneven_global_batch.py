@@ -9,6 +9,7 @@ seed on one device.
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,7 @@ import spmd
 from spmd.data.host_batches import pipeline_rows
 from spmd.data.input_context import BlockContext, Padding, rows_of
 from spmd.mesh import dividing_devices
+from spmd.trainer.batch_checks import written_state
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -150,6 +152,80 @@ def test_batchnorm_trains_as_on_one_device_over_the_devices_that_divide_the_batc
     _, history, got = _fit(strategy, BNNet, optax.sgd(0.1))
     _assert_close(got, want)
     np.testing.assert_allclose(history["loss"], want_history["loss"], rtol=1e-5)
+
+
+class Running(nnx.Variable):
+    """A user's own statistic (an RL observation normalizer's running mean): no BatchStat."""
+
+
+class RunningMeanNet(nnx.Module):
+    """Training updates a running mean of the inputs and the count of rows it has seen."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.mean = Running(jnp.zeros(FEATURES))
+        self.count = Running(jnp.zeros(()))
+        self.out = nnx.Linear(FEATURES, 2, rngs=rngs)
+        self.deterministic = False
+
+    def __call__(self, x):
+        if not self.deterministic:
+            n = x.shape[0]
+            total = self.mean[...] * self.count[...] + x.sum(0)
+            self.mean[...] = total / (self.count[...] + n)
+            self.count[...] = self.count[...] + n
+        return self.out(x - self.mean[...])
+
+
+class HeldDropoutNet(nnx.Module):
+    """Dropout with the rngs it holds: its RNG state changes every step, from no row."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.out = nnx.Linear(FEATURES, 2, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.out(x))
+
+
+@pytest.mark.parametrize(
+    "model, written",
+    [
+        (Net, []),
+        (HeldDropoutNet, []),
+        (BNNet, ["norm/mean (BatchStat)", "norm/var (BatchStat)"]),
+        (RunningMeanNet, ["count (Running)", "mean (Running)"]),
+    ],
+)
+def test_the_state_a_training_pass_writes_is_found_by_one_trace(model, written):
+    trainer = spmd.Trainer(model(nnx.Rngs(0)), optax.sgd(0.1), "mse", strategy=_mirrored(4))
+    trainer.build()
+    assert written_state(trainer, jnp.zeros((8, FEATURES))) == written
+
+
+def test_a_running_mean_of_its_own_on_a_padded_batch_is_an_error_naming_it_before_any_step():
+    """Not only BatchNorm: any state the training pass writes would count the padded rows."""
+    trainer = spmd.Trainer(
+        RunningMeanNet(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy",
+        strategy=_mirrored(4),
+    )  # fmt: skip
+    with pytest.raises(spmd.BatchError) as info:
+        trainer.fit(_data(), batch_size=BATCH, verbose=0)
+    text = str(info.value)
+    assert "written_variables=['count (Running)', 'mean (Running)']" in text, text
+    assert "batch_rows=8" in text and "MultiWorkerMirroredStrategy(global_batch_size=" in text
+    assert trainer.iterations == 0 and float(trainer.model.count[...]) == 0.0
+
+
+def test_a_running_mean_of_its_own_is_exact_over_the_devices_that_divide_the_batch():
+    """The way out the error names: 6 of the 8 devices, nothing padded, every row counted once."""
+    x, y = _data()
+    trainer = spmd.Trainer(
+        RunningMeanNet(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy",
+        strategy=spmd.MultiWorkerMirroredStrategy(global_batch_size=BATCH),
+    )  # fmt: skip
+    trainer.fit((x, y), batch_size=BATCH, shuffle=False, verbose=0)
+    assert float(trainer.model.count[...]) == len(x)
+    np.testing.assert_allclose(trainer.model.mean[...], x.mean(0), rtol=1e-5, atol=1e-6)
 
 
 # -- a custom loop opts in --------------------------------------------------------------------
