@@ -6,6 +6,9 @@ of 6 on 4 replicas (6 does not divide over 4) against the same model, data and
 seed on one device.
 """
 
+import re
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -24,6 +27,7 @@ from spmd.trainer.batch_checks import written_state
 pytestmark = pytest.mark.cpu_mesh
 
 FEATURES, BATCH = 4, 6
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Net(nnx.Module):
@@ -290,6 +294,83 @@ def test_without_opting_in_a_custom_loop_gets_an_error_naming_both_ways_out():
         spmd.InputOptions(uneven_batch="round")
     with pytest.raises(spmd.ConfigurationError, match="microbatches"):
         spmd.InputOptions(microbatches=0)
+
+
+def _input_md_padded_loop() -> str:
+    """docs/input.md's custom loop over a padding dataset (the block that opts in)."""
+    text = (ROOT / "docs" / "input.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    return next(b for b in blocks if 'uneven_batch="pad"' in b and "train_step" in b)
+
+
+def _run_input_md_loop(replicas: int) -> tuple[np.ndarray, list[warnings.WarningMessage]]:
+    """The docs' loop on `replicas` devices, 36 rows of 5 features in 2 classes; the weights
+    it ends with, and the warnings it gave."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(36, 5)).astype(np.float32)
+    names = {
+        "spmd": spmd, "jax": jax, "jnp": jnp, "np": np, "optax": optax,
+        "strategy": _mirrored(replicas), "x": x, "y": (x[:, 0] > 0).astype(np.int32),
+        "w": np.zeros((5, 2), np.float32),
+    }  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(_input_md_padded_loop(), names)
+    return np.asarray(names["w"]), caught
+
+
+def test_the_padded_custom_loop_of_the_docs_trains_on_4_replicas_as_on_one_and_warns_nothing():
+    """docs/input.md's recipe: the mask as sample_weight and the global batch size you batch by
+    (6) as global_batch_size; at 4 replicas each batch is padded to 8 rows."""
+    got, caught = _run_input_md_loop(4)
+    want, _ = _run_input_md_loop(1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not [w for w in caught if "compute_average_loss" in str(w.message)], caught
+
+
+def _padded_step(strategy, **loss_kwargs):
+    """A step whose loss leaves the mask or the divisor to compute_average_loss's defaults."""
+
+    @strategy.step
+    def step(w, xb, yb, mask):
+        def loss_fn(w):
+            per_example = (xb @ w - yb) ** 2
+            given = {"sample_weight": mask, "global_batch_size": BATCH}
+            given.update(loss_kwargs)
+            return spmd.compute_average_loss(per_example, **given)
+
+        return w - 0.1 * jax.grad(loss_fn)(w)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "leave_out, says",
+    [
+        ({"global_batch_size": None}, "without global_batch_size it divides by all 8 rows"),
+        ({"sample_weight": None}, "without sample_weight the padded rows enter the sum"),
+    ],
+    ids=["no_global_batch_size", "no_mask"],
+)
+def test_compute_average_loss_on_a_padded_batch_without_the_mask_or_real_rows_warns(
+    leave_out, says
+):
+    strategy = _mirrored(4)
+    x = np.arange(12 * 3, dtype=np.float32).reshape(12, 3) / 36
+    dist = strategy.distribute_dataset(
+        strategy.make_numpy_dataset((x, x.sum(1)), BATCH), spmd.InputOptions(uneven_batch="pad")
+    )
+    step, w = _padded_step(strategy, **leave_out), np.zeros(3, np.float32)
+    with pytest.warns(UserWarning, match=says) as caught:
+        for xb, yb, mask in dist:
+            w = step(w, xb, yb, mask)
+    text = str(caught[0].message)
+    assert "batch_rows=8, data_global_batch_size=6" in text, text
+    assert "global_batch_size=6, sample_weight=mask" in text, text
+    # The loop is over: a step on batches that are not padded warns no more.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _padded_step(strategy, **leave_out)(w, x[:8], x[:8].sum(1), np.ones(8, np.float32))
 
 
 # -- the devices that divide the batch --------------------------------------------------------
