@@ -6,6 +6,7 @@ of 6 on 4 replicas (6 does not divide over 4) against the same model, data and
 seed on one device.
 """
 
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -395,6 +396,17 @@ def test_the_devices_that_divide_a_batch_are_the_most_spread_over_every_process(
     assert len(spmd.MultiWorkerMirroredStrategy(global_batch_size=7).devices) == 7
     with pytest.raises(spmd.ConfigurationError, match="global_batch_size"):
         spmd.MultiWorkerMirroredStrategy(global_batch_size=0)
+
+
+def test_the_devices_a_dividing_strategy_leaves_idle_are_logged_with_why(caplog):
+    caplog.set_level(logging.WARNING, logger="spmd.strategy")
+    spmd.MultiWorkerMirroredStrategy(global_batch_size=5)  # 5 of the 8 devices
+    text = caplog.text
+    assert "MultiWorkerMirroredStrategy(global_batch_size=5) uses 5 of the 8 devices" in text
+    assert "3 stay idle" in text and "global_batch_size=None" in text, text
+    caplog.clear()
+    spmd.MultiWorkerMirroredStrategy(global_batch_size=16)  # every device: nothing to say
+    assert "idle" not in caplog.text
 
 
 def test_unequal_blocks_are_fed_by_data_sharding_only():
