@@ -222,7 +222,9 @@ def _padded_call(padded: in_flight.Padded, global_batch_size: Any, sample_weight
     if sample_weight is None:
         wrong.append("without sample_weight the padded rows enter the sum")
     if global_batch_size is None:
-        wrong.append(f"without global_batch_size it divides by all {padded.rows} rows, padding included")
+        wrong.append(
+            f"without global_batch_size it divides by all {padded.rows} rows, padding included"
+        )
     return message(
         'On a padding dataset\'s batch (InputOptions(uneven_batch="pad") or '
         'remainder="pad"), compute_average_loss takes the mask as sample_weight and the real '
