@@ -6,9 +6,14 @@ of 6 on 4 replicas (6 does not divide over 4) against the same model, data and
 seed on one device.
 """
 
+import logging
+import re
+import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -18,10 +23,12 @@ import spmd
 from spmd.data.host_batches import pipeline_rows
 from spmd.data.input_context import BlockContext, Padding, rows_of
 from spmd.mesh import dividing_devices
+from spmd.trainer.batch_checks import written_state
 
 pytestmark = pytest.mark.cpu_mesh
 
 FEATURES, BATCH = 4, 6
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Net(nnx.Module):
@@ -152,6 +159,80 @@ def test_batchnorm_trains_as_on_one_device_over_the_devices_that_divide_the_batc
     np.testing.assert_allclose(history["loss"], want_history["loss"], rtol=1e-5)
 
 
+class Running(nnx.Variable):
+    """A user's own statistic (an RL observation normalizer's running mean): no BatchStat."""
+
+
+class RunningMeanNet(nnx.Module):
+    """Training updates a running mean of the inputs and the count of rows it has seen."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.mean = Running(jnp.zeros(FEATURES))
+        self.count = Running(jnp.zeros(()))
+        self.out = nnx.Linear(FEATURES, 2, rngs=rngs)
+        self.deterministic = False
+
+    def __call__(self, x):
+        if not self.deterministic:
+            n = x.shape[0]
+            total = self.mean[...] * self.count[...] + x.sum(0)
+            self.mean[...] = total / (self.count[...] + n)
+            self.count[...] = self.count[...] + n
+        return self.out(x - self.mean[...])
+
+
+class HeldDropoutNet(nnx.Module):
+    """Dropout with the rngs it holds: its RNG state changes every step, from no row."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.out = nnx.Linear(FEATURES, 2, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(self.out(x))
+
+
+@pytest.mark.parametrize(
+    "model, written",
+    [
+        (Net, []),
+        (HeldDropoutNet, []),
+        (BNNet, ["norm/mean (BatchStat)", "norm/var (BatchStat)"]),
+        (RunningMeanNet, ["count (Running)", "mean (Running)"]),
+    ],
+)
+def test_the_state_a_training_pass_writes_is_found_by_one_trace(model, written):
+    trainer = spmd.Trainer(model(nnx.Rngs(0)), optax.sgd(0.1), "mse", strategy=_mirrored(4))
+    trainer.build()
+    assert written_state(trainer, jnp.zeros((8, FEATURES))) == written
+
+
+def test_a_running_mean_of_its_own_on_a_padded_batch_is_an_error_naming_it_before_any_step():
+    """Not only BatchNorm: any state the training pass writes would count the padded rows."""
+    trainer = spmd.Trainer(
+        RunningMeanNet(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy",
+        strategy=_mirrored(4),
+    )  # fmt: skip
+    with pytest.raises(spmd.BatchError) as info:
+        trainer.fit(_data(), batch_size=BATCH, verbose=0)
+    text = str(info.value)
+    assert "written_variables=['count (Running)', 'mean (Running)']" in text, text
+    assert "batch_rows=8" in text and "MultiWorkerMirroredStrategy(global_batch_size=" in text
+    assert trainer.iterations == 0 and float(trainer.model.count[...]) == 0.0
+
+
+def test_a_running_mean_of_its_own_is_exact_over_the_devices_that_divide_the_batch():
+    """The way out the error names: 6 of the 8 devices, nothing padded, every row counted once."""
+    x, y = _data()
+    trainer = spmd.Trainer(
+        RunningMeanNet(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy",
+        strategy=spmd.MultiWorkerMirroredStrategy(global_batch_size=BATCH),
+    )  # fmt: skip
+    trainer.fit((x, y), batch_size=BATCH, shuffle=False, verbose=0)
+    assert float(trainer.model.count[...]) == len(x)
+    np.testing.assert_allclose(trainer.model.mean[...], x.mean(0), rtol=1e-5, atol=1e-6)
+
+
 # -- a custom loop opts in --------------------------------------------------------------------
 
 
@@ -216,6 +297,83 @@ def test_without_opting_in_a_custom_loop_gets_an_error_naming_both_ways_out():
         spmd.InputOptions(microbatches=0)
 
 
+def _input_md_padded_loop() -> str:
+    """docs/input.md's custom loop over a padding dataset (the block that opts in)."""
+    text = (ROOT / "docs" / "input.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    return next(b for b in blocks if 'uneven_batch="pad"' in b and "train_step" in b)
+
+
+def _run_input_md_loop(replicas: int) -> tuple[np.ndarray, list[warnings.WarningMessage]]:
+    """The docs' loop on `replicas` devices, 36 rows of 5 features in 2 classes; the weights
+    it ends with, and the warnings it gave."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(36, 5)).astype(np.float32)
+    names = {
+        "spmd": spmd, "jax": jax, "jnp": jnp, "np": np, "optax": optax,
+        "strategy": _mirrored(replicas), "x": x, "y": (x[:, 0] > 0).astype(np.int32),
+        "w": np.zeros((5, 2), np.float32),
+    }  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(_input_md_padded_loop(), names)
+    return np.asarray(names["w"]), caught
+
+
+def test_the_padded_custom_loop_of_the_docs_trains_on_4_replicas_as_on_one_and_warns_nothing():
+    """docs/input.md's recipe: the mask as sample_weight and the global batch size you batch by
+    (6) as global_batch_size; at 4 replicas each batch is padded to 8 rows."""
+    got, caught = _run_input_md_loop(4)
+    want, _ = _run_input_md_loop(1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not [w for w in caught if "compute_average_loss" in str(w.message)], caught
+
+
+def _padded_step(strategy, **loss_kwargs):
+    """A step whose loss leaves the mask or the divisor to compute_average_loss's defaults."""
+
+    @strategy.step
+    def step(w, xb, yb, mask):
+        def loss_fn(w):
+            per_example = (xb @ w - yb) ** 2
+            given = {"sample_weight": mask, "global_batch_size": BATCH}
+            given.update(loss_kwargs)
+            return spmd.compute_average_loss(per_example, **given)
+
+        return w - 0.1 * jax.grad(loss_fn)(w)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "leave_out, says",
+    [
+        ({"global_batch_size": None}, "without global_batch_size it divides by all 8 rows"),
+        ({"sample_weight": None}, "without sample_weight the padded rows enter the sum"),
+    ],
+    ids=["no_global_batch_size", "no_mask"],
+)
+def test_compute_average_loss_on_a_padded_batch_without_the_mask_or_real_rows_warns(
+    leave_out, says
+):
+    strategy = _mirrored(4)
+    x = np.arange(12 * 3, dtype=np.float32).reshape(12, 3) / 36
+    dist = strategy.distribute_dataset(
+        strategy.make_numpy_dataset((x, x.sum(1)), BATCH), spmd.InputOptions(uneven_batch="pad")
+    )
+    step, w = _padded_step(strategy, **leave_out), np.zeros(3, np.float32)
+    with pytest.warns(UserWarning, match=says) as caught:
+        for xb, yb, mask in dist:
+            w = step(w, xb, yb, mask)
+    text = str(caught[0].message)
+    assert "batch_rows=8, data_global_batch_size=6" in text, text
+    assert "global_batch_size=6, sample_weight=mask" in text, text
+    # The loop is over: a step on batches that are not padded warns no more.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _padded_step(strategy, **leave_out)(w, x[:8], x[:8].sum(1), np.ones(8, np.float32))
+
+
 # -- the devices that divide the batch --------------------------------------------------------
 
 
@@ -238,6 +396,17 @@ def test_the_devices_that_divide_a_batch_are_the_most_spread_over_every_process(
     assert len(spmd.MultiWorkerMirroredStrategy(global_batch_size=7).devices) == 7
     with pytest.raises(spmd.ConfigurationError, match="global_batch_size"):
         spmd.MultiWorkerMirroredStrategy(global_batch_size=0)
+
+
+def test_the_devices_a_dividing_strategy_leaves_idle_are_logged_with_why(caplog):
+    caplog.set_level(logging.WARNING, logger="spmd.strategy")
+    spmd.MultiWorkerMirroredStrategy(global_batch_size=5)  # 5 of the 8 devices
+    text = caplog.text
+    assert "MultiWorkerMirroredStrategy(global_batch_size=5) uses 5 of the 8 devices" in text
+    assert "3 stay idle" in text and "global_batch_size=None" in text, text
+    caplog.clear()
+    spmd.MultiWorkerMirroredStrategy(global_batch_size=16)  # every device: nothing to say
+    assert "idle" not in caplog.text
 
 
 def test_unequal_blocks_are_fed_by_data_sharding_only():

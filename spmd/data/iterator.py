@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import jax
 import numpy as np
 
+from spmd.data import in_flight
 from spmd.data.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
 from spmd.data.prefetch import INLINE_S, HostCheck, Prefetcher
 from spmd.data.sources import HostBatch, with_mask
@@ -233,6 +234,7 @@ class DistributedIterator:
         cursor.batch += 1
         if cursor.global_batch_size is None:
             cursor.global_batch_size = batch_size
+        in_flight.note(self, element, batch_size)
         return element
 
     def get_state(self) -> dict:
@@ -264,6 +266,7 @@ class DistributedIterator:
         """Stops the prefetch thread; a later `next()` starts it again where the iterator is."""
         self._cursor.closed = True
         self._stop_source()
+        in_flight.clear(self)
 
     def _stop_source(self) -> None:
         source, self._source = self._source, None
@@ -300,6 +303,7 @@ class DistributedIterator:
     def _finish(self, exhausted: bool) -> None:
         self._stop_source()
         self._finished, self._cursor.exhausted = True, exhausted
+        in_flight.clear(self)
 
 
 def _device_batches(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd.data import in_flight
 from spmd.errors import ArgumentTypeError, ConfigurationError, enum_member, message, received
 from spmd.validate import is_integer
 
@@ -203,12 +205,42 @@ def compute_average_loss(
                 "pass the loss of each example, before taking its mean.",
             )
         )
+    padded = in_flight.padded()
+    if padded is not None and (global_batch_size is None or sample_weight is None):
+        warnings.warn(_padded_call(padded, global_batch_size, sample_weight), stacklevel=2)
     if sample_weight is not None:
         loss = (loss * _weights_like(jnp.asarray(sample_weight), loss)).astype(loss.dtype)
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * _replicas()
     _check_global_batch_size(global_batch_size)
     return jnp.sum(loss) / jnp.asarray(global_batch_size).astype(loss.dtype)
+
+
+def _padded_call(padded: in_flight.Padded, global_batch_size: Any, sample_weight: Any) -> str:
+    """Why a call without the mask or the real rows is wrong on a padding dataset's batch."""
+    wrong = []
+    if sample_weight is None:
+        wrong.append("without sample_weight the padded rows enter the sum")
+    if global_batch_size is None:
+        wrong.append(
+            f"without global_batch_size it divides by all {padded.rows} rows, padding included"
+        )
+    return message(
+        'On a padding dataset\'s batch (InputOptions(uneven_batch="pad") or '
+        'remainder="pad"), compute_average_loss takes the mask as sample_weight and the real '
+        "rows as global_batch_size, so that padded rows count in neither the sum nor the "
+        f"divisor: {'; '.join(wrong)}.",
+        received(
+            global_batch_size=global_batch_size,
+            sample_weight=None if sample_weight is None else "given",
+            batch_rows=padded.rows,
+            data_global_batch_size=padded.batch_size,
+        ),
+        "pass spmd.compute_average_loss(per_example_loss, global_batch_size="
+        f"{padded.batch_size}, sample_weight=mask): the global batch size you batch by (the "
+        "real rows of a partial last batch: jnp.sum(mask).astype(jnp.int32) in a global-view "
+        "step).",
+    )
 
 
 def _check_global_batch_size(size: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,15 @@ __all__ = [
     "TPUStrategy",
     "by_name",
 ]
+
+logger = logging.getLogger("spmd.strategy")
+_IDLE = (
+    "MultiWorkerMirroredStrategy(global_batch_size=%d) uses %d of the %d devices, the most "
+    "whose count divides the batch (every replica gets whole rows, nothing padded); %d stay "
+    "idle. To use them all, pass a global batch size that is a multiple of the device count, "
+    "or global_batch_size=None and let spmd pad the batch (the Trainer does; a custom loop "
+    'passes InputOptions(uneven_batch="pad")).'
+)
 
 
 class CommunicationImplementation(enum.Enum):
@@ -220,6 +230,9 @@ def _dividing_mesh(global_batch_size: int) -> Any:
     """`(host, replica)` over the most devices that divide the batch, or one `replica`
     axis where the processes hold unequal numbers of them."""
     devices = dividing_devices(jax.devices(), global_batch_size)
+    idle = jax.device_count() - len(devices)
+    if idle and jax.process_index() == 0:
+        logger.warning(_IDLE, global_batch_size, len(devices), jax.device_count(), idle)
     counts = {p: 0 for p in range(jax.process_count())}
     for device in devices:
         counts[device.process_index] += 1

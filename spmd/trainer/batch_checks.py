@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from spmd.errors import BatchError, message, received
+from spmd.rules import path_str
 from spmd.trainer.data import (
     BatchSpecs,
     check_label_range,
@@ -31,6 +33,7 @@ class BatchChecks:
         self.specs = BatchSpecs()
         self._checked: set = set()
         self._outputs: dict = {}  # first batches' shapes -> the model's outputs (abstract)
+        self._written: list[str] | None = None  # state the training pass writes (traced once)
 
     def check(
         self, trainer: Trainer, batch: tuple, what: str, first: bool, placed: bool = True
@@ -43,8 +46,9 @@ class BatchChecks:
 
         Raises:
           BatchError: a batch without rows, rows that do not split into the
-            microbatches, a padded batch for a model with BatchNorm statistics,
-            or (first batch) labels that do not fit the loss and the outputs.
+            microbatches, a padded batch for a model whose training pass writes
+            state (`written_state`), or (first batch) labels that do not fit
+            the loss and the outputs.
         """
         leaves, treedef = jax.tree.flatten(batch)
         try:  # arrays (the common case): their shape attribute, not np.shape's dispatch
@@ -55,6 +59,8 @@ class BatchChecks:
         if not first and signature in self._checked:
             return
         _check_form(trainer, batch, what, placed)
+        if what == "fit" and batch[3] is not None:
+            self._check_padded(trainer, batch)
         if len(self._checked) >= _CHECKED_SIZE:
             self._checked.clear()
         self._checked.add(signature)
@@ -87,28 +93,78 @@ class BatchChecks:
             self._outputs[key] = outputs
         check_label_range(trainer.loss_name, outputs, y, what)  # the values: every first batch
 
+    def _check_padded(self, trainer: Trainer, batch: tuple) -> None:
+        """Raises if the training pass writes state that padded rows would enter.
+
+        Raises:
+          BatchError: the forward pass in training mode writes a variable other
+            than a parameter or RNG state (BatchNorm statistics, a running mean,
+            a counter, a sown value), found by tracing it once.
+        """
+        if self._written is None:
+            self._written = written_state(trainer, batch[0])
+        if self._written:
+            raise BatchError(_padded_state(trainer, batch, self._written))
+
+
+def written_state(trainer: Trainer, x: Any) -> list[str]:
+    """The variables the training forward pass writes, besides parameters and RNG state.
+
+    One trace on the shapes of `x` (nothing runs): a variable the pass leaves
+    alone comes out as the very value it went in as; any other was written,
+    whatever it computed. RNG state (`nnx.RngState`: Dropout's key counts) is
+    left out: what it draws does not depend on the rows. Each as "path (Type)".
+    """
+    shapes = jax.tree.map(  # shapes only: the state may live in host memory
+        lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype),
+        (trainer.state["params"], trainer.state["rest"], x),
+    )
+    written: list[str] = []
+
+    def forward(params, rest, x):
+        new = trainer._forward(params, rest, x, True)[1]
+        before = _variables(rest)
+        for path, variable in _variables(new).items():
+            old = before.get(path)
+            if isinstance(variable, nnx.RngState):
+                continue
+            if old is None or variable.get_value() is not old.get_value():
+                written.append(f"{path} ({type(variable).__name__})")
+        return new
+
+    jax.eval_shape(forward, *shapes)
+    return written
+
+
+def _variables(tree: Any) -> dict[str, nnx.Variable]:
+    """The NNX variables of `tree` by their '/'-joined path."""
+    leaves = jax.tree_util.tree_leaves_with_path(
+        tree, is_leaf=lambda v: isinstance(v, nnx.Variable)
+    )
+    return {path_str(p): v for p, v in leaves if isinstance(v, nnx.Variable)}
+
 
 def _check_form(trainer: Trainer, batch: tuple, what: str, placed: bool) -> None:
-    """The checks of a batch's form (rows, microbatches, a mask with BatchNorm)."""
+    """The checks of a batch's form (rows, microbatches)."""
     check_rows(batch, what)
-    if what == "fit":
-        if placed:
-            replicas = trainer.strategy.num_replicas_in_sync
-            check_microbatches(batch, trainer.grad_accum_steps, replicas)
-        if batch[3] is not None and trainer._model.batch_stats:
-            raise BatchError(_padded_batch_stats(trainer, batch))
+    if what == "fit" and placed:
+        replicas = trainer.strategy.num_replicas_in_sync
+        check_microbatches(batch, trainer.grad_accum_steps, replicas)
 
 
-def _padded_batch_stats(trainer: Trainer, batch: tuple) -> str:
-    """Why a model with BatchNorm statistics cannot train on a padded batch, and the ways out."""
+def _padded_state(trainer: Trainer, batch: tuple, written: list[str]) -> str:
+    """Why a model whose training pass writes state cannot train on a padded batch, and the
+    ways out."""
     rows = np.shape(jax.tree.leaves(batch[0])[0])[0]
     return message(
-        "Training on padded batches needs a model without BatchNorm statistics: the mask keeps "
-        "the padding out of the loss, but the padded rows would enter the batch statistics. "
-        "Batches are padded where the last batch is partial (remainder='pad'), or where the "
-        "global batch does not split evenly over the replicas (x grad_accum_steps).",
+        "Training on padded batches needs a model whose training pass writes no state but its "
+        "parameters (and RNG state): the mask keeps the padding out of the loss and the "
+        "gradients, but the padded rows would enter the variables the forward pass writes "
+        "(BatchNorm statistics, a running mean, a counter of rows). Batches are "
+        "padded where the last batch is partial (remainder='pad'), or where the global batch "
+        "does not split evenly over the replicas (x grad_accum_steps).",
         received(
-            model_has_batch_stats=True,
+            written_variables=written,
             batch_rows=rows,
             num_replicas_in_sync=trainer.strategy.num_replicas_in_sync,
             grad_accum_steps=trainer.grad_accum_steps,

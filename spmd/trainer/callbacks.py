@@ -498,18 +498,22 @@ class BackupAndRestore(Callback):
         state, step = self.manager.restore_newest(trainer.state, data=trainer.dataset)
         self.restored_step = step
         if step is not None:
+            meta = self.manager.metadata(step)
             trainer.state = state
-            trainer.epoch = int(self.manager.metadata(step)["epoch"])
+            trainer.epoch = int(meta["epoch"])
             trainer.iterations = step
+            trainer._pass_ended = bool(meta.get("pass_ended", False))
         self._saves = trainer.iterations // interval
 
-    def _save(self, epoch: int, force: bool) -> None:
+    def _save(self, epoch: int, force: bool, pass_ended: bool = False) -> None:
+        """Backs up at `epoch`; `pass_ended`: the epoch's data is read to its end, so the
+        saved position is the next pass's start and the resumed epoch reads no batch."""
         trainer = self.trainer
         self.manager.save(
             trainer.iterations,
             trainer.state,
             data=trainer.dataset,
-            metadata={"epoch": epoch},
+            metadata={"epoch": epoch, "pass_ended": pass_ended},
             force=force,
         )
 
@@ -520,7 +524,8 @@ class BackupAndRestore(Callback):
         if isinstance(self.save_freq, int):
             done = self.trainer.iterations // self.save_freq
             crossed, self._saves = done > self._saves, max(done, self._saves)
-        self._save(self.trainer.epoch, force=crossed)  # or at a preemption
+        trainer = self.trainer
+        self._save(trainer.epoch, force=crossed, pass_ended=trainer._pass_ended)  # or preempted
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.save_freq == "epoch":

@@ -28,7 +28,6 @@ class Model:
     apply: Callable[[Any, Any, jax.Array, bool], tuple[jax.Array, Any]]
     module: nnx.Module | None
     graph: Any = None  # what `rest` and `params` are the state of: the module, and its rngs
-    batch_stats: bool = False  # the module has nnx.BatchStat variables (BatchNorm)
 
 
 _TRAIN_VIEW = {"deterministic": False, "use_running_average": False}
@@ -68,7 +67,6 @@ def _wrap_module(model: nnx.Module, seed: int, rngs: nnx.Rngs | None) -> Model:
     }
     graphdefs = {t: nnx.split(v, nnx.Param, ...)[0] for t, v in views.items()}
     _, params, rest = nnx.split(model, nnx.Param, ...)
-    stats = bool(jax.tree.leaves(nnx.state(model, nnx.BatchStat)))
     if not takes_rngs:
 
         def apply(params, rest, x, training):
@@ -76,7 +74,7 @@ def _wrap_module(model: nnx.Module, seed: int, rngs: nnx.Rngs | None) -> Model:
             live = nnx.merge(graphdefs[training], params, rest, copy=True)
             return live(x), nnx.split(live, nnx.Param, ...)[2]
 
-        return Model(params, rest, apply, model, model, stats)
+        return Model(params, rest, apply, model, model)
 
     rngs = rngs or nnx.Rngs(seed)
     rngs_def, rngs_state = nnx.split(rngs)
@@ -88,7 +86,7 @@ def _wrap_module(model: nnx.Module, seed: int, rngs: nnx.Rngs | None) -> Model:
         return out, {"model": nnx.split(live, nnx.Param, ...)[2], "rngs": nnx.state(live_rngs)}
 
     rest = {"model": rest, "rngs": rngs_state}
-    return Model(params, rest, apply_rngs, model, (model, rngs), stats)
+    return Model(params, rest, apply_rngs, model, (model, rngs))
 
 
 NAN_LOSS, NAN_UPDATE = 1, 2  # what made a step non-finite (`first_nan`)

@@ -171,6 +171,9 @@ class Trainer:
         self._steps: dict[str, Any] = {}
         self._epoch_start = 0
         self._iterator: Any = None  # fit's iterator over self.dataset, across epochs
+        # This epoch's pass over the data has ended: fit read past its last batch, so the
+        # data position is already the next pass's start (BackupAndRestore saves it).
+        self._pass_ended = False
         self._fit_first = True
         self._checks = BatchChecks()
         self._nan_read = 0.0  # when fit last read the NaN flag (time.monotonic)
@@ -318,8 +321,10 @@ class Trainer:
         out, _ = self._forward(state["params"], state["rest"], x, False)
         return self._sums(out, y, real, weights, self.loss_fn(out, y))
 
-    def _predict_step(self, state, x, *_):
-        return self._forward(state["params"], state["rest"], x, False)[0]
+    def _predict_step(self, state, x, mask=None):
+        """The outputs and the padding mask, replicated (as a step's outputs come back): every
+        process holds every row, whichever process's devices computed it."""
+        return self._forward(state["params"], state["rest"], x, False)[0], mask
 
     def _step(self, name: str):
         if name not in self._steps:
@@ -461,15 +466,19 @@ class Trainer:
         """Runs the epochs from `self.epoch` to `epochs` (or until stop_training)."""
         logs: dict = {}
         self._fit_first = True
-        before = self.iterations
+        before, self._pass_ended = self.iterations, False
         hooks.on_train_begin()
         # A backup (BackupAndRestore) taken at an epoch's last batch resumes in that
         # epoch with no batch left: its end (metrics, validation, hooks) still runs.
+        # One taken after the pass ended (a last call of fewer than steps_per_execution
+        # batches reads past the end) reads nothing more: its position is the next pass's.
         resumed = self.iterations != before
         while self.epoch < epochs and not self.stop_training:
             hooks.on_epoch_begin(self.epoch)
             self._epoch_start = self.iterations
-            if self._run_epoch(hooks, steps_per_epoch) == 0 and not resumed:
+            ran = 0 if self._pass_ended else self._run_epoch(hooks, steps_per_epoch)
+            self._pass_ended = False
+            if ran == 0 and not resumed:
                 raise BatchError(
                     message(
                         f"Epoch {self.epoch} received no batch: the data ran out.",
@@ -504,6 +513,7 @@ class Trainer:
             ):
                 batch = self._next_batch(cycle=steps_per_epoch is not None)
                 if batch is None:
+                    self._pass_ended = steps_per_epoch is None
                     break
                 batch = train_args(batch, "fit")
                 self._check_batch(batch, "fit", first=self._fit_first)
@@ -634,9 +644,9 @@ class Trainer:
             hooks.on_predict_batch_begin(index)
             elements, mask = split_batch(batch)
             check_rows(elements[0], "predict")
-            out = jax.tree.map(np.asarray, step(self.state, elements[0]))
+            out, mask = jax.device_get(step(self.state, elements[0], mask))
             if mask is not None:  # a padded batch: keep the real rows
-                keep = np.asarray(mask) > 0
+                keep = mask > 0
                 out = jax.tree.map(lambda o, keep=keep: o[keep], out)
             rows.append(out)
             hooks.on_predict_batch_end(index, {"outputs": out})

@@ -1,7 +1,7 @@
 """Trainer.fit of an elastic job: a global batch of 6, Dropout, BackupAndRestore every batch.
 
 Usage: python elastic_trainer_worker.py BACKUP_DIR OUT.npz [--fail-when K:P ...] [--devices D]
-                                       [--dividing]
+                                       [--dividing] [--steps-per-execution K]
 
 Every process joins (spmd launch's variables), then fits a small classifier
 with Dropout under MultiWorkerMirroredStrategy on (x, y) arrays: 36 examples,
@@ -11,7 +11,8 @@ process kill itself (SIGKILL) once `trainer.iterations` reaches K when the job
 has exactly P processes: a host lost for good. With --dividing the model
 normalizes its hidden layer with BatchNorm, which padding cannot serve, and the
 strategy takes the most devices that divide the batch
-(MultiWorkerMirroredStrategy(global_batch_size=6)).
+(MultiWorkerMirroredStrategy(global_batch_size=6)). --steps-per-execution K runs
+K batches a call (the last call of an epoch is short where K does not divide 6).
 
 The model counts the examples it trains on: a parameter `seen` (one entry per
 example) enters each example's loss as `seen[id]`, so its gradient is the
@@ -31,6 +32,7 @@ parser.add_argument("out")
 parser.add_argument("--devices", type=int, default=None)
 parser.add_argument("--fail-when", action="append", default=[], help="STEP:PROCESSES")
 parser.add_argument("--dividing", action="store_true", help="BatchNorm, devices that divide")
+parser.add_argument("--steps-per-execution", type=int, default=1)
 args = parser.parse_args()
 fail_when = {tuple(int(n) for n in when.split(":")) for when in args.fail_when}
 
@@ -109,7 +111,9 @@ optimizer = optax.multi_transform(
 strategy = spmd.MultiWorkerMirroredStrategy(global_batch_size=BATCH if args.dividing else None)
 say("mesh", replicas=strategy.num_replicas_in_sync)
 with strategy.scope():  # the model's parameters are made over every process's devices
-    trainer = spmd.Trainer(Net(nnx.Rngs(0)), optimizer, loss)
+    trainer = spmd.Trainer(
+        Net(nnx.Rngs(0)), optimizer, loss, steps_per_execution=args.steps_per_execution
+    )
 callbacks = [spmd.callbacks.BackupAndRestore(args.backup_dir, save_freq=1), Report()]
 trainer.fit((x, y), batch_size=BATCH, epochs=EPOCHS, callbacks=callbacks, verbose=0)
 params = jax.tree.map(np.asarray, trainer.host_state()["params"])

@@ -158,6 +158,25 @@ def test_fit_with_a_global_batch_of_6_on_3_then_2_then_1_processes_equals_one_de
     _assert_fit_as_oracle(out, events, one_device_fit())
 
 
+def test_fit_resumed_after_a_short_last_call_of_an_epoch_on_fewer_processes_equals_one_device(
+    tmp_path, one_device_fit, capfd
+):
+    """steps_per_execution=4 over 6 batches an epoch: calls end at iterations 4, 6 (a short
+    call, which reads past the data's end), 10, 12, ... 2 processes lose one at iteration 10,
+    whose backup never completes: the one left resumes from the backup of iteration 6, the
+    end of epoch 0, and trains epochs 1 and 2 only, as one device does."""
+    out, spe = tmp_path / "final.npz", ("--steps-per-execution", "4")
+    command = _fit_command(tmp_path / "backup", out, *spe, "--fail-when", "10:2")
+    code = launch(command, 2, 2, max_restarts=0, min_processes=1, timeout=240, env=child_env())
+    output, errors = capfd.readouterr()
+    assert code == 0, output + errors
+    events = _events(output)
+    starts = [(e["processes"], e["step"]) for e in events if e["event"] == "start"]
+    assert starts == [(2, 0), (1, 6)], starts
+    assert [e["step"] for e in events if e["event"] == "done"] == [18], events
+    _assert_fit_as_oracle(out, events, one_device_fit(*spe))
+
+
 def test_fit_with_batchnorm_over_the_devices_that_divide_the_batch_shrinks_to_the_oracle(
     tmp_path, one_device_fit, capfd
 ):
