@@ -1,5 +1,6 @@
 """SidecarEvaluator in one process: each checkpoint fit writes, evaluated exactly, on any device count."""
 
+import functools
 import json
 import logging
 import shutil
@@ -47,6 +48,9 @@ def damage_values(step_dir):
             path.write_bytes(bytes(data))
 
 
+# The runs here are never resumed: each evaluator ends as soon as it has evaluated the final step.
+_sidecar = functools.partial(spmd.SidecarEvaluator, final_grace=0)
+
 VAL = _data(77, 1)  # 77 rows: the last batch of 32 is padded, and must not count
 
 
@@ -87,7 +91,7 @@ def _oracle(state):
 def test_each_step_is_evaluated_as_evaluate_does_on_one_device(trained, tmp_path):
     directory, saved = trained
     assert spmd.CheckpointManager(directory, read_only=True).final_step() == 9
-    evaluator = spmd.SidecarEvaluator(
+    evaluator = _sidecar(
         _trainer(_one_device()),
         VAL,
         str(directory),
@@ -115,7 +119,7 @@ def test_each_step_is_evaluated_as_evaluate_does_on_one_device(trained, tmp_path
 
 def test_an_evaluator_on_eight_devices_and_a_steps_limit(trained):
     directory, saved = trained
-    history = spmd.SidecarEvaluator(
+    history = _sidecar(
         _trainer(spmd.MirroredStrategy()), VAL, str(directory), steps=1, batch_size=32
     ).start()
     first_batch = (VAL[0][:32], VAL[1][:32])
@@ -129,7 +133,7 @@ def test_an_evaluator_on_eight_devices_and_a_steps_limit(trained):
 
 def test_max_evaluations(trained):
     directory, _ = trained
-    evaluator = spmd.SidecarEvaluator(
+    evaluator = _sidecar(
         _trainer(_one_device()), VAL, str(directory), max_evaluations=2, batch_size=32
     )
     assert list(evaluator.start()) == [3, 6]
@@ -141,7 +145,7 @@ def _evaluate_copy(trained, tmp_path, caplog, damage, callbacks=()):
     shutil.copytree(directory, copy)
     damage(copy)
     with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
-        return spmd.SidecarEvaluator(
+        return _sidecar(
             _trainer(_one_device()), VAL, str(copy), callbacks=callbacks, batch_size=32
         ).start()
 
@@ -262,7 +266,7 @@ def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):
         callbacks=[spmd.callbacks.ModelCheckpoint(str(tmp_path / "ckpt"), save_freq=1)],
     )
     (tmp_path / "ckpt" / "spmd-final-step.json").unlink()  # as if the run went on
-    evaluator = spmd.SidecarEvaluator(
+    evaluator = _sidecar(
         _trainer(_one_device()),
         VAL,
         str(tmp_path / "ckpt"),
@@ -273,10 +277,74 @@ def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
         assert list(evaluator.start()) == [1, 2]
     assert "(timeout)" in caplog.text
-    missing = spmd.SidecarEvaluator(
+    missing = _sidecar(
         _trainer(_one_device()), VAL, str(tmp_path / "none-yet"), batch_size=32, timeout=0.2
     )
     assert missing.start() == {} and not (tmp_path / "none-yet").exists()
+
+
+class _Between:
+    """`sidecar.time` whose first pause (the evaluator waiting) runs `work`: what the training
+    job does while the evaluator waits."""
+
+    monotonic = staticmethod(time.monotonic)
+
+    def __init__(self, work):
+        self.work = work
+
+    def sleep(self, seconds):
+        work, self.work = self.work, None
+        if work is not None:
+            work()
+        time.sleep(seconds)
+
+
+def test_a_second_fit_call_goes_on_past_the_first_ones_final_step(tmp_path, monkeypatch):
+    """Keras' two fit() calls with one ModelCheckpoint (a warm-up, then more epochs): the first
+    fit marks its last step final; the evaluator waits out its grace, and the second fit
+    takes the mark away, saves on and marks its own last step."""
+    directory = str(tmp_path / "ckpt")
+    trainer = _trainer(_one_device())
+    checkpoint = spmd.callbacks.ModelCheckpoint(directory, save_freq=2, max_to_keep=None)
+    fit = functools.partial(
+        trainer.fit, _data(64, 0), batch_size=16, verbose=0, shuffle=False, callbacks=[checkpoint]
+    )
+    fit(epochs=1)
+    monkeypatch.setattr(sidecar, "time", _Between(lambda: fit(epochs=2, initial_epoch=1)))
+    evaluator = spmd.SidecarEvaluator(
+        _trainer(_one_device()), VAL, directory, batch_size=32, poll_interval=0.05, final_grace=1
+    )
+    assert list(evaluator.start()) == [2, 4, 6, 8]
+
+
+def test_a_resumed_run_keeps_the_evaluator_going_from_before_its_first_save(tmp_path, monkeypatch):
+    """A finished run resumed for more epochs (BackupAndRestore) with an evaluator started
+    beside it: the old run's final mark goes when the resumed run opens the directory, long
+    before its first save, so the evaluator's grace never runs out on it."""
+    directory = str(tmp_path / "ckpt")
+    backup = lambda: spmd.callbacks.BackupAndRestore(  # noqa: E731
+        directory, save_freq=4, delete_checkpoint=False
+    )
+
+    class Slow(spmd.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.4)  # the first save comes 1.6 s after the directory was opened
+
+    def fit(epochs, callbacks):
+        trainer = _trainer(_one_device())
+        trainer.fit(_data(64, 0), batch_size=16, epochs=epochs, verbose=0, callbacks=callbacks)
+
+    fit(1, [backup()])
+    resumed = threading.Thread(target=fit, args=(3, [backup(), Slow()]))
+    monkeypatch.setattr(sidecar, "time", _Between(resumed.start))
+    evaluator = spmd.SidecarEvaluator(
+        _trainer(_one_device()), VAL, directory, batch_size=32, poll_interval=0.05, final_grace=1
+    )
+    try:
+        history = evaluator.start()
+    finally:
+        resumed.join(timeout=120)
+    assert list(history) == [4, 8, 12]
 
 
 def test_the_optimizer_and_metrics_may_differ_from_trainings(trained):
@@ -285,7 +353,7 @@ def test_the_optimizer_and_metrics_may_differ_from_trainings(trained):
     other = spmd.Trainer(
         MLP(nnx.Rngs(1)), optax.sgd(0.1), "sparse_categorical_crossentropy", strategy=_one_device()
     )
-    history = spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32).start()
+    history = _sidecar(other, VAL, str(directory), batch_size=32).start()
     assert list(history) == [3, 6, 9] and list(history[9]) == ["loss"]
     np.testing.assert_allclose(history[6]["loss"], _oracle(saved[6])["loss"], rtol=1e-6)
 
@@ -324,7 +392,7 @@ def test_a_checkpoint_of_another_model_is_an_error_naming_the_leaves(trained, mo
     directory, _ = trained
     loss = "sparse_categorical_crossentropy"
     if bare:
-        evaluator = spmd.SidecarEvaluator(
+        evaluator = _sidecar(
             model(nnx.Rngs(0)),
             VAL,
             str(directory),
@@ -334,7 +402,7 @@ def test_a_checkpoint_of_another_model_is_an_error_naming_the_leaves(trained, mo
         )
     else:
         other = spmd.Trainer(model(nnx.Rngs(0)), optax.adam(1e-2), loss, strategy=_one_device())
-        evaluator = spmd.SidecarEvaluator(other, VAL, str(directory), batch_size=32)
+        evaluator = _sidecar(other, VAL, str(directory), batch_size=32)
     with pytest.raises(spmd.CheckpointError, match=match):
         evaluator.start()
     assert evaluator.history == {}  # nothing evaluated with a part of the weights
@@ -344,7 +412,7 @@ def test_a_dataset_that_never_ends_needs_steps(trained):
     tf = pytest.importorskip("tensorflow")
     directory, saved = trained
     endless = tf.data.Dataset.from_tensor_slices(VAL).batch(32).repeat()
-    make = lambda steps: spmd.SidecarEvaluator(  # noqa: E731
+    make = lambda steps: _sidecar(  # noqa: E731
         MLP(nnx.Rngs(0)),
         endless,
         str(directory),
@@ -374,15 +442,13 @@ def test_a_dataset_that_never_ends_needs_steps(trained):
 )
 def test_bad_arguments_are_clear_errors(tmp_path, kwargs, match):
     with pytest.raises(spmd.ConfigurationError, match=match):
-        spmd.SidecarEvaluator(
-            _trainer(_one_device()), VAL, **{"checkpoint_dir": str(tmp_path), **kwargs}
-        )
+        _sidecar(_trainer(_one_device()), VAL, **{"checkpoint_dir": str(tmp_path), **kwargs})
 
 
 def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
     batches = iter([(VAL[0][:32], VAL[1][:32])])
     with pytest.raises(spmd.ConfigurationError, match="(?s)anew for every checkpoint"):
-        spmd.SidecarEvaluator(_trainer(_one_device()), batches, str(tmp_path))
+        _sidecar(_trainer(_one_device()), batches, str(tmp_path))
 
 
 def test_a_bare_model_with_loss_and_metrics_is_evaluated_as_keras_does(trained, tmp_path):
@@ -396,7 +462,7 @@ def test_a_bare_model_with_loss_and_metrics_is_evaluated_as_keras_does(trained, 
         def on_test_end(self, logs=None):
             seen.append((self.trainer.iterations, int(self.trainer.state["step"])))
 
-    evaluator = spmd.SidecarEvaluator(
+    evaluator = _sidecar(
         model,
         VAL,
         str(directory),
@@ -426,7 +492,7 @@ def test_a_bare_model_with_loss_and_metrics_is_evaluated_as_keras_does(trained, 
 
 def test_a_bare_model_without_a_loss_is_a_clear_error_saying_what_to_pass(tmp_path):
     with pytest.raises(spmd.ConfigurationError) as error:
-        spmd.SidecarEvaluator(MLP(nnx.Rngs(0)), VAL, str(tmp_path))
+        _sidecar(MLP(nnx.Rngs(0)), VAL, str(tmp_path))
     text = str(error.value)
     assert "Received: model_or_trainer='MLP', loss=None" in text
     assert 'loss="sparse_categorical_crossentropy"' in text and "metrics=" in text
@@ -447,7 +513,7 @@ def test_a_bare_model_without_a_loss_is_a_clear_error_saying_what_to_pass(tmp_pa
 def test_what_is_not_a_model_or_a_trainer_alone_is_a_clear_error(tmp_path, value, kwargs, match):
     value = _trainer(_one_device()) if value == "trainer" else value
     with pytest.raises(spmd.ConfigurationError, match=match):
-        spmd.SidecarEvaluator(value, VAL, str(tmp_path), **kwargs)
+        _sidecar(value, VAL, str(tmp_path), **kwargs)
 
 
 @pytest.mark.slow
@@ -473,7 +539,7 @@ def test_an_evaluator_racing_a_writer_that_keeps_one_step(tmp_path):
     writer = threading.Thread(target=train)
     writer.start()
     try:
-        history = spmd.SidecarEvaluator(
+        history = _sidecar(
             _trainer(_one_device()),
             VAL,
             str(directory),

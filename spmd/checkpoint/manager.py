@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -159,15 +160,26 @@ class CheckpointManager:
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
-        self._maybe_final = True  # a final-step marker may be there (an ended run's)
+        self._maybe_final = False  # this writer marked a final step (a later save clears it)
+        self._session = final.new_session()  # names this writer in the markers it writes
         self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
             store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
             self._store = make_store(self._root, *store)
+            self._hold = self._hold_final()
         except BaseException:
             self._lock.release()
             raise
         self._closed = False
+
+    def _hold_final(self) -> final.Hold | None:
+        """A writer takes an ended run's final-step marker away while it holds the directory
+        (process 0; see spmd/checkpoint/final.py); put back at close or exit if it saved nothing."""
+        if self.read_only or jax.process_index() != 0:
+            return None
+        hold = final.Hold(self.directory, self._session)
+        self._release_hold = weakref.finalize(self, hold.release)
+        return hold
 
     # -- what is there ----------------------------------------------------------
 
@@ -201,7 +213,8 @@ class CheckpointManager:
     def final_step(self) -> int | None:
         """The step the training run marked as its last (`mark_final`), or None while it runs."""
         forget_listings(self.directory)  # the writer may be another process
-        return final.read(self.directory)
+        mark = final.read(self.directory)
+        return None if mark is None else mark.step
 
     def mark_final(self, step: int | None = None) -> int:
         """Marks `step` (the latest by default) as the run's last checkpoint; every process calls it.
@@ -209,7 +222,9 @@ class CheckpointManager:
         Waits for saves in flight first. Readers (`read_only=True`, a
         `SidecarEvaluator`) then know the run has ended: an evaluator stops
         once it has evaluated this step. `Trainer.fit`'s `ModelCheckpoint`
-        calls it when fit ends. A later `save` removes the mark (the run goes on).
+        calls it when fit ends. A later `save` removes the mark (the run goes
+        on), and so does the next writer that opens the directory (a second
+        fit, a resumed run) until it closes having saved nothing.
 
         Returns:
           The step marked.
@@ -222,7 +237,7 @@ class CheckpointManager:
         self.wait()
         step = final.check(step, self.all_steps(), self.directory)
         if jax.process_index() == 0:
-            final.write(self.directory, step)
+            final.write(self.directory, step, self._session)
         self._maybe_final = True
         guard.agree("mark_final", step, self._timeout)
         return step
@@ -291,8 +306,10 @@ class CheckpointManager:
         guard.check_newer_steps(step, folders, self.directory)
         guard.check_no_file(step, self._store.step_dir(step))
         if self._maybe_final and jax.process_index() == 0:
-            final.clear(self.directory)  # the run goes on past its marked last step
-        self._maybe_final = False  # the writer holds the directory: no one else marks it
+            final.clear(self.directory)  # the run goes on past the step it marked
+        self._maybe_final = False
+        if self._hold is not None:
+            self._hold.saved = True  # the marker it took away stays away
         arrays, keys = ct.to_saveable(_leaves(state))
         position = guard.every_pipeline(_position(data), self._timeout)
         # The checksums run on the devices beside Orbax's writes; the record is sealed and
@@ -556,6 +573,8 @@ class CheckpointManager:
         try:
             self._finish(self._store.close)
         finally:
+            if self._hold is not None:
+                self._release_hold()  # before the lock: no other writer comes between
             self._lock.release()
             self._watcher.close()
 

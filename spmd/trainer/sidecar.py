@@ -13,16 +13,17 @@ import jax
 import optax
 from flax import nnx
 
-from spmd.checkpoint import guard
+from spmd.checkpoint import final, guard
 from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.manager import CheckpointManager
+from spmd.checkpoint.store import forget_listings
 from spmd.errors import CheckpointError, ConfigurationError, message, received
 from spmd.strategy.base import Strategy
 from spmd.trainer.callbacks import Callback, CallbackList
 from spmd.trainer.losses import Metric
 from spmd.trainer.tensorboard import TensorBoard
 from spmd.trainer.trainer import Trainer
-from spmd.validate import positive_int, positive_number
+from spmd.validate import non_negative_number, positive_int, positive_number
 
 __all__ = ["SidecarEvaluator"]
 
@@ -48,9 +49,12 @@ class SidecarEvaluator:
     checksums fail) or that the writer's `max_to_keep` removed before it
     could be read is skipped, with a log line. `start` ends after the step
     the training run marked as its last (`ModelCheckpoint` marks it when
-    `fit` ends; a custom loop calls `CheckpointManager.mark_final()`), after
-    `max_evaluations` evaluations, or after `timeout` seconds without a new
-    step.
+    `fit` ends; a custom loop calls `CheckpointManager.mark_final()`), once
+    that mark has stayed for `final_grace` seconds; after `max_evaluations`
+    evaluations; or after `timeout` seconds without a new step. A run that
+    goes on (a second `fit` call, a resumed run) takes the mark away when it
+    opens the directory, before its first save: the grace is the time it has
+    to start.
 
     Args:
       model_or_trainer: the training job's model (the same module class and
@@ -91,6 +95,11 @@ class SidecarEvaluator:
       poll_interval: seconds between looks at the directory (at most 600).
       timeout: stop after this many seconds without a new step (None: wait
         for the run's final step).
+      final_grace: seconds the run's final-step mark must stay, unchanged,
+        after the marked step was evaluated, before `start` ends: the time a
+        job that calls `fit` again, or a run resumed beside the evaluator,
+        has to open the directory (0: end at once, for a run that is never
+        resumed).
 
     Raises:
       ConfigurationError: a bare model without `loss`, a Trainer with
@@ -120,6 +129,7 @@ class SidecarEvaluator:
         batch_size: int | None = None,
         poll_interval: float = 1.0,
         timeout: float | None = None,
+        final_grace: float = 60.0,
     ) -> None:
         self.trainer = _as_trainer(model_or_trainer, loss, metrics, strategy)
         self.data, self.batch_size = _check_data(data), batch_size
@@ -128,6 +138,7 @@ class SidecarEvaluator:
         self.max_evaluations = _optional_count(max_evaluations, "max_evaluations", "evaluations")
         self.poll_interval = _check_poll(poll_interval)
         self.timeout = None if timeout is None else positive_number(timeout, "timeout")
+        self.final_grace = _check_grace(final_grace)
         self.callbacks = list(callbacks) + ([TensorBoard(log_dir)] if log_dir else [])
         self.history: dict[int, dict[str, float]] = {}
 
@@ -168,11 +179,13 @@ class SidecarEvaluator:
 
     def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:
         done, last_new = -1, time.monotonic()
+        ending = _Ending(self.final_grace)
         while True:
-            final = _agreed(reader.final_step(), "final_step")  # before the listing: see below
-            steps = [s for s in _agreed(reader.all_steps(), "all_steps") if s > done]
-            _log_damaged(reader, steps, done)
-            for step in steps:
+            mark = _agreed_mark(reader)  # before the listing: see below
+            steps = _agreed(reader.all_steps(), "all_steps")
+            new = [s for s in steps if s > done]
+            _log_damaged(reader, new, done)
+            for step in new:
                 metrics = self._evaluate(reader, dataset, hooks, step)
                 done = step
                 if metrics is not None:
@@ -180,11 +193,11 @@ class SidecarEvaluator:
                     if self.max_evaluations and len(self.history) >= self.max_evaluations:
                         _log.info("evaluated %d steps (max_evaluations): done", len(self.history))
                         return
-            last_new = time.monotonic() if steps else last_new
+            last_new = time.monotonic() if new else last_new
             # The run marks its final step after its last save committed, so a listing
             # made after reading the mark holds every step the run wrote.
-            if final is not None:
-                _log.info("the training run ended at step %d: done", final)
+            if ending.ended(mark, steps, done):
+                _log.info("the training run ended at step %d: done", mark.step)
                 return
             waited = time.monotonic() - last_new
             if self.timeout is not None and _agreed(waited >= self.timeout, "timeout"):
@@ -222,6 +235,41 @@ class SidecarEvaluator:
         shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
         _log.info("checkpoint step %d: %s", step, shown)
         return metrics
+
+
+class _Ending:
+    """When a final-step marker ends the evaluation: the marked step is the newest and has
+    been evaluated (or skipped), and the same marker (step and writer) stayed there for
+    `grace` seconds. A resumed run, or a second `fit`, takes the marker away when it opens
+    the directory, before its first step: the grace covers the time it takes to start."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.seen: final.Mark | None = None  # the marker looked at, unchanged, since `since`
+        self.since = 0.0
+
+    def ended(self, mark: final.Mark | None, steps: list[int], done: int) -> bool:
+        if mark is None or done < mark.step or (steps and steps[-1] > mark.step):
+            self.seen = None
+            return False
+        now = time.monotonic()
+        if mark != self.seen:
+            self.seen, self.since = mark, now
+            if self.grace > 0:
+                _log.info(
+                    "the training run marked step %d as its last: ending in %.0f s unless it "
+                    "goes on (final_grace)",
+                    mark.step,
+                    self.grace,
+                )
+        return now - self.since >= self.grace
+
+
+def _agreed_mark(reader: CheckpointManager) -> final.Mark | None:
+    """The final-step marker, as process 0 sees it."""
+    forget_listings(reader.directory)  # the writer is another process
+    mark = _agreed(final.read(reader.directory), "final_step")
+    return None if mark is None else final.Mark(*mark)
 
 
 def _log_damaged(reader: CheckpointManager, steps: list[int], done: int) -> None:
@@ -357,6 +405,11 @@ def _optional_count(value: Any, name: str, what: str) -> int | None:
     if value is None:
         return None
     return positive_int(value, name, fix=f"pass a number of {what} >= 1, or None for no limit.")
+
+
+def _check_grace(value: Any) -> float:
+    fix = "pass the seconds a resumed run may take to open the directory, e.g. final_grace=60."
+    return non_negative_number(value, "final_grace", fix=fix)
 
 
 def _check_poll(value: Any) -> float:
