@@ -490,6 +490,36 @@ def test_a_bare_model_with_loss_and_metrics_is_evaluated_as_keras_does(trained, 
     assert ("evaluation_loss_vs_iterations", 3) in tags
 
 
+def test_the_model_given_holds_each_checkpoints_weights_as_it_is_evaluated(trained):
+    """Keras loads each checkpoint into the model it was given: the module passed in holds
+    the weights of the step being evaluated (callbacks see them), then of the last one."""
+    directory, saved = trained
+    model = MLP(nnx.Rngs(1))
+    seen = {}
+
+    def kernel(state):
+        value = state["params"]["hidden"]["kernel"]
+        return np.asarray(value.get_value() if hasattr(value, "get_value") else value)
+
+    class Weights(spmd.callbacks.Callback):
+        def on_test_begin(self, logs=None):
+            seen[self.trainer.iterations] = np.asarray(model.hidden.kernel[...])
+
+    _sidecar(
+        model,
+        VAL,
+        str(directory),
+        loss="sparse_categorical_crossentropy",
+        strategy=_one_device(),
+        callbacks=[Weights()],
+        batch_size=32,
+    ).start()
+    np.testing.assert_array_equal(np.asarray(model.hidden.kernel[...]), kernel(saved[9]))
+    assert list(seen) == [3, 6, 9]
+    for step, weights in seen.items():
+        np.testing.assert_array_equal(weights, kernel(saved[step]))
+
+
 def test_a_bare_model_without_a_loss_is_a_clear_error_saying_what_to_pass(tmp_path):
     with pytest.raises(spmd.ConfigurationError) as error:
         _sidecar(MLP(nnx.Rngs(0)), VAL, str(tmp_path))

@@ -62,8 +62,9 @@ class SidecarEvaluator:
         checkpoint, never the optimizer state), as Keras takes a compiled
         model: a flax `nnx.Module` or an (init, apply) pair, with `loss` and
         `metrics`; or a `spmd.Trainer` of it, which brings its own loss,
-        metrics and strategy. Each checkpoint replaces the model's
-        parameters: give the evaluator a model (or Trainer) of its own.
+        metrics and strategy. Each checkpoint is loaded into the model, in
+        place, before it is evaluated (as Keras does): give the evaluator a
+        model (or Trainer) of its own.
       data: the evaluation data, as `Trainer.evaluate` takes it (arrays with
         `batch_size`, or a re-iterable of batches): read anew for each step.
       checkpoint_dir: the training job's checkpoint directory (e.g. its
@@ -228,6 +229,7 @@ class SidecarEvaluator:
             raise
         trainer.state = {**trainer.state, **model}
         trainer.iterations = step
+        _load_into_model(trainer)
         hooks.on_test_begin()
         batches = dataset if self.steps is None else _first(dataset, self.steps)
         metrics = trainer._evaluate_dataset(batches, "SidecarEvaluator")
@@ -235,6 +237,12 @@ class SidecarEvaluator:
         shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
         _log.info("checkpoint step %d: %s", step, shown)
         return metrics
+
+
+def _load_into_model(trainer: Trainer) -> None:
+    """Puts the restored weights into the model the evaluator was given, in place, as Keras'
+    evaluator loads each checkpoint into its model (`Trainer.model` updates the module)."""
+    trainer.model  # noqa: B018 - reading the property writes the state into the module
 
 
 class _Ending:
