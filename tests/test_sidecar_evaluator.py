@@ -347,6 +347,33 @@ def test_a_resumed_run_keeps_the_evaluator_going_from_before_its_first_save(tmp_
     assert list(history) == [4, 8, 12]
 
 
+def test_it_says_where_it_waits_when_a_wait_begins_and_while_it_lasts(
+    tmp_path, caplog, monkeypatch
+):
+    """Keras logs "Waiting for new checkpoint at <dir>" (INFO); a long wait is logged again."""
+    monkeypatch.setattr(sidecar, "_WAIT_LOG_S", 0.2)
+    directory = str(tmp_path / "not-yet")
+    evaluator = _sidecar(
+        _trainer(_one_device()), VAL, directory, batch_size=32, timeout=0.7, poll_interval=0.05
+    )
+    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+        assert evaluator.start() == {}
+    assert caplog.text.count(f"Waiting for new checkpoint at {directory}") == 1
+    assert caplog.text.count(f"still waiting for a new checkpoint at {directory}") >= 2
+    assert "(timeout 1 s)" in caplog.text
+
+
+def test_a_file_or_a_step_folder_as_checkpoint_dir_is_a_clear_error(trained, tmp_path):
+    directory, _ = trained
+    (tmp_path / "notes.txt").write_text("x")
+    make = lambda path: _sidecar(_trainer(_one_device()), VAL, str(path))  # noqa: E731
+    with pytest.raises(spmd.ConfigurationError, match="(?s)not a file.*is_a='file'"):
+        make(tmp_path / "notes.txt")
+    with pytest.raises(spmd.ConfigurationError, match="(?s)is_a='step folder'") as error:
+        make(directory / "6")
+    assert f"checkpoint_dir={str(directory)!r}" in str(error.value)
+
+
 def test_the_optimizer_and_metrics_may_differ_from_trainings(trained):
     """Only the model is read (never the optimizer state): any optimizer, other metrics."""
     directory, saved = trained

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import optax
+from etils import epath
 from flax import nnx
 
 from spmd.checkpoint import final, guard
@@ -29,7 +30,9 @@ __all__ = ["SidecarEvaluator"]
 
 _log = logging.getLogger(__name__)
 _MAX_POLL_S = 600.0  # the longest pause between two looks at the directory
+_WAIT_LOG_S = 300.0  # how often a long wait for a new checkpoint is logged again
 _MODEL = ("params", "rest", "step")  # what an evaluation needs of a saved train state
+_STEP_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA")  # what only a step's folder holds
 
 
 class SidecarEvaluator:
@@ -68,7 +71,9 @@ class SidecarEvaluator:
       data: the evaluation data, as `Trainer.evaluate` takes it (arrays with
         `batch_size`, or a re-iterable of batches): read anew for each step.
       checkpoint_dir: the training job's checkpoint directory (e.g. its
-        `ModelCheckpoint` directory); it may not exist yet.
+        `ModelCheckpoint` directory); it may not exist yet. While no new
+        step comes, "Waiting for new checkpoint at <dir>" is logged (INFO)
+        when the wait begins and every 5 minutes after.
       steps: evaluate the first `steps` batches of `data` (None: all of it);
         needed for a dataset that never ends (`repeat()`), as in Keras.
       max_evaluations: stop after this many evaluations (None: no limit).
@@ -95,7 +100,9 @@ class SidecarEvaluator:
       batch_size: the global batch size, with array data.
       poll_interval: seconds between looks at the directory (at most 600).
       timeout: stop after this many seconds without a new step (None: wait
-        for the run's final step).
+        for the run's final step). A training job that dies unmarked
+        (killed, a node lost) leaves nothing else that ends the wait: give
+        one of a few checkpoint intervals.
       final_grace: seconds the run's final-step mark must stay, unchanged,
         after the marked step was evaluated, before `start` ends: the time a
         job that calls `fit` again, or a run resumed beside the evaluator,
@@ -104,13 +111,14 @@ class SidecarEvaluator:
 
     Raises:
       ConfigurationError: a bare model without `loss`, a Trainer with
-        `loss`, `metrics` or `strategy` (it has its own), or an argument out
-        of range.
+        `loss`, `metrics` or `strategy` (it has its own), an argument out
+        of range, or a `checkpoint_dir` that is a file or one step's folder.
 
     Example:
       >>> evaluator = spmd.SidecarEvaluator(
       ...     Net(nnx.Rngs(0)), (x_val, y_val), "/ckpt/run", loss="sparse_categorical_crossentropy",
-      ...     metrics=("accuracy",), batch_size=256, log_dir="/logs/run")  # doctest: +SKIP
+      ...     metrics=("accuracy",), batch_size=256, log_dir="/logs/run",
+      ...     timeout=3600)  # doctest: +SKIP
       >>> history = evaluator.start()  # {step: {"loss": ..., "accuracy": ...}}  # doctest: +SKIP
     """
 
@@ -180,7 +188,7 @@ class SidecarEvaluator:
 
     def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:
         done, last_new = -1, time.monotonic()
-        ending = _Ending(self.final_grace)
+        ending, wait = _Ending(self.final_grace), _Wait(self.checkpoint_dir, self.timeout)
         while True:
             mark = _agreed_mark(reader)  # before the listing: see below
             steps = _agreed(reader.all_steps(), "all_steps")
@@ -194,7 +202,9 @@ class SidecarEvaluator:
                     if self.max_evaluations and len(self.history) >= self.max_evaluations:
                         _log.info("evaluated %d steps (max_evaluations): done", len(self.history))
                         return
-            last_new = time.monotonic() if new else last_new
+            if new:
+                last_new = time.monotonic()
+                wait.found()
             # The run marks its final step after its last save committed, so a listing
             # made after reading the mark holds every step the run wrote.
             if ending.ended(mark, steps, done):
@@ -207,6 +217,7 @@ class SidecarEvaluator:
             pause = self.poll_interval
             if self.timeout is not None:
                 pause = min(pause, self.timeout - waited)
+            wait.log()
             time.sleep(pause)
 
     def _evaluate(self, reader: CheckpointManager, dataset: Any, hooks, step: int) -> dict | None:
@@ -243,6 +254,34 @@ def _load_into_model(trainer: Trainer) -> None:
     """Puts the restored weights into the model the evaluator was given, in place, as Keras'
     evaluator loads each checkpoint into its model (`Trainer.model` updates the module)."""
     trainer.model  # noqa: B018 - reading the property writes the state into the module
+
+
+class _Wait:
+    """Says that the evaluator waits, as Keras does ("Waiting for new checkpoint at <dir>",
+    INFO): when a wait begins, then every `_WAIT_LOG_S` seconds while it lasts."""
+
+    def __init__(self, directory: str, timeout: float | None) -> None:
+        self.directory, self.timeout = directory, timeout
+        self.since: float | None = None  # when this wait began
+        self.logged = 0.0
+
+    def found(self) -> None:
+        self.since = None
+
+    def log(self) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = self.logged = now
+            _log.info("Waiting for new checkpoint at %s", self.directory)
+        elif now - self.logged >= _WAIT_LOG_S:
+            self.logged = now
+            bound = "no timeout" if self.timeout is None else f"timeout {self.timeout:.0f} s"
+            _log.info(
+                "still waiting for a new checkpoint at %s: %.0f s so far (%s)",
+                self.directory,
+                now - self.since,
+                bound,
+            )
 
 
 class _Ending:
@@ -322,16 +361,37 @@ def _why(error: BaseException) -> str:
 
 
 def _check_directory(directory: Any) -> str:
-    if isinstance(directory, str | os.PathLike) and os.fspath(directory):
-        return os.fspath(directory)
-    raise ConfigurationError(
-        message(
-            "checkpoint_dir is the training job's checkpoint folder: a path, or a URL such "
-            "as gs://bucket/run.",
-            received(checkpoint_dir=directory),
-            'pass the directory its ModelCheckpoint writes, e.g. "/ckpt/run".',
+    """`directory` as a string, once it is no file and no step folder (it may not exist yet)."""
+    if not (isinstance(directory, str | os.PathLike) and os.fspath(directory)):
+        raise ConfigurationError(
+            message(
+                "checkpoint_dir is the training job's checkpoint folder: a path, or a URL such "
+                "as gs://bucket/run.",
+                received(checkpoint_dir=directory),
+                'pass the directory its ModelCheckpoint writes, e.g. "/ckpt/run".',
+            )
         )
-    )
+    text = os.fspath(directory)
+    path = epath.Path(text)
+    if path.is_file():
+        raise ConfigurationError(
+            message(
+                "checkpoint_dir is the folder that holds the step folders, not a file.",
+                received(checkpoint_dir=text, is_a="file"),
+                "pass the directory the training job's ModelCheckpoint (or CheckpointManager) "
+                "writes, e.g. the folder of this file.",
+            )
+        )
+    if any((path / name).exists() for name in _STEP_FILES):
+        raise ConfigurationError(
+            message(
+                "checkpoint_dir is the folder that holds the step folders (one per saved step), "
+                "not one step's folder.",
+                received(checkpoint_dir=text, is_a="step folder"),
+                f"pass its parent: checkpoint_dir={str(path.parent)!r}.",
+            )
+        )
+    return text
 
 
 def _check_ends(dataset: Any, steps: int | None) -> None:
