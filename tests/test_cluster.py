@@ -76,6 +76,16 @@ def test_tf_config_evaluator_is_its_own_group():
     assert info.is_chief and info.coordinator_address is None
 
 
+@pytest.mark.parametrize("index", [0, 1])
+def test_tf_config_evaluator_whose_cluster_leaves_it_out_is_its_own_group(index):
+    """TF's RunConfig ("evaluator is not part of training cluster") and Kubeflow's TFJob give
+    the evaluator the training cluster only; TF's _validate_cluster_spec allows it."""
+    training = {"chief": ["host0:2222"], "worker": ["host3:2222", "host4:2222"]}
+    info = parse_tf_config(tf_config(training, "evaluator", index))
+    assert (info.process_index, info.process_count, info.task_type) == (0, 1, "evaluator")
+    assert (info.task_index, info.is_chief, info.coordinator_address) == (index, True, None)
+
+
 T = "TF_CONFIG"
 MALFORMED = {
     "not json": ("{cluster: 1}", T, "{cluster: 1}"),
