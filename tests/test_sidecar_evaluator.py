@@ -284,18 +284,17 @@ def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):
 
 
 class _Between:
-    """`sidecar.time` whose first pause (the evaluator waiting) runs `work`: what the training
-    job does while the evaluator waits."""
+    """`sidecar.time` whose first pauses (the evaluator waiting) run `works`, one each: what the
+    training job does while the evaluator waits."""
 
     monotonic = staticmethod(time.monotonic)
 
-    def __init__(self, work):
-        self.work = work
+    def __init__(self, *works):
+        self.works = list(works)
 
     def sleep(self, seconds):
-        work, self.work = self.work, None
-        if work is not None:
-            work()
+        if self.works:
+            self.works.pop(0)()
         time.sleep(seconds)
 
 
@@ -372,6 +371,66 @@ def test_a_file_or_a_step_folder_as_checkpoint_dir_is_a_clear_error(trained, tmp
     with pytest.raises(spmd.ConfigurationError, match="(?s)is_a='step folder'") as error:
         make(directory / "6")
     assert f"checkpoint_dir={str(directory)!r}" in str(error.value)
+
+
+def _new_run(directory, states):
+    """A run of another seed in `directory`: steps 1 and 2, each state kept in `states`."""
+
+    class Remember(spmd.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            states[self.trainer.iterations] = jax.device_get(self.trainer.state)
+
+    checkpoint = spmd.callbacks.ModelCheckpoint(str(directory), save_freq=1, max_to_keep=None)
+    trainer = spmd.Trainer(
+        MLP(nnx.Rngs(5)), optax.sgd(0.1), "sparse_categorical_crossentropy", strategy=_one_device()
+    )
+    trainer.fit(_data(64, 2), batch_size=32, verbose=0, callbacks=[checkpoint, Remember()])
+
+
+@pytest.mark.parametrize("seen_gone", [True, False], ids=["seen-removed", "replaced-between-looks"])
+def test_a_directory_removed_and_recreated_by_a_new_run_is_followed_from_its_start(
+    trained, tmp_path, caplog, monkeypatch, seen_gone
+):
+    """The run the evaluator followed (to step 9, unmarked) is deleted and a new run writes
+    steps 1 and 2 at the same path: the evaluator says so and evaluates the new run's steps,
+    each as Trainer.evaluate does, until the new run's final step."""
+    copy, states = tmp_path / "ckpt", {}
+    shutil.copytree(trained[0], copy)
+    (copy / "spmd-final-step.json").unlink()  # the old run still going
+    remove, recreate = lambda: shutil.rmtree(copy), lambda: _new_run(copy, states)
+    works = [remove, recreate] if seen_gone else [lambda: (remove(), recreate())]
+    monkeypatch.setattr(sidecar, "time", _Between(*works))
+    evaluator = _sidecar(
+        _trainer(_one_device()), VAL, str(copy), batch_size=32, poll_interval=0.05, timeout=60
+    )
+    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+        history = evaluator.start()
+    assert list(history) == [1, 2]
+    for step, metrics in history.items():
+        np.testing.assert_allclose(metrics["loss"], _oracle(states[step])["loss"], rtol=1e-6)
+    assert f"the checkpoint directory {copy} holds a new run" in caplog.text
+    assert ("was removed: waiting for it" in caplog.text) == seen_gone
+    assert "the training run ended at step 2" in caplog.text
+
+
+def test_a_run_whose_newest_steps_go_is_the_same_run(trained, tmp_path, caplog, monkeypatch):
+    """Steps 6 and 9 set aside (a relaunched writer's restore_newest) or being deleted: the
+    steps left are checkpoints the evaluator read, so it is the same run, evaluated once."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(trained[0], copy)
+    (copy / "spmd-final-step.json").unlink()
+
+    def set_aside():
+        (copy / "9").rename(copy / "9.damaged")
+        (copy / "6" / "state" / "_METADATA").unlink()  # a folder Orbax is deleting
+
+    monkeypatch.setattr(sidecar, "time", _Between(set_aside))
+    evaluator = _sidecar(
+        _trainer(_one_device()), VAL, str(copy), batch_size=32, poll_interval=0.05, timeout=0.5
+    )
+    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+        assert list(evaluator.start()) == [3, 6, 9]
+    assert "new run" not in caplog.text
 
 
 def test_the_optimizer_and_metrics_may_differ_from_trainings(trained):

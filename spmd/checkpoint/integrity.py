@@ -42,6 +42,7 @@ __all__ = [
     "PendingRecord",
     "RecordHandler",
     "checksums",
+    "commit_time",
     "compile_count",
     "damage",
     "dispatch",
@@ -458,6 +459,16 @@ def _damage(step_dir: epath.Path) -> str | None:
     if missing:
         return f"missing {', '.join(missing)}"
     return None
+
+
+def commit_time(step_dir: epath.Path) -> int | None:
+    """When Orbax committed the step in `step_dir` (ns), or None if that cannot be read: two
+    checkpoints of one step number at one path (a run re-created there) differ in it."""
+    try:
+        record = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("commit_timestamp_nsecs") if isinstance(record, dict) else None
 
 
 def failed_steps(steps: list[int], step_dir: Callable[[int], epath.Path]) -> list[int]:

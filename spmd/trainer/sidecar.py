@@ -14,7 +14,7 @@ import optax
 from etils import epath
 from flax import nnx
 
-from spmd.checkpoint import final, guard
+from spmd.checkpoint import final, guard, integrity
 from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.manager import CheckpointManager
 from spmd.checkpoint.store import forget_listings
@@ -48,7 +48,10 @@ class SidecarEvaluator:
     into the directory, never sees a step being written, and works on a
     read-only mount.
 
-    Every step is evaluated, oldest first. A step that is damaged (its
+    Every step is evaluated, oldest first. A directory removed and re-created
+    by a new run (or whose steps go back below the last evaluated one to
+    checkpoints it never read) is logged and followed from the new run's
+    first step. A step that is damaged (its
     checksums fail) or that the writer's `max_to_keep` removed before it
     could be read is skipped, with a log line. `start` ends after the step
     the training run marked as its last (`ModelCheckpoint` marks it when
@@ -150,6 +153,7 @@ class SidecarEvaluator:
         self.final_grace = _check_grace(final_grace)
         self.callbacks = list(callbacks) + ([TensorBoard(log_dir)] if log_dir else [])
         self.history: dict[int, dict[str, float]] = {}
+        self._evaluations = 0  # over every run the directory held
 
     @property
     def model(self) -> Any:
@@ -160,7 +164,8 @@ class SidecarEvaluator:
         """Evaluates each new checkpoint until the run's final step (see the class).
 
         Returns:
-          {step: {"loss": ..., metric: ...}} for every step evaluated, oldest first.
+          {step: {"loss": ..., metric: ...}} for every step evaluated, oldest first,
+          of the run it ended with (a directory re-created by a new run starts it anew).
 
         Raises:
           CheckpointError: a checkpoint's model is not the evaluator's (the
@@ -176,32 +181,54 @@ class SidecarEvaluator:
         )
         _check_ends(dataset, self.steps)
         hooks = CallbackList(self.callbacks, trainer, {"steps": self.steps, "verbose": 0})
-        reader = CheckpointManager(self.checkpoint_dir, read_only=True)
         try:
-            self._loop(reader, dataset, hooks)
+            self._loop(dataset, hooks)
         finally:
-            reader.close()
             for callback in self.callbacks:  # log_dir's, and any given as Keras users do
                 if isinstance(callback, TensorBoard):
                     callback.on_train_end()  # closes its event files: the last events land
         return self.history
 
-    def _loop(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> None:
+    def _loop(self, dataset: Any, hooks: CallbackList) -> None:
+        reader = CheckpointManager(self.checkpoint_dir, read_only=True)
+        try:
+            while (why := self._follow(reader, dataset, hooks)) is not None:
+                _log.warning(
+                    "the checkpoint directory %s holds a new run (%s): evaluating its steps "
+                    "from the start",
+                    reader.directory,
+                    why,
+                )
+                reader.close()  # its listings were of the old run's folders
+                reader = CheckpointManager(self.checkpoint_dir, read_only=True)
+                self.history = {}
+        finally:
+            reader.close()
+
+    def _follow(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> str | None:
+        """Evaluates the run in the directory to its end (None), or until another run replaces
+        it: then why the directory holds a new run."""
         done, last_new = -1, time.monotonic()
         ending, wait = _Ending(self.final_grace), _Wait(self.checkpoint_dir, self.timeout)
+        run = _Run(reader.directory)
         while True:
             mark = _agreed_mark(reader)  # before the listing: see below
             steps = _agreed(reader.all_steps(), "all_steps")
+            why = _agreed(run.changed(steps, done), "new run")
+            if why is not None:
+                return why
             new = [s for s in steps if s > done]
             _log_damaged(reader, new, done)
             for step in new:
+                run.evaluating(step)
                 metrics = self._evaluate(reader, dataset, hooks, step)
                 done = step
                 if metrics is not None:
                     self.history[step] = metrics
-                    if self.max_evaluations and len(self.history) >= self.max_evaluations:
-                        _log.info("evaluated %d steps (max_evaluations): done", len(self.history))
-                        return
+                    self._evaluations += 1
+                    if self.max_evaluations and self._evaluations >= self.max_evaluations:
+                        _log.info("evaluated %d steps (max_evaluations): done", self._evaluations)
+                        return None
             if new:
                 last_new = time.monotonic()
                 wait.found()
@@ -209,11 +236,11 @@ class SidecarEvaluator:
             # made after reading the mark holds every step the run wrote.
             if ending.ended(mark, steps, done):
                 _log.info("the training run ended at step %d: done", mark.step)
-                return
+                return None
             waited = time.monotonic() - last_new
             if self.timeout is not None and _agreed(waited >= self.timeout, "timeout"):
                 _log.info("no new checkpoint in %.0f s (timeout): done", waited)
-                return
+                return None
             pause = self.poll_interval
             if self.timeout is not None:
                 pause = min(pause, self.timeout - waited)
@@ -254,6 +281,64 @@ def _load_into_model(trainer: Trainer) -> None:
     """Puts the restored weights into the model the evaluator was given, in place, as Keras'
     evaluator loads each checkpoint into its model (`Trainer.model` updates the module)."""
     trainer.model  # noqa: B018 - reading the property writes the state into the module
+
+
+class _Run:
+    """Whether the directory still holds the run being followed.
+
+    A new run: the directory was removed and is back, or is another folder
+    (its inode changed: removed and re-created between two looks), or its
+    newest step is below the last one evaluated and is not a checkpoint this
+    evaluator read (Orbax's commit time of the step differs). A newest step
+    below the last evaluated that is one it read, or whose commit record is
+    gone, is the same run whose later steps are gone (set aside as damaged,
+    or the whole run being deleted: the next looks tell).
+    """
+
+    def __init__(self, directory: epath.Path) -> None:
+        self.directory = directory
+        self.identity = _identity(directory)
+        self.gone = False  # seen removed, not yet back
+        self.commits: dict[int, int | None] = {}  # step -> commit time, of the steps read
+
+    def evaluating(self, step: int) -> None:
+        self.commits[step] = integrity.commit_time(self.directory / str(step))
+
+    def changed(self, steps: list[int], done: int) -> str | None:
+        """Why the directory now holds a new run, or None."""
+        identity = _identity(self.directory)
+        if identity is None:
+            if self.identity is not None and not self.gone:
+                _log.warning(
+                    "the checkpoint directory %s was removed: waiting for it (a new run)",
+                    self.directory,
+                )
+                self.gone = True
+            return None
+        if self.gone:
+            return "the directory was removed and re-created"
+        if self.identity is not None and identity != self.identity:
+            return "the directory was replaced by another folder"
+        self.identity = identity
+        if steps and steps[-1] < done:  # a new run's, or the old run's being deleted
+            newest = steps[-1]
+            commit = integrity.commit_time(self.directory / str(newest))
+            if commit is not None and commit != self.commits.get(newest):
+                return f"its newest step {newest} is below step {done}, the last evaluated"
+        return None
+
+
+def _identity(directory: epath.Path) -> tuple | str | None:
+    """What tells a folder from one re-created at its path (device and inode where the path is
+    local; on an object store, only whether it exists), or None if there is none."""
+    text = str(directory)
+    if "://" in text:
+        return "exists" if directory.exists() else None
+    try:
+        found = os.stat(text)
+    except FileNotFoundError:
+        return None
+    return (found.st_dev, found.st_ino)
 
 
 class _Wait:
