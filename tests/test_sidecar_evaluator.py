@@ -253,7 +253,55 @@ def test_a_step_removed_before_it_was_read_is_skipped(trained, tmp_path, caplog)
 
     history = _evaluate_copy(trained, tmp_path, caplog, lambda copy: None, [RemoveNine()])
     assert list(history) == [3, 6]
-    assert "skipping checkpoint step 9: removed" in caplog.text
+    assert (
+        "skipping checkpoint step 9: removed by the writer's max_to_keep before it could be read"
+    ) in caplog.text
+    assert "damaged" not in caplog.text
+
+
+def test_a_step_removed_while_it_is_read_is_skipped_as_removed_not_damaged(
+    trained, tmp_path, caplog, monkeypatch
+):
+    """Orbax deletes a folder file by file: a step listed whole loses its files mid-read."""
+    restore = spmd.CheckpointManager.restore
+
+    def deleted_meanwhile(self, step=None, *args, **kwargs):
+        if step == 6:
+            shutil.rmtree(tmp_path / "ckpt" / "6" / "state")  # the commit record still there
+        return restore(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(spmd.CheckpointManager, "restore", deleted_meanwhile)
+    history = _evaluate_copy(trained, tmp_path, caplog, lambda copy: None)
+    assert list(history) == [3, 9]
+    assert (
+        "skipping checkpoint step 6: removed by the writer's max_to_keep while it was being read"
+    ) in caplog.text
+    assert "damaged" not in caplog.text
+
+
+@pytest.mark.parametrize("removed", [True, False], ids=["then-gone", "still-there"])
+def test_an_incomplete_step_folder_is_logged_as_what_the_next_look_finds(
+    trained, tmp_path, caplog, monkeypatch, removed
+):
+    """A folder seen incomplete between whole steps is one being deleted (gone at the next
+    look: removed before it could be read) or a damaged one (still there: damaged)."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(trained[0], copy)
+    (copy / "spmd-final-step.json").unlink()
+    (copy / "6" / "state" / "_METADATA").unlink()
+    finish = (lambda: shutil.rmtree(copy / "6")) if removed else (lambda: None)
+    monkeypatch.setattr(sidecar, "time", _Between(finish))
+    evaluator = _sidecar(
+        _trainer(_one_device()), VAL, str(copy), batch_size=32, poll_interval=0.05, timeout=0.5
+    )
+    with caplog.at_level(logging.WARNING, logger="spmd.trainer.sidecar"):
+        assert list(evaluator.start()) == [3, 9]
+    if removed:
+        want = "removed by the writer's max_to_keep before it could be read"
+    else:
+        want = "damaged: missing state/_METADATA"
+    assert caplog.text.count("skipping checkpoint step 6") == 1
+    assert f"skipping checkpoint step 6: {want}" in caplog.text
 
 
 def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):

@@ -33,6 +33,7 @@ _MAX_POLL_S = 600.0  # the longest pause between two looks at the directory
 _WAIT_LOG_S = 300.0  # how often a long wait for a new checkpoint is logged again
 _MODEL = ("params", "rest", "step")  # what an evaluation needs of a saved train state
 _STEP_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA")  # what only a step's folder holds
+_REMOVED_BEFORE = "removed by the writer's max_to_keep before it could be read"
 
 
 class SidecarEvaluator:
@@ -51,9 +52,10 @@ class SidecarEvaluator:
     Every step is evaluated, oldest first. A directory removed and re-created
     by a new run (or whose steps go back below the last evaluated one to
     checkpoints it never read) is logged and followed from the new run's
-    first step. A step that is damaged (its
-    checksums fail) or that the writer's `max_to_keep` removed before it
-    could be read is skipped, with a log line. `start` ends after the step
+    first step. Every step it saw and does not evaluate gets a log line:
+    damaged (its checksums fail, its folder stays incomplete), or removed by
+    the writer's `max_to_keep` before or while it was read (steps saved and
+    removed between two looks are never seen). `start` ends after the step
     the training run marked as its last (`ModelCheckpoint` marks it when
     `fit` ends; a custom loop calls `CheckpointManager.mark_final()`), once
     that mark has stayed for `final_grace` seconds; after `max_evaluations`
@@ -190,9 +192,10 @@ class SidecarEvaluator:
         return self.history
 
     def _loop(self, dataset: Any, hooks: CallbackList) -> None:
-        reader = CheckpointManager(self.checkpoint_dir, read_only=True)
+        reader, skips = CheckpointManager(self.checkpoint_dir, read_only=True), _Skips()
         try:
-            while (why := self._follow(reader, dataset, hooks)) is not None:
+            while (why := self._follow(reader, dataset, hooks, skips)) is not None:
+                skips.end()
                 _log.warning(
                     "the checkpoint directory %s holds a new run (%s): evaluating its steps "
                     "from the start",
@@ -203,9 +206,12 @@ class SidecarEvaluator:
                 reader = CheckpointManager(self.checkpoint_dir, read_only=True)
                 self.history = {}
         finally:
+            skips.end()
             reader.close()
 
-    def _follow(self, reader: CheckpointManager, dataset: Any, hooks: CallbackList) -> str | None:
+    def _follow(
+        self, reader: CheckpointManager, dataset: Any, hooks: CallbackList, skips: _Skips
+    ) -> str | None:
         """Evaluates the run in the directory to its end (None), or until another run replaces
         it: then why the directory holds a new run."""
         done, last_new = -1, time.monotonic()
@@ -218,7 +224,7 @@ class SidecarEvaluator:
             if why is not None:
                 return why
             new = [s for s in steps if s > done]
-            _log_damaged(reader, new, done)
+            skips.look(reader, new, done)
             for step in new:
                 run.evaluating(step)
                 metrics = self._evaluate(reader, dataset, hooks, step)
@@ -251,13 +257,16 @@ class SidecarEvaluator:
         """The metrics of checkpoint `step`, or None if it is damaged or gone (logged)."""
         trainer = self.trainer
         target = {part: trainer.state[part] for part in _MODEL}
+        if not _agreed(step in reader.all_steps(), "listed"):
+            _log.warning("skipping checkpoint step %d: %s", step, _REMOVED_BEFORE)
+            return None
         try:
             model = reader.restore(step, target=target, partial=True)  # no optimizer state
         except CheckpointError as error:
-            if _agreed(step not in reader.all_steps(), "removed"):
+            if _agreed(_going(reader.directory / str(step), step), "removed"):
                 _log.warning(
-                    "skipping checkpoint step %d: removed (the writer's max_to_keep) before "
-                    "it could be read",
+                    "skipping checkpoint step %d: removed by the writer's max_to_keep while it "
+                    "was being read",
                     step,
                 )
                 return None
@@ -404,23 +413,48 @@ def _agreed_mark(reader: CheckpointManager) -> final.Mark | None:
     return None if mark is None else final.Mark(*mark)
 
 
-def _log_damaged(reader: CheckpointManager, steps: list[int], done: int) -> None:
-    """Logs the step folders after `done` and before the newest of `steps` that are not
-    complete checkpoints (never listed, so skipped). A later one may still be a save in
-    flight (on an object store a save writes into its step folder): looked at next time."""
-    if not steps:
-        return
-    damaged = _agreed(
-        {str(s): why for s, why in reader.damaged_steps().items() if done < s < steps[-1]},
-        "damaged_steps",
-    )
-    for step, why in sorted((int(s), why) for s, why in damaged.items()):
-        _log.warning(
-            "skipping checkpoint step %d: not a complete checkpoint (damaged, or being "
-            "removed by the writer's max_to_keep): %s",
-            step,
-            why,
-        )
+class _Skips:
+    """One log line for each step the evaluator saw and will not evaluate.
+
+    A step folder seen incomplete below the newest complete step is one Orbax
+    is deleting (the writer's max_to_keep removes a folder file by file) or a
+    damaged one: the next look tells, the folder gone or still there. Steps
+    the writer saved and removed between two looks are never seen, so never
+    logged.
+    """
+
+    def __init__(self) -> None:
+        self.suspects: dict[int, str] = {}  # step -> why it was incomplete at the last look
+
+    def look(self, reader: CheckpointManager, new: list[int], done: int) -> None:
+        """Rules on the last look's suspects, and takes this look's (after `done`, before the
+        newest of `new`: a later one may still be a save in flight on an object store)."""
+        found = _agreed({str(s): why for s, why in reader.damaged_steps().items()}, "damaged")
+        found = {int(s): why for s, why in found.items()}
+        for step in sorted(self.suspects):
+            if step in found:
+                _log.warning("skipping checkpoint step %d: damaged: %s", step, found[step])
+            else:
+                _log.warning("skipping checkpoint step %d: %s", step, _REMOVED_BEFORE)
+        newest = new[-1] if new else done
+        self.suspects = {s: why for s, why in found.items() if done < s < newest}
+
+    def end(self) -> None:
+        """Logs the suspects no later look ruled on."""
+        for step, why in sorted(self.suspects.items()):
+            _log.warning(
+                "skipping checkpoint step %d: not a complete checkpoint (damaged, or being "
+                "removed by the writer's max_to_keep): %s",
+                step,
+                why,
+            )
+        self.suspects = {}
+
+
+def _going(step_dir: epath.Path, step: int) -> bool:
+    """Whether a step found whole when listed is gone or no longer whole: being removed
+    (a committed step changes no more, but for its deletion)."""
+    return not step_dir.exists() or integrity.damage(step_dir, step) is not None
 
 
 class _first:
