@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import spmd
-from spmd.trainer import sidecar
+from spmd.trainer import sidecar, sidecar_watch
 from tests.test_callbacks import MLP, _read_events
 
 
@@ -398,7 +398,7 @@ def test_it_says_where_it_waits_when_a_wait_begins_and_while_it_lasts(
     tmp_path, caplog, monkeypatch
 ):
     """Keras logs "Waiting for new checkpoint at <dir>" (INFO); a long wait is logged again."""
-    monkeypatch.setattr(sidecar, "_WAIT_LOG_S", 0.2)
+    monkeypatch.setattr(sidecar_watch, "WAIT_LOG_S", 0.2)
     directory = str(tmp_path / "not-yet")
     evaluator = _sidecar(
         _trainer(_one_device()), VAL, directory, batch_size=32, timeout=0.7, poll_interval=0.05

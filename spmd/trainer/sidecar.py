@@ -4,36 +4,45 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import optax
-from etils import epath
-from flax import nnx
-
-from spmd.checkpoint import final, guard, integrity
 from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.manager import CheckpointManager
-from spmd.checkpoint.store import forget_listings
-from spmd.errors import CheckpointError, ConfigurationError, message, received
+from spmd.errors import CheckpointError
 from spmd.strategy.base import Strategy
 from spmd.trainer.callbacks import Callback, CallbackList
 from spmd.trainer.losses import Metric
+from spmd.trainer.sidecar_args import (
+    as_trainer,
+    check_data,
+    check_directory,
+    check_ends,
+    check_grace,
+    check_poll,
+    optional_count,
+)
+from spmd.trainer.sidecar_watch import (
+    REMOVED_BEFORE,
+    Ending,
+    Run,
+    Skips,
+    Wait,
+    agreed,
+    agreed_mark,
+    going,
+)
 from spmd.trainer.tensorboard import TensorBoard
 from spmd.trainer.trainer import Trainer
-from spmd.validate import non_negative_number, positive_int, positive_number
+from spmd.validate import positive_number
 
 __all__ = ["SidecarEvaluator"]
 
 _log = logging.getLogger(__name__)
 _MAX_POLL_S = 600.0  # the longest pause between two looks at the directory
-_WAIT_LOG_S = 300.0  # how often a long wait for a new checkpoint is logged again
+WAIT_LOG_S = 300.0  # how often a long wait for a new checkpoint is logged again
 _MODEL = ("params", "rest", "step")  # what an evaluation needs of a saved train state
-_STEP_FILES = ("_CHECKPOINT_METADATA", "state/_METADATA")  # what only a step's folder holds
-_REMOVED_BEFORE = "removed by the writer's max_to_keep before it could be read"
 
 
 class SidecarEvaluator:
@@ -145,14 +154,14 @@ class SidecarEvaluator:
         timeout: float | None = None,
         final_grace: float = 60.0,
     ) -> None:
-        self.trainer = _as_trainer(model_or_trainer, loss, metrics, strategy)
-        self.data, self.batch_size = _check_data(data), batch_size
-        self.checkpoint_dir = _check_directory(checkpoint_dir)
-        self.steps = _optional_count(steps, "steps", "batches per evaluation")
-        self.max_evaluations = _optional_count(max_evaluations, "max_evaluations", "evaluations")
-        self.poll_interval = _check_poll(poll_interval)
+        self.trainer = as_trainer(model_or_trainer, loss, metrics, strategy)
+        self.data, self.batch_size = check_data(data), batch_size
+        self.checkpoint_dir = check_directory(checkpoint_dir)
+        self.steps = optional_count(steps, "steps", "batches per evaluation")
+        self.max_evaluations = optional_count(max_evaluations, "max_evaluations", "evaluations")
+        self.poll_interval = check_poll(poll_interval)
         self.timeout = None if timeout is None else positive_number(timeout, "timeout")
-        self.final_grace = _check_grace(final_grace)
+        self.final_grace = check_grace(final_grace)
         self.callbacks = list(callbacks) + ([TensorBoard(log_dir)] if log_dir else [])
         self.history: dict[int, dict[str, float]] = {}
         self._evaluations = 0  # over every run the directory held
@@ -181,7 +190,7 @@ class SidecarEvaluator:
         dataset = trainer._dataset(
             self.data, self.batch_size, shuffle=False, pad=True, what="SidecarEvaluator data"
         )
-        _check_ends(dataset, self.steps)
+        check_ends(dataset, self.steps)
         hooks = CallbackList(self.callbacks, trainer, {"steps": self.steps, "verbose": 0})
         try:
             self._loop(dataset, hooks)
@@ -192,7 +201,7 @@ class SidecarEvaluator:
         return self.history
 
     def _loop(self, dataset: Any, hooks: CallbackList) -> None:
-        reader, skips = CheckpointManager(self.checkpoint_dir, read_only=True), _Skips()
+        reader, skips = CheckpointManager(self.checkpoint_dir, read_only=True), Skips()
         try:
             while (why := self._follow(reader, dataset, hooks, skips)) is not None:
                 skips.end()
@@ -210,17 +219,17 @@ class SidecarEvaluator:
             reader.close()
 
     def _follow(
-        self, reader: CheckpointManager, dataset: Any, hooks: CallbackList, skips: _Skips
+        self, reader: CheckpointManager, dataset: Any, hooks: CallbackList, skips: Skips
     ) -> str | None:
         """Evaluates the run in the directory to its end (None), or until another run replaces
         it: then why the directory holds a new run."""
         done, last_new = -1, time.monotonic()
-        ending, wait = _Ending(self.final_grace), _Wait(self.checkpoint_dir, self.timeout)
-        run = _Run(reader.directory)
+        ending, wait = Ending(self.final_grace), Wait(self.checkpoint_dir, self.timeout)
+        run = Run(reader.directory)
         while True:
-            mark = _agreed_mark(reader)  # before the listing: see below
-            steps = _agreed(reader.all_steps(), "all_steps")
-            why = _agreed(run.changed(steps, done), "new run")
+            mark = agreed_mark(reader)  # before the listing: see below
+            steps = agreed(reader.all_steps(), "all_steps")
+            why = agreed(run.changed(steps, done), "new run")
             if why is not None:
                 return why
             new = [s for s in steps if s > done]
@@ -244,7 +253,7 @@ class SidecarEvaluator:
                 _log.info("the training run ended at step %d: done", mark.step)
                 return None
             waited = time.monotonic() - last_new
-            if self.timeout is not None and _agreed(waited >= self.timeout, "timeout"):
+            if self.timeout is not None and agreed(waited >= self.timeout, "timeout"):
                 _log.info("no new checkpoint in %.0f s (timeout): done", waited)
                 return None
             pause = self.poll_interval
@@ -257,13 +266,13 @@ class SidecarEvaluator:
         """The metrics of checkpoint `step`, or None if it is damaged or gone (logged)."""
         trainer = self.trainer
         target = {part: trainer.state[part] for part in _MODEL}
-        if not _agreed(step in reader.all_steps(), "listed"):
-            _log.warning("skipping checkpoint step %d: %s", step, _REMOVED_BEFORE)
+        if not agreed(step in reader.all_steps(), "listed"):
+            _log.warning("skipping checkpoint step %d: %s", step, REMOVED_BEFORE)
             return None
         try:
             model = reader.restore(step, target=target, partial=True)  # no optimizer state
         except CheckpointError as error:
-            if _agreed(_going(reader.directory / str(step), step), "removed"):
+            if agreed(going(reader.directory / str(step), step), "removed"):
                 _log.warning(
                     "skipping checkpoint step %d: removed by the writer's max_to_keep while it "
                     "was being read",
@@ -292,171 +301,6 @@ def _load_into_model(trainer: Trainer) -> None:
     trainer.model  # noqa: B018 - reading the property writes the state into the module
 
 
-class _Run:
-    """Whether the directory still holds the run being followed.
-
-    A new run: the directory was removed and is back, or is another folder
-    (its inode changed: removed and re-created between two looks), or its
-    newest step is below the last one evaluated and is not a checkpoint this
-    evaluator read (Orbax's commit time of the step differs). A newest step
-    below the last evaluated that is one it read, or whose commit record is
-    gone, is the same run whose later steps are gone (set aside as damaged,
-    or the whole run being deleted: the next looks tell).
-    """
-
-    def __init__(self, directory: epath.Path) -> None:
-        self.directory = directory
-        self.identity = _identity(directory)
-        self.gone = False  # seen removed, not yet back
-        self.commits: dict[int, int | None] = {}  # step -> commit time, of the steps read
-
-    def evaluating(self, step: int) -> None:
-        self.commits[step] = integrity.commit_time(self.directory / str(step))
-
-    def changed(self, steps: list[int], done: int) -> str | None:
-        """Why the directory now holds a new run, or None."""
-        identity = _identity(self.directory)
-        if identity is None:
-            if self.identity is not None and not self.gone:
-                _log.warning(
-                    "the checkpoint directory %s was removed: waiting for it (a new run)",
-                    self.directory,
-                )
-                self.gone = True
-            return None
-        if self.gone:
-            return "the directory was removed and re-created"
-        if self.identity is not None and identity != self.identity:
-            return "the directory was replaced by another folder"
-        self.identity = identity
-        if steps and steps[-1] < done:  # a new run's, or the old run's being deleted
-            newest = steps[-1]
-            commit = integrity.commit_time(self.directory / str(newest))
-            if commit is not None and commit != self.commits.get(newest):
-                return f"its newest step {newest} is below step {done}, the last evaluated"
-        return None
-
-
-def _identity(directory: epath.Path) -> tuple | str | None:
-    """What tells a folder from one re-created at its path (device and inode where the path is
-    local; on an object store, only whether it exists), or None if there is none."""
-    text = str(directory)
-    if "://" in text:
-        return "exists" if directory.exists() else None
-    try:
-        found = os.stat(text)
-    except FileNotFoundError:
-        return None
-    return (found.st_dev, found.st_ino)
-
-
-class _Wait:
-    """Says that the evaluator waits, as Keras does ("Waiting for new checkpoint at <dir>",
-    INFO): when a wait begins, then every `_WAIT_LOG_S` seconds while it lasts."""
-
-    def __init__(self, directory: str, timeout: float | None) -> None:
-        self.directory, self.timeout = directory, timeout
-        self.since: float | None = None  # when this wait began
-        self.logged = 0.0
-
-    def found(self) -> None:
-        self.since = None
-
-    def log(self) -> None:
-        now = time.monotonic()
-        if self.since is None:
-            self.since = self.logged = now
-            _log.info("Waiting for new checkpoint at %s", self.directory)
-        elif now - self.logged >= _WAIT_LOG_S:
-            self.logged = now
-            bound = "no timeout" if self.timeout is None else f"timeout {self.timeout:.0f} s"
-            _log.info(
-                "still waiting for a new checkpoint at %s: %.0f s so far (%s)",
-                self.directory,
-                now - self.since,
-                bound,
-            )
-
-
-class _Ending:
-    """When a final-step marker ends the evaluation: the marked step is the newest and has
-    been evaluated (or skipped), and the same marker (step and writer) stayed there for
-    `grace` seconds. A resumed run, or a second `fit`, takes the marker away when it opens
-    the directory, before its first step: the grace covers the time it takes to start."""
-
-    def __init__(self, grace: float) -> None:
-        self.grace = grace
-        self.seen: final.Mark | None = None  # the marker looked at, unchanged, since `since`
-        self.since = 0.0
-
-    def ended(self, mark: final.Mark | None, steps: list[int], done: int) -> bool:
-        if mark is None or done < mark.step or (steps and steps[-1] > mark.step):
-            self.seen = None
-            return False
-        now = time.monotonic()
-        if mark != self.seen:
-            self.seen, self.since = mark, now
-            if self.grace > 0:
-                _log.info(
-                    "the training run marked step %d as its last: ending in %.0f s unless it "
-                    "goes on (final_grace)",
-                    mark.step,
-                    self.grace,
-                )
-        return now - self.since >= self.grace
-
-
-def _agreed_mark(reader: CheckpointManager) -> final.Mark | None:
-    """The final-step marker, as process 0 sees it."""
-    forget_listings(reader.directory)  # the writer is another process
-    mark = _agreed(final.read(reader.directory), "final_step")
-    return None if mark is None else final.Mark(*mark)
-
-
-class _Skips:
-    """One log line for each step the evaluator saw and will not evaluate.
-
-    A step folder seen incomplete below the newest complete step is one Orbax
-    is deleting (the writer's max_to_keep removes a folder file by file) or a
-    damaged one: the next look tells, the folder gone or still there. Steps
-    the writer saved and removed between two looks are never seen, so never
-    logged.
-    """
-
-    def __init__(self) -> None:
-        self.suspects: dict[int, str] = {}  # step -> why it was incomplete at the last look
-
-    def look(self, reader: CheckpointManager, new: list[int], done: int) -> None:
-        """Rules on the last look's suspects, and takes this look's (after `done`, before the
-        newest of `new`: a later one may still be a save in flight on an object store)."""
-        found = _agreed({str(s): why for s, why in reader.damaged_steps().items()}, "damaged")
-        found = {int(s): why for s, why in found.items()}
-        for step in sorted(self.suspects):
-            if step in found:
-                _log.warning("skipping checkpoint step %d: damaged: %s", step, found[step])
-            else:
-                _log.warning("skipping checkpoint step %d: %s", step, _REMOVED_BEFORE)
-        newest = new[-1] if new else done
-        self.suspects = {s: why for s, why in found.items() if done < s < newest}
-
-    def end(self) -> None:
-        """Logs the suspects no later look ruled on."""
-        for step, why in sorted(self.suspects.items()):
-            _log.warning(
-                "skipping checkpoint step %d: not a complete checkpoint (damaged, or being "
-                "removed by the writer's max_to_keep): %s",
-                step,
-                why,
-            )
-        self.suspects = {}
-
-
-def _going(step_dir: epath.Path, step: int) -> bool:
-    """Whether a step found whole when listed is gone or no longer whole: being removed
-    (a committed step changes no more, but for its deletion)."""
-    return not step_dir.exists() or integrity.damage(step_dir, step) is not None
-
-
 class _first:
     """The first `count` batches of `dataset`, each time it is iterated."""
 
@@ -467,147 +311,6 @@ class _first:
         return itertools.islice(iter(self.dataset), self.count)
 
 
-def _agreed(value: Any, what: str) -> Any:
-    """`value` as process 0 sees it, on every process of a multi-process evaluator."""
-    if jax.process_count() == 1:
-        return value
-    return guard.agree(f"SidecarEvaluator {what}", value, 300.0)[0]
-
-
 def _why(error: BaseException) -> str:
     lines = str(error).splitlines()
     return lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__
-
-
-def _check_directory(directory: Any) -> str:
-    """`directory` as a string, once it is no file and no step folder (it may not exist yet)."""
-    if not (isinstance(directory, str | os.PathLike) and os.fspath(directory)):
-        raise ConfigurationError(
-            message(
-                "checkpoint_dir is the training job's checkpoint folder: a path, or a URL such "
-                "as gs://bucket/run.",
-                received(checkpoint_dir=directory),
-                'pass the directory its ModelCheckpoint writes, e.g. "/ckpt/run".',
-            )
-        )
-    text = os.fspath(directory)
-    path = epath.Path(text)
-    if path.is_file():
-        raise ConfigurationError(
-            message(
-                "checkpoint_dir is the folder that holds the step folders, not a file.",
-                received(checkpoint_dir=text, is_a="file"),
-                "pass the directory the training job's ModelCheckpoint (or CheckpointManager) "
-                "writes, e.g. the folder of this file.",
-            )
-        )
-    if any((path / name).exists() for name in _STEP_FILES):
-        raise ConfigurationError(
-            message(
-                "checkpoint_dir is the folder that holds the step folders (one per saved step), "
-                "not one step's folder.",
-                received(checkpoint_dir=text, is_a="step folder"),
-                f"pass its parent: checkpoint_dir={str(path.parent)!r}.",
-            )
-        )
-    return text
-
-
-def _check_ends(dataset: Any, steps: int | None) -> None:
-    """Raises for a dataset that never ends without `steps`: no evaluation would end."""
-    if getattr(dataset, "infinite", False) and steps is None:
-        raise ConfigurationError(
-            message(
-                "SidecarEvaluator on a dataset that never ends (repeat() with no count) needs "
-                "steps: the number of batches of each evaluation (as Keras asks).",
-                received(steps=None, data="infinite"),
-                "pass steps=N, or repeat the dataset a finite number of times.",
-            )
-        )
-
-
-def _check_data(data: Any) -> Any:
-    """`data`, unless it is a one-shot iterator: it is read anew for every checkpoint."""
-    if hasattr(data, "__next__") and iter(data) is data:
-        raise ConfigurationError(
-            message(
-                "SidecarEvaluator reads its data anew for every checkpoint, so it must start "
-                "over on each iter(): a one-shot iterator would be empty from the second on.",
-                received(data=type(data).__name__),
-                "pass arrays (x, y) with batch_size, a list of batches, or an object whose "
-                "__iter__ returns a new iterator.",
-            )
-        )
-    return data
-
-
-def _as_trainer(
-    value: Any, loss: Any, metrics: Sequence[Any], strategy: Strategy | None
-) -> Trainer:
-    """The Trainer that evaluates: `value` itself, or one built around a bare model."""
-    given = {k: v for k, v in (("loss", loss), ("metrics", metrics), ("strategy", strategy)) if v}
-    if isinstance(value, Trainer):
-        if given:
-            raise ConfigurationError(
-                message(
-                    "A spmd.Trainer brings its own loss, metrics and strategy to SidecarEvaluator.",
-                    received(model_or_trainer="Trainer", **given),
-                    "pass them to the Trainer (spmd.Trainer(model, optimizer, loss, "
-                    "metrics=..., strategy=...)), or pass the bare model with them.",
-                )
-            )
-        return value
-    if not _is_model(value):
-        raise ConfigurationError(
-            message(
-                "model_or_trainer is the training job's model (a flax nnx.Module, or an "
-                "(init, apply) pair) or a spmd.Trainer of it.",
-                received(model_or_trainer=type(value).__name__),
-                "pass the module the training job trains (a fresh instance of the same class "
-                "and config), with loss=... and metrics=..., or a spmd.Trainer.",
-            )
-        )
-    if loss is None:
-        raise ConfigurationError(
-            message(
-                "SidecarEvaluator evaluates a model's loss (and metrics) on each checkpoint; "
-                "a bare model needs them, as spmd.Trainer does (Keras' SidecarEvaluator takes "
-                "them from model.compile).",
-                received(model_or_trainer=type(value).__name__, loss=None),
-                "pass loss= and metrics= as the Trainer takes them: spmd.SidecarEvaluator(model, "
-                'data, checkpoint_dir, loss="sparse_categorical_crossentropy", '
-                'metrics=("accuracy",)), or pass a spmd.Trainer of the model.',
-            )
-        )
-    # Only the model is read from each checkpoint: an optimizer without state keeps none.
-    return Trainer(value, optax.identity(), loss, metrics, strategy)
-
-
-def _is_model(value: Any) -> bool:
-    pair = isinstance(value, tuple) and len(value) == 2 and all(map(callable, value))
-    return isinstance(value, nnx.Module) or pair
-
-
-def _optional_count(value: Any, name: str, what: str) -> int | None:
-    if value is None:
-        return None
-    return positive_int(value, name, fix=f"pass a number of {what} >= 1, or None for no limit.")
-
-
-def _check_grace(value: Any) -> float:
-    fix = "pass the seconds a resumed run may take to open the directory, e.g. final_grace=60."
-    return non_negative_number(value, "final_grace", fix=fix)
-
-
-def _check_poll(value: Any) -> float:
-    seconds = positive_number(value, "poll_interval", fix="pass e.g. poll_interval=1.0.")
-    if seconds > _MAX_POLL_S:
-        raise ConfigurationError(
-            message(
-                f"poll_interval is at most {_MAX_POLL_S:.0f} seconds: a pause between two "
-                "looks at the checkpoint directory, not a schedule.",
-                received(poll_interval=value),
-                "pass e.g. poll_interval=1.0; to stop when no step comes, pass timeout=...",
-            )
-        )
-    return seconds
