@@ -571,12 +571,51 @@ def test_a_dataset_that_never_ends_needs_steps(trained):
         ({"steps": 0}, "steps"),
         ({"max_evaluations": 1.5}, "max_evaluations"),
         ({"timeout": -1}, "timeout"),
+        ({"final_grace": -1}, "final_grace must be a number of seconds >= 0"),
         ({"checkpoint_dir": 7}, "checkpoint_dir"),
+        ({"log_dir": 123}, r"(?s)log_dir is the folder TensorBoard reads.*Received: log_dir=123"),
+        ({"log_dir": ""}, "Received: log_dir=''"),
+        ({"callbacks": [1]}, r"(?s)callbacks is a list of spmd.callbacks.Callback.*\[1\]"),
+        ({"callbacks": "/logs"}, r"keyword-only, after Keras' callbacks: log_dir='/logs'"),
     ],
 )
 def test_bad_arguments_are_clear_errors(tmp_path, kwargs, match):
     with pytest.raises(spmd.ConfigurationError, match=match):
         _sidecar(_trainer(_one_device()), VAL, **{"checkpoint_dir": str(tmp_path), **kwargs})
+
+
+def test_a_log_dir_that_cannot_be_written_is_an_error_before_any_evaluation(trained, tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(spmd.ConfigurationError, match="(?s)can write.*NotADirectoryError"):
+        _sidecar(
+            _trainer(_one_device()), VAL, str(trained[0]), log_dir=str(tmp_path / "notes.txt" / "x")
+        )
+
+
+def test_keras_positional_arguments_put_callbacks_sixth(trained, tmp_path, monkeypatch):
+    """Keras: SidecarEvaluator(model, data, checkpoint_dir, steps, max_evaluations, callbacks);
+    a single Callback is taken as a list of one, as Keras flattens it."""
+    directory, _ = trained
+    monkeypatch.chdir(tmp_path)
+    board = spmd.callbacks.TensorBoard(str(tmp_path / "board"))
+    model = MLP(nnx.Rngs(1))
+    loss = "sparse_categorical_crossentropy"
+    history = _sidecar(
+        model, VAL, str(directory), None, 2, [board], loss=loss, batch_size=32
+    ).start()
+    assert list(history) == [3, 6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["board"]  # nothing else written
+    (events_file,) = (tmp_path / "board" / "validation").glob("events.out.tfevents.*")
+    steps = {e.step for e in _read_events(events_file) for v in e.summary.value}
+    assert steps == {3, 6}
+    seen = []
+
+    class Steps(spmd.callbacks.Callback):
+        def on_test_end(self, logs=None):
+            seen.append(self.trainer.iterations)
+
+    _sidecar(model, VAL, str(directory), 1, None, Steps(), loss=loss, batch_size=32).start()
+    assert seen == [3, 6, 9]
 
 
 def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):

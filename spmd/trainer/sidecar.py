@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,10 +17,12 @@ from spmd.trainer.callbacks import Callback, CallbackList
 from spmd.trainer.losses import Metric
 from spmd.trainer.sidecar_args import (
     as_trainer,
+    check_callbacks,
     check_data,
     check_directory,
     check_ends,
     check_grace,
+    check_log_dir,
     check_poll,
     optional_count,
 )
@@ -40,8 +43,6 @@ from spmd.validate import positive_number
 __all__ = ["SidecarEvaluator"]
 
 _log = logging.getLogger(__name__)
-_MAX_POLL_S = 600.0  # the longest pause between two looks at the directory
-WAIT_LOG_S = 300.0  # how often a long wait for a new checkpoint is logged again
 _MODEL = ("params", "rest", "step")  # what an evaluation needs of a saved train state
 
 
@@ -96,14 +97,17 @@ class SidecarEvaluator:
         evaluates each in turn, so this counts evaluations: with one
         checkpoint per epoch, `max_evaluations=n` stops after the n-th, as
         Keras does. Skipped (damaged or removed) steps do not count.
+      callbacks: a list of `spmd.callbacks.Callback`s (or one, as Keras
+        takes it); `on_test_begin` and `on_test_end(logs)` are called around
+        each evaluation, with `trainer.iterations` set to the checkpoint's
+        step, the train step it was saved at (Keras restores
+        `optimizer.iterations`). `spmd.callbacks.TensorBoard(log_dir)` here
+        writes what `log_dir` does. The arguments so far are Keras', in its
+        order; the others are keyword-only.
       log_dir: write each step's metrics as TensorBoard scalars
         `evaluation_<metric>_vs_iterations` at the step, under
-        `log_dir/validation` (as Keras' TensorBoard callback does).
-      callbacks: `spmd.callbacks.Callback`s; `on_test_begin` and
-        `on_test_end(logs)` are called around each evaluation, with
-        `trainer.iterations` set to the checkpoint's step, the train step it
-        was saved at (Keras restores `optimizer.iterations`).
-        `spmd.callbacks.TensorBoard(log_dir)` here writes what `log_dir` does.
+        `log_dir/validation` (as Keras' TensorBoard callback does); created
+        at construction, which fails if it cannot be written.
       loss: with a bare model, the loss to evaluate, as `spmd.Trainer` takes
         it (a name such as "sparse_categorical_crossentropy", or a callable
         (outputs, labels) -> per-example loss): Keras' `model.compile(loss=)`.
@@ -126,7 +130,9 @@ class SidecarEvaluator:
     Raises:
       ConfigurationError: a bare model without `loss`, a Trainer with
         `loss`, `metrics` or `strategy` (it has its own), an argument out
-        of range, or a `checkpoint_dir` that is a file or one step's folder.
+        of range, a `checkpoint_dir` that is a file or one step's folder,
+        `callbacks` that are not Callbacks, or a `log_dir` that is not a
+        path or cannot be written.
 
     Example:
       >>> evaluator = spmd.SidecarEvaluator(
@@ -143,9 +149,9 @@ class SidecarEvaluator:
         checkpoint_dir: str,
         steps: int | None = None,
         max_evaluations: int | None = None,
-        log_dir: str | None = None,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[Callback] | Callback | None = None,
         *,
+        log_dir: str | os.PathLike[str] | None = None,
         loss: str | Callable | None = None,
         metrics: Sequence[str | Metric] = (),
         strategy: Strategy | None = None,
@@ -162,7 +168,9 @@ class SidecarEvaluator:
         self.poll_interval = check_poll(poll_interval)
         self.timeout = None if timeout is None else positive_number(timeout, "timeout")
         self.final_grace = check_grace(final_grace)
-        self.callbacks = list(callbacks) + ([TensorBoard(log_dir)] if log_dir else [])
+        self.callbacks = check_callbacks(callbacks)
+        if (log_dir := check_log_dir(log_dir)) is not None:
+            self.callbacks.append(TensorBoard(log_dir))
         self.history: dict[int, dict[str, float]] = {}
         self._evaluations = 0  # over every run the directory held
 

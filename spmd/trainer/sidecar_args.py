@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import optax
 from etils import epath
 from flax import nnx
 
 from spmd.errors import ConfigurationError, message, received
 from spmd.strategy.base import Strategy
+from spmd.trainer.callbacks import Callback
+from spmd.trainer.sidecar_watch import agreed
 from spmd.trainer.trainer import Trainer
 from spmd.validate import non_negative_number, positive_int, positive_number
 
 __all__ = [
     "as_trainer",
+    "check_callbacks",
     "check_data",
     "check_directory",
     "check_ends",
     "check_grace",
+    "check_log_dir",
     "check_poll",
     "optional_count",
 ]
@@ -159,3 +165,65 @@ def check_poll(value: Any) -> float:
             )
         )
     return seconds
+
+
+def check_callbacks(callbacks: Any) -> list[Callback]:
+    """`callbacks` as a list: None is none, one Callback is a list of it (Keras flattens)."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, Callback):
+        return [callbacks]
+    if isinstance(callbacks, list | tuple) and all(isinstance(c, Callback) for c in callbacks):
+        return list(callbacks)
+    hint = ""
+    if isinstance(callbacks, str | os.PathLike):
+        hint = f" (a path: log_dir is keyword-only, after Keras' callbacks: log_dir={callbacks!r})"
+    raise ConfigurationError(
+        message(
+            "callbacks is a list of spmd.callbacks.Callback (the sixth argument, as in Keras' "
+            "SidecarEvaluator(model, data, checkpoint_dir, steps, max_evaluations, callbacks)).",
+            received(callbacks=callbacks) + hint,
+            "pass e.g. callbacks=[spmd.callbacks.TensorBoard(log_dir)], subclass "
+            "spmd.callbacks.Callback for your own, and pass log_dir=... by name.",
+        )
+    )
+
+
+def check_log_dir(log_dir: Any) -> str | None:
+    """`log_dir` as a string, made (on process 0) and found writable, or None."""
+    if log_dir is None:
+        return None
+    if not (isinstance(log_dir, str | os.PathLike) and os.fspath(log_dir)):
+        raise ConfigurationError(
+            message(
+                "log_dir is the folder TensorBoard reads: a path.",
+                received(log_dir=log_dir),
+                'pass e.g. log_dir="/logs/run", or leave it None.',
+            )
+        )
+    text = os.fspath(log_dir)
+    problem = agreed(_not_writable(text) if jax.process_index() == 0 else None, "log_dir")
+    if problem is not None:
+        raise ConfigurationError(
+            message(
+                "log_dir must be a folder the evaluator can write (process 0 writes the "
+                "TensorBoard event files there).",
+                received(log_dir=text, error=problem),
+                "give this process write access to it, or pass another log_dir.",
+            )
+        )
+    return text
+
+
+def _not_writable(folder: str) -> str | None:
+    """Why `folder` (made if missing) cannot hold a new file, or None. An object store's
+    folder (gs://) is not tried: it is written at the first evaluation."""
+    if "://" in folder:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    return None
