@@ -9,7 +9,6 @@ never damage; nothing is wrong silently. Every wait is bounded; loopback only.
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from hypothesis import strategies as st
 import spmd
 from spmd.checkpoint.integrity import Damaged, checksums, json_checksum
 from spmd.checkpoint.store import SharedStore
+from tests.multiprocess.procs import without_dac_override
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -158,16 +158,6 @@ print("RESUMED", step, flush=True)
 """
 
 
-def _without_dac_override(command: list[str]) -> list[str]:
-    """`command` run so that the mode bits hold for it, also as root (setpriv drops root's
-    DAC override capabilities, as the tests above do)."""
-    if os.geteuid() != 0:
-        return command
-    assert shutil.which("setpriv"), "needs setpriv (util-linux) to drop root's DAC override"
-    caps = "-dac_override,-dac_read_search"
-    return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *command]
-
-
 @pytest.mark.slow
 def test_permission_denied_is_an_error_not_a_fresh_start(tmp_path):
     """Step folders another user owns, mode 0700 (a copy made with `sudo cp` and umask 077).
@@ -185,7 +175,7 @@ def test_permission_denied_is_an_error_not_a_fresh_start(tmp_path):
             p.chmod(0o700 if p.is_dir() else 0o600)
             if os.geteuid() == 0:
                 os.chown(p, 65534, 65534)  # nobody
-    command = _without_dac_override(command)  # root reads anything: not without them
+    command = without_dac_override(command)  # root reads anything: not without them
     run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
     output = run.stdout + run.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["1", "2"]
@@ -217,7 +207,7 @@ def test_a_step_folder_that_cannot_be_read_is_named_never_called_damaged(tmp_pat
     _saved(tmp_path / "ckpt")
     (tmp_path / "ckpt" / ".spmd-lock").unlink()
     (tmp_path / "ckpt" / "2" / "state").chmod(0)
-    command = _without_dac_override([sys.executable, "-c", _LIST, str(tmp_path / "ckpt"), who])
+    command = without_dac_override([sys.executable, "-c", _LIST, str(tmp_path / "ckpt"), who])
     try:
         run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
     finally:

@@ -4,6 +4,8 @@ import functools
 import json
 import logging
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ from flax import nnx
 
 import spmd
 from spmd.trainer import sidecar, sidecar_watch
+from tests.multiprocess.procs import child_env, without_dac_override
 from tests.test_callbacks import MLP, _read_events
 
 
@@ -616,6 +619,50 @@ def test_keras_positional_arguments_put_callbacks_sixth(trained, tmp_path, monke
 
     _sidecar(model, VAL, str(directory), 1, None, Steps(), loss=loss, batch_size=32).start()
     assert seen == [3, 6, 9]
+
+
+_UNREADABLE = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import numpy as np
+from flax import nnx
+import spmd
+model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+data = (np.zeros((8, 4), np.float32), np.zeros(8, np.int32))
+kwargs = dict(loss="sparse_categorical_crossentropy", batch_size=8, timeout=5)
+for directory, log_dir in ((sys.argv[1], None), (sys.argv[2], sys.argv[3])):
+    try:
+        spmd.SidecarEvaluator(model, data, directory, log_dir=log_dir, **kwargs).start()
+    except spmd.SpmdError as error:
+        print(type(error).__name__ + ":", str(error).replace(chr(10), " / "), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_folder_it_cannot_read_or_write_is_a_clear_error_not_a_traceback(trained, tmp_path):
+    """A checkpoint_dir at mode 000 (Orbax's listing: PermissionError) and a log_dir it may not
+    create (tensorboardX's, after the first evaluation): spmd errors naming path and errno,
+    the second at construction. Run as root without its DAC override, so the modes hold."""
+    unreadable, read_only = tmp_path / "ckpt", tmp_path / "ro"
+    shutil.copytree(trained[0], unreadable)
+    read_only.mkdir()
+    unreadable.chmod(0), read_only.chmod(0o555)
+    args = [str(unreadable), str(trained[0]), str(read_only / "logs")]
+    command = without_dac_override([sys.executable, "-c", _UNREADABLE, *args])
+    try:
+        run = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        unreadable.chmod(0o755), read_only.chmod(0o755)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert (
+        f"CheckpointError: A CheckpointManager lists the step folders of its directory, so it "
+        f"must be able to read it. / Received: directory='{unreadable}'"
+    ) in output, output[-3000:]
+    assert "errno='EACCES (13)'" in output
+    assert "ConfigurationError: log_dir must be a folder the evaluator can write" in output
+    assert "checkpoint step" not in output  # before any evaluation
+    assert "Traceback" not in output
 
 
 def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
