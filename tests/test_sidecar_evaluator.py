@@ -566,6 +566,83 @@ def test_a_dataset_that_never_ends_needs_steps(trained):
     np.testing.assert_allclose(history[9]["loss"], want["loss"], rtol=1e-6)
 
 
+def _linear_init(key):
+    return {"w": jax.random.normal(key, (4, 2)) * 0.1, "b": jax.numpy.zeros(2)}
+
+
+def _linear_apply(params, x):
+    return x @ params["w"] + params["b"]
+
+
+def test_a_custom_loops_checkpoints_are_evaluated_as_evaluate_does(tmp_path):
+    """examples/06's layout, {"params", "opt"} and no step counter, from a loop with its own
+    optimizer: the evaluator reads "params" and evaluates each step as Trainer.evaluate."""
+    tx, x, y = optax.sgd(0.5), *_data(64, 0)
+    state = {"params": _linear_init(jax.random.key(0))}
+    state["opt"] = tx.init(state["params"])
+    saved = {}
+
+    @jax.jit
+    def train_step(state):
+        loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+            _linear_apply(p, x), y
+        ).mean()
+        updates, opt = tx.update(jax.grad(loss)(state["params"]), state["opt"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+
+    with spmd.CheckpointManager(tmp_path / "ckpt", max_to_keep=None) as ckpt:
+        for step in (1, 2, 3):
+            state = train_step(state)
+            saved[step] = jax.device_get(state["params"])
+            ckpt.save(step, state)
+        ckpt.mark_final()
+    loss = "sparse_categorical_crossentropy"
+    history = _sidecar(
+        (_linear_init, _linear_apply), VAL, str(tmp_path / "ckpt"), loss=loss, batch_size=32
+    ).start()
+    assert list(history) == [1, 2, 3]
+    for step, metrics in history.items():
+        oracle = spmd.Trainer((lambda key, p=saved[step]: p, _linear_apply), optax.sgd(0.1), loss)
+        want = oracle.evaluate(VAL, batch_size=32)["loss"]
+        np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
+
+
+class _Normed(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, rngs=rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.norm(self.dense(x))))
+
+
+def test_a_custom_loops_model_state_nested_under_its_own_keys(tmp_path):
+    """A loop that saves {"model": {"weights", "stats"}, "opt"}: params_key and rest_key say
+    where; the BatchNorm statistics are the saved ones, not the evaluator model's own."""
+    model, x = _Normed(nnx.Rngs(0)), _data(64, 0)[0]
+    model(x)  # a forward pass in training mode: the statistics move off their initial values
+    weights, stats = nnx.state(model, nnx.Param), nnx.state(model, nnx.BatchStat)
+    state = {"model": {"weights": weights, "stats": stats}, "opt": {"count": jax.numpy.ones(())}}
+    with spmd.CheckpointManager(tmp_path / "ckpt") as ckpt:
+        ckpt.save(5, state)
+        ckpt.mark_final()
+    loss = "sparse_categorical_crossentropy"
+    evaluate = functools.partial(
+        _sidecar, _Normed(nnx.Rngs(1)), VAL, str(tmp_path / "ckpt"), loss=loss, batch_size=32
+    )
+    history = evaluate(params_key="model/weights", rest_key="model/stats").start()
+    want = spmd.Trainer(model, optax.sgd(0.1), loss).evaluate(VAL, batch_size=32)["loss"]
+    np.testing.assert_allclose(history[5]["loss"], want, rtol=1e-6)
+    with pytest.raises(spmd.CheckpointError) as error:
+        evaluate().start()  # the Trainer's keys: nothing at "params"
+    text = str(error.value)
+    assert "Received: params_key='params', step=5, checkpoint_keys=['model', 'opt']" in text
+    assert "examples/06_checkpoint_resume.py" in text
+    with pytest.raises(spmd.CheckpointError, match="rest_key='rest'"):
+        evaluate(params_key="model/weights").start()
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -580,6 +657,10 @@ def test_a_dataset_that_never_ends_needs_steps(trained):
         ({"log_dir": ""}, "Received: log_dir=''"),
         ({"callbacks": [1]}, r"(?s)callbacks is a list of spmd.callbacks.Callback.*\[1\]"),
         ({"callbacks": "/logs"}, r"keyword-only, after Keras' callbacks: log_dir='/logs'"),
+        ({"params_key": ""}, "params_key is a '/'-joined path"),
+        ({"params_key": "a//b"}, "Received: params_key='a//b'"),
+        ({"rest_key": 3}, "rest_key is a '/'-joined path"),
+        ({"params_key": "model", "rest_key": "model/stats"}, "two separate parts"),
     ],
 )
 def test_bad_arguments_are_clear_errors(tmp_path, kwargs, match):

@@ -408,6 +408,21 @@ class CheckpointManager:
         self._check_open("metadata")
         return self._record(self._resolve_step(step)).get("user")
 
+    def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The arrays saved at `step` (the latest by default), read from its metadata alone.
+
+        Returns:
+          '/'-joined path in the saved state -> (shape, dtype name), e.g.
+          {"params/w": ((8, 64), "float32"), ...}: what a restore target must hold.
+
+        Raises:
+          CheckpointError: no such step, or its files cannot be read.
+        """
+        self._check_open("saved_arrays")
+        step = self._resolve_step(step)
+        tree = self._read(step, "tree", lambda: self._store.saved_tree(step))
+        return {p: (tuple(shape), np.dtype(dtype).name) for p, (shape, dtype) in tree.items()}
+
     def restore_or_init(
         self,
         create_fn: Callable[..., Any],

@@ -9,6 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
+import numpy as np
+
 from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.manager import CheckpointManager
 from spmd.errors import CheckpointError
@@ -26,6 +29,7 @@ from spmd.trainer.sidecar_args import (
     check_poll,
     optional_count,
 )
+from spmd.trainer.sidecar_layout import Layout
 from spmd.trainer.sidecar_watch import (
     REMOVED_BEFORE,
     Ending,
@@ -43,7 +47,6 @@ from spmd.validate import positive_number
 __all__ = ["SidecarEvaluator"]
 
 _log = logging.getLogger(__name__)
-_MODEL = ("params", "rest", "step")  # what an evaluation needs of a saved train state
 
 
 class SidecarEvaluator:
@@ -126,6 +129,13 @@ class SidecarEvaluator:
         job that calls `fit` again, or a run resumed beside the evaluator,
         has to open the directory (0: end at once, for a run that is never
         resumed).
+      params_key: where the model's parameters are in the saved state, a
+        '/'-joined path: "params" for `Trainer.fit`'s checkpoints and for a
+        custom loop that saves `{"params": ..., "opt": ...}` (examples/06);
+        e.g. "model/params" for one nested deeper.
+      rest_key: where the model's other state is (BatchNorm statistics, RNG
+        counts; `Trainer.fit` saves it as "rest"), or None where the loop
+        saves none. Read only for a model that has such state.
 
     Raises:
       ConfigurationError: a bare model without `loss`, a Trainer with
@@ -159,6 +169,8 @@ class SidecarEvaluator:
         poll_interval: float = 1.0,
         timeout: float | None = None,
         final_grace: float = 60.0,
+        params_key: str = "params",
+        rest_key: str | None = "rest",
     ) -> None:
         self.trainer = as_trainer(model_or_trainer, loss, metrics, strategy)
         self.data, self.batch_size = check_data(data), batch_size
@@ -168,6 +180,7 @@ class SidecarEvaluator:
         self.poll_interval = check_poll(poll_interval)
         self.timeout = None if timeout is None else positive_number(timeout, "timeout")
         self.final_grace = check_grace(final_grace)
+        self.layout = Layout.checked(params_key, rest_key)
         self.callbacks = check_callbacks(callbacks)
         if (log_dir := check_log_dir(log_dir)) is not None:
             self.callbacks.append(TensorBoard(log_dir))
@@ -272,13 +285,14 @@ class SidecarEvaluator:
 
     def _evaluate(self, reader: CheckpointManager, dataset: Any, hooks, step: int) -> dict | None:
         """The metrics of checkpoint `step`, or None if it is damaged or gone (logged)."""
-        trainer = self.trainer
-        target = {part: trainer.state[part] for part in _MODEL}
+        trainer, layout = self.trainer, self.layout
         if not agreed(step in reader.all_steps(), "listed"):
             _log.warning("skipping checkpoint step %d: %s", step, REMOVED_BEFORE)
             return None
         try:
-            model = reader.restore(step, target=target, partial=True)  # no optimizer state
+            layout.check(list(reader.saved_arrays(step)), trainer.state, step)
+            target = layout.target(trainer.state)  # the model alone: no optimizer state
+            model = layout.read(reader.restore(step, target=target, partial=True), trainer.state)
         except CheckpointError as error:
             if agreed(going(reader.directory / str(step), step), "removed"):
                 _log.warning(
@@ -291,7 +305,7 @@ class SidecarEvaluator:
                 _log.warning("skipping checkpoint step %d: damaged: %s", step, _why(error))
                 return None
             raise
-        trainer.state = {**trainer.state, **model}
+        trainer.state = {**trainer.state, **model, "step": _placed(step, trainer.state["step"])}
         trainer.iterations = step
         _load_into_model(trainer)
         hooks.on_test_begin()
@@ -301,6 +315,12 @@ class SidecarEvaluator:
         shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
         _log.info("checkpoint step %d: %s", step, shown)
         return metrics
+
+
+def _placed(step: int, like: jax.Array) -> jax.Array:
+    """`step` as a scalar laid out as `like` (the train state's step counter)."""
+    value = np.asarray(step, like.dtype)
+    return jax.make_array_from_callback((), like.sharding, lambda index: value[index])
 
 
 def _load_into_model(trainer: Trainer) -> None:
