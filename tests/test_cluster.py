@@ -414,6 +414,25 @@ def test_two_processes_by_hand_with_tf_config_psum_over_gloo():
 # ------------------------------------------------------------------ misuse under spmd launch
 
 
+@pytest.mark.parametrize(
+    "task_type, index, expected",
+    [("evaluator", 0, (0, 1, True)), ("worker", 1, (1, 2, False)), ("worker", 0, (0, 2, True))],
+)
+def test_cluster_before_initialize_is_the_tf_config_task(monkeypatch, task_type, index, expected):
+    """TF's pattern: branch on the task type first (TFConfigClusterResolver().task_type), then
+    start what the task needs; an evaluator branching on spmd.cluster() takes its branch."""
+    import importlib
+
+    import spmd
+
+    monkeypatch.setattr(importlib.import_module("spmd.clusters.initialize"), "_INFO", None)
+    cluster = {"worker": ["localhost:2222", "localhost:2223"], "evaluator": ["localhost:2224"]}
+    monkeypatch.setenv("TF_CONFIG", tf_config(cluster, task_type, index))
+    info = spmd.cluster()
+    assert (info.task_type, info.task_index, info.source) == (task_type, index, "TF_CONFIG")
+    assert (info.process_index, info.process_count, info.is_chief) == expected
+
+
 @pytest.mark.cpu_mesh
 @pytest.mark.parametrize("name", ["MirroredStrategy", "MultiWorkerMirroredStrategy"])
 def test_a_strategy_under_spmd_launch_without_initialize_is_an_error(monkeypatch, name):
