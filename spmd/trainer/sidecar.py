@@ -270,7 +270,7 @@ class SidecarEvaluator:
                 wait.found()
             # The run marks its final step after its last save committed, so a listing
             # made after reading the mark holds every step the run wrote.
-            if ending.ended(mark, steps, done):
+            if agreed(ending.ended(mark, steps, done), "ended"):  # each process times the grace
                 _log.info("the training run ended at step %d: done", mark.step)
                 return None
             waited = time.monotonic() - last_new
