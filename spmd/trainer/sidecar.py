@@ -201,8 +201,11 @@ class SidecarEvaluator:
 
         Raises:
           CheckpointError: a checkpoint's model is not the evaluator's (the
-            message names the paths that differ), or its files exist but
-            cannot be read (permissions). Damaged and removed steps are skipped.
+            message names the paths that differ), or holds nothing at
+            `params_key` / `rest_key` (the message lists its top-level keys),
+            or the directory or a step's files cannot be read (permissions:
+            the message names the path and the errno). Damaged and removed
+            steps are skipped.
           BatchError: `data` has no batch.
           ConfigurationError: `data` never ends (repeat()) and `steps` is None.
         """
