@@ -5,7 +5,9 @@ every worker reads the checkpoint") with `spmd.CheckpointManager`: the state,
 the optimizer, the PRNG key and the data position are saved together; the
 relaunched loop calls `restore_or_init` and continues with the next unseen
 batch. This program runs the loop once uninterrupted, then again with a crash
-in the middle and a restart, and checks that both end with bitwise-equal weights.
+in the middle and a restart, and checks that both end with bitwise-equal weights;
+then a `SidecarEvaluator` (the evaluator task) evaluates the kept checkpoints of
+this loop's own layout, reading the parameters at `params_key="params"`.
 Under `spmd launch --max-restarts N` a real crash is relaunched the same way,
 and a SIGTERM makes every process save at the same step and exit with code 42.
 
@@ -88,16 +90,42 @@ def train(directory: str, crash_at: int | None) -> dict:
         if step == crash_at:
             ckpt.close()  # a crash: nothing after the last checkpoint survives
             return {}
+    ckpt.save(step, state, data=batches, force=True)  # the last step, off the save interval
+    ckpt.mark_final()  # the run ended: an evaluator beside it stops after this step
     ckpt.close()
     print(f"step {step}: loss {float(loss):.5f}")
     return jax.device_get(state["params"])
+
+
+def predict(params, x):
+    return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+
+def evaluate(directory: str) -> dict:
+    """The evaluator task over this loop's checkpoints ({"params", "opt", "key"}): the model
+    as an (init, apply) pair, its parameters read at "params", no other model state."""
+    return spmd.SidecarEvaluator(
+        (lambda key: create_state(key)["params"], predict),
+        (x_all, y_all),
+        directory,
+        loss="mse",
+        batch_size=GLOBAL_BATCH,
+        strategy=spmd.OneDeviceStrategy(jax.devices()[0]),  # its own devices: resharded
+        params_key="params",
+        rest_key=None,
+        final_grace=0,  # the run is over: end at its final step
+    ).start()
 
 
 with tempfile.TemporaryDirectory() as whole_dir, tempfile.TemporaryDirectory() as crash_dir:
     uninterrupted = train(whole_dir, crash_at=None)
     train(crash_dir, crash_at=args.steps // 2 + 2)  # dies 2 steps after a checkpoint
     resumed = train(crash_dir, crash_at=None)  # the relaunch
+    history = evaluate(crash_dir)
 
 same = all(np.array_equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
 print("resumed run equals the uninterrupted one bitwise:", same)
-sys.exit(0 if same else 1)
+want = float(np.mean((np.asarray(predict(resumed, x_all)) - y_all) ** 2))
+last = history[args.steps]["loss"]
+print(f"evaluator: steps {sorted(history)}, loss at step {args.steps} {last:.5f}")
+sys.exit(0 if same and abs(last - want) < 1e-5 else 1)

@@ -121,7 +121,8 @@ if info.task_type == "evaluator":
         batch_size=BATCH,
         log_dir=LOGS,
         poll_interval=0.2,
-        timeout=300,
+        timeout=300,  # a worker that died without marking its final step: give up then
+        final_grace=5,  # the run is never resumed: end 5 s after its final step
     ).start()
     last = max(history)
     # The oracle: the final checkpoint, restored into a Trainer and evaluated here by hand.

@@ -21,6 +21,7 @@ __all__ = [
     "integer",
     "is_integer",
     "non_negative_int",
+    "non_negative_number",
     "positive_int",
     "positive_number",
 ]
@@ -119,12 +120,34 @@ def positive_number(
     Raises:
       `error`: `value` is not a real number, is a bool, NaN, infinite, or <= 0.
     """
+    return _number(value, name, unit, fix, error, zero=False)
+
+
+def non_negative_number(
+    value: Any,
+    name: str,
+    *,
+    unit: str = "seconds",
+    fix: str | None = None,
+    error: type[SpmdError] = ConfigurationError,
+) -> float:
+    """`value` as a finite `float` >= 0 (a grace period that may be none).
+
+    Raises:
+      `error`: `value` is not a real number, is a bool, NaN, infinite, or < 0.
+    """
+    return _number(value, name, unit, fix, error, zero=True)
+
+
+def _number(
+    value: Any, name: str, unit: str, fix: str | None, error: type[SpmdError], zero: bool
+) -> float:
     real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if real and math.isfinite(value) and value > 0:
+    if real and math.isfinite(value) and (value > 0 or (zero and value == 0)):
         return float(value)
     raise error(
         message(
-            f"{name} must be a number of {unit} > 0 (finite).",
+            f"{name} must be a number of {unit} {'>=' if zero else '>'} 0 (finite).",
             received(**{name: value}) + _what(value),
             fix or f"pass e.g. {name}=30.",
         )

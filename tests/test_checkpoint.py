@@ -159,6 +159,17 @@ def test_restore_to_numpy_for_inspection(saved_by_strategy):
 
 
 @pytest.mark.cpu_mesh
+def test_saved_arrays_lists_paths_shapes_and_dtypes_without_reading_them(saved_by_strategy):
+    directory, state = saved_by_strategy["parameter_server_4"]
+    with spmd.CheckpointManager(directory, read_only=True) as ckpt:
+        saved = ckpt.saved_arrays()
+        assert saved == ckpt.saved_arrays(ckpt.latest_step())
+    assert saved["params/dense/kernel"] == (state["params"]["dense"]["kernel"].shape, "float32")
+    assert saved["opt/0/mu/embed"] == ((8, 4), "float32")
+    assert sorted({p.split("/")[0] for p in saved}) == ["key", "opt", "params", "step"]
+
+
+@pytest.mark.cpu_mesh
 def test_mismatched_tree_names_the_paths(saved_by_strategy):
     directory, _ = saved_by_strategy["mirrored"]
     target = STRATEGIES["mirrored"]().abstract_state(create_state, jax.random.key(0))

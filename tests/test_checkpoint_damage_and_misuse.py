@@ -9,7 +9,6 @@ never damage; nothing is wrong silently. Every wait is bounded; loopback only.
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from hypothesis import strategies as st
 import spmd
 from spmd.checkpoint.integrity import Damaged, checksums, json_checksum
 from spmd.checkpoint.store import SharedStore
+from tests.multiprocess.procs import without_dac_override
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -175,15 +175,48 @@ def test_permission_denied_is_an_error_not_a_fresh_start(tmp_path):
             p.chmod(0o700 if p.is_dir() else 0o600)
             if os.geteuid() == 0:
                 os.chown(p, 65534, 65534)  # nobody
-    if os.geteuid() == 0:  # root reads anything: run without the DAC override capabilities
-        assert shutil.which("setpriv"), "needs setpriv (util-linux) to drop root's DAC override"
-        caps = "-dac_override,-dac_read_search"
-        command = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *command]
+    command = without_dac_override(command)  # root reads anything: not without them
     run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
     output = run.stdout + run.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["1", "2"]
     assert "RESUMED 0" not in output
     assert run.returncode != 0 and "ermission" in output, output[-2000:]
+
+
+_LIST = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import spmd
+try:
+    if sys.argv[2] == "reader":
+        spmd.CheckpointManager(sys.argv[1], read_only=True).damaged_steps()
+    else:
+        with spmd.CheckpointManager(sys.argv[1]) as ckpt:
+            ckpt.restore_newest({"w": None})
+except spmd.CheckpointError as error:
+    print("CheckpointError:", error, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("who", ["reader", "writer"])
+def test_a_step_folder_that_cannot_be_read_is_named_never_called_damaged(tmp_path, who):
+    """Step 2's state/ folder mode 000 (its _METADATA cannot even be looked at): a
+    CheckpointError naming the file and EACCES, for a reader listing the directory and a
+    writer's restore_newest alike; never 'missing state/_METADATA', never set aside."""
+    _saved(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".spmd-lock").unlink()
+    (tmp_path / "ckpt" / "2" / "state").chmod(0)
+    command = without_dac_override([sys.executable, "-c", _LIST, str(tmp_path / "ckpt"), who])
+    try:
+        run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
+    finally:
+        (tmp_path / "ckpt" / "2" / "state").chmod(0o755)
+    output = run.stdout + run.stderr
+    assert "CheckpointError: The files of checkpoint step 2 must be readable" in output, output
+    assert "errno='EACCES (13)'" in output and "2/state/_METADATA" in output
+    assert "missing" not in output
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["1", "2"]
 
 
 # -- forgetting spmd.initialize() under `spmd launch` (item 8) -------------------------------

@@ -123,6 +123,36 @@ def test_the_final_step_marker(tmp_path):
         assert reader.final_step() is None  # unreadable: logged, not trusted
 
 
+def _marked(directory: Path) -> dict | None:
+    path = directory / "spmd-final-step.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_a_writer_holds_an_ended_runs_final_mark_away_while_it_is_open(tmp_path):
+    """A resumed run (or a second fit) may save again: from the moment its writer opens the
+    directory, before its first save, no reader sees the old run's final step. A writer that
+    lets go having saved nothing puts the mark back, naming itself; one that saved does not."""
+    with spmd.CheckpointManager(tmp_path) as writer:
+        writer.save(1, make_state(1))
+        writer.mark_final()
+    first = _marked(tmp_path)
+    assert first["step"] == 1 and first["session"]
+    reader = spmd.CheckpointManager(tmp_path, read_only=True)
+    with spmd.CheckpointManager(tmp_path):  # opened only to restore: nothing saved
+        assert reader.final_step() is None
+    again = _marked(tmp_path)
+    assert again["step"] == 1 and again["session"] != first["session"]
+    unclosed = spmd.CheckpointManager(tmp_path)  # a program that never closes its manager
+    assert reader.final_step() is None
+    del unclosed  # collected (or the interpreter exits): the mark comes back
+    assert reader.final_step() == 1
+    with spmd.CheckpointManager(tmp_path) as writer:  # the run goes on, then stops unmarked
+        assert reader.final_step() is None
+        writer.save(2, make_state(2))
+    assert reader.final_step() is None and _marked(tmp_path) is None
+    reader.close()
+
+
 def test_read_only_must_be_a_bool(tmp_path):
     with pytest.raises(spmd.ConfigurationError, match="read_only=1"):
         spmd.CheckpointManager(tmp_path, read_only=1)

@@ -76,6 +76,16 @@ def test_tf_config_evaluator_is_its_own_group():
     assert info.is_chief and info.coordinator_address is None
 
 
+@pytest.mark.parametrize("index", [0, 1])
+def test_tf_config_evaluator_whose_cluster_leaves_it_out_is_its_own_group(index):
+    """TF's RunConfig ("evaluator is not part of training cluster") and Kubeflow's TFJob give
+    the evaluator the training cluster only; TF's _validate_cluster_spec allows it."""
+    training = {"chief": ["host0:2222"], "worker": ["host3:2222", "host4:2222"]}
+    info = parse_tf_config(tf_config(training, "evaluator", index))
+    assert (info.process_index, info.process_count, info.task_type) == (0, 1, "evaluator")
+    assert (info.task_index, info.is_chief, info.coordinator_address) == (index, True, None)
+
+
 T = "TF_CONFIG"
 MALFORMED = {
     "not json": ("{cluster: 1}", T, "{cluster: 1}"),
@@ -402,6 +412,25 @@ def test_two_processes_by_hand_with_tf_config_psum_over_gloo():
 
 
 # ------------------------------------------------------------------ misuse under spmd launch
+
+
+@pytest.mark.parametrize(
+    "task_type, index, expected",
+    [("evaluator", 0, (0, 1, True)), ("worker", 1, (1, 2, False)), ("worker", 0, (0, 2, True))],
+)
+def test_cluster_before_initialize_is_the_tf_config_task(monkeypatch, task_type, index, expected):
+    """TF's pattern: branch on the task type first (TFConfigClusterResolver().task_type), then
+    start what the task needs; an evaluator branching on spmd.cluster() takes its branch."""
+    import importlib
+
+    import spmd
+
+    monkeypatch.setattr(importlib.import_module("spmd.clusters.initialize"), "_INFO", None)
+    cluster = {"worker": ["localhost:2222", "localhost:2223"], "evaluator": ["localhost:2224"]}
+    monkeypatch.setenv("TF_CONFIG", tf_config(cluster, task_type, index))
+    info = spmd.cluster()
+    assert (info.task_type, info.task_index, info.source) == (task_type, index, "TF_CONFIG")
+    assert (info.process_index, info.process_count, info.is_chief) == expected
 
 
 @pytest.mark.cpu_mesh

@@ -9,6 +9,7 @@ collective.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import json
@@ -34,6 +35,7 @@ __all__ = [
     "check_no_file",
     "every_pipeline",
     "first_line",
+    "not_listable",
     "open_directory",
     "read_only_error",
     "same_step",
@@ -182,6 +184,22 @@ def not_writable(directory: epath.Path, error: OSError) -> CheckpointError:
             received(directory=str(directory), error=first_line(error)),
             "to only read the steps another job writes (an evaluator), pass read_only=True; "
             "to save, give this process write access or another directory.",
+        )
+    )
+
+
+def not_listable(directory: epath.Path, error: OSError) -> CheckpointError:
+    """The error for a directory whose step folders cannot be listed (permissions, I/O)."""
+    got = {"directory": str(directory), "error": first_line(error)}
+    if error.errno:
+        got["errno"] = f"{errno.errorcode.get(error.errno, error.errno)} ({error.errno})"
+    return CheckpointError(
+        message(
+            "A CheckpointManager lists the step folders of its directory, so it must be able "
+            "to read it.",
+            received(**got),
+            "give this process read (and search) access to the directory: its owner, mode "
+            "or mount. Nothing in it was skipped or set aside.",
         )
     )
 

@@ -46,6 +46,7 @@ __all__ = [
     "PendingRecord",
     "RecordHandler",
     "checksums",
+    "commit_time",
     "compile_count",
     "damage",
     "dispatch",
@@ -69,7 +70,12 @@ _ITEMS = ("state", "data", "metadata")  # the items of every spmd checkpoint
 _SHOWN = 8
 # Errors whose cause is missing or invalid content (damage), not an unreadable disk.
 _DAMAGE_ERRNOS = (errno.ENOENT, errno.ENOTDIR, errno.EISDIR)
-_NOT_DAMAGE_TEXT = ("PERMISSION_DENIED", "Permission denied", "Input/output error")
+_NOT_DAMAGE_TEXT = (
+    "PERMISSION_DENIED",
+    "Permission denied",
+    "Operation not permitted",
+    "Input/output error",
+)
 
 
 class Damaged(CheckpointError):
@@ -592,10 +598,32 @@ def _damage(step_dir: epath.Path) -> str | None:
     if not isinstance(record, dict) or not record.get("commit_timestamp_nsecs"):
         return "_CHECKPOINT_METADATA has no commit time (the save never committed)"
     needed = [step_dir / "state" / "_METADATA", *(step_dir / i / "metadata" for i in _ITEMS[1:])]
-    missing = [str(p.relative_to(step_dir)) for p in needed if not p.exists()]
+    missing = [str(p.relative_to(step_dir)) for p in needed if not _present(p)]
     if missing:
         return f"missing {', '.join(missing)}"
     return None
+
+
+def commit_time(step_dir: epath.Path) -> int | None:
+    """When Orbax committed the step in `step_dir` (ns), or None if that cannot be read: two
+    checkpoints of one step number at one path (a run re-created there) differ in it."""
+    try:
+        record = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("commit_timestamp_nsecs") if isinstance(record, dict) else None
+
+
+def _present(path: epath.Path) -> bool:
+    """Whether `path` exists; a local path that cannot be looked at (a folder without read
+    or search permission on the way) raises its OSError, never reads as missing."""
+    if "://" in str(path):
+        return path.exists()
+    try:
+        os.stat(os.fspath(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
 
 
 def failed_steps(steps: list[int], step_dir: Callable[[int], epath.Path]) -> list[int]:

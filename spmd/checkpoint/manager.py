@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -160,17 +161,28 @@ class CheckpointManager:
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
-        self._maybe_final = True  # a final-step marker may be there (an ended run's)
+        self._maybe_final = False  # this writer marked a final step (a later save clears it)
+        self._session = final.new_session()  # names this writer in the markers it writes
         self._prepared = False  # whether the checksums' programs for the state were started
         self._async_save = async_save
         self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
             store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
             self._store = make_store(self._root, *store)
+            self._hold = self._hold_final()
         except BaseException:
             self._lock.release()
             raise
         self._closed = False
+
+    def _hold_final(self) -> final.Hold | None:
+        """A writer takes an ended run's final-step marker away while it holds the directory
+        (process 0; see spmd/checkpoint/final.py); put back at close or exit if it saved nothing."""
+        if self.read_only or jax.process_index() != 0:
+            return None
+        hold = final.Hold(self.directory, self._session)
+        self._release_hold = weakref.finalize(self, hold.release)
+        return hold
 
     # -- what is there ----------------------------------------------------------
 
@@ -204,7 +216,8 @@ class CheckpointManager:
     def final_step(self) -> int | None:
         """The step the training run marked as its last (`mark_final`), or None while it runs."""
         forget_listings(self.directory)  # the writer may be another process
-        return final.read(self.directory)
+        mark = final.read(self.directory)
+        return None if mark is None else mark.step
 
     def mark_final(self, step: int | None = None) -> int:
         """Marks `step` (the latest by default) as the run's last checkpoint; every process calls it.
@@ -212,7 +225,9 @@ class CheckpointManager:
         Waits for saves in flight first. Readers (`read_only=True`, a
         `SidecarEvaluator`) then know the run has ended: an evaluator stops
         once it has evaluated this step. `Trainer.fit`'s `ModelCheckpoint`
-        calls it when fit ends. A later `save` removes the mark (the run goes on).
+        calls it when fit ends. A later `save` removes the mark (the run goes
+        on), and so does the next writer that opens the directory (a second
+        fit, a resumed run) until it closes having saved nothing.
 
         Returns:
           The step marked.
@@ -225,7 +240,7 @@ class CheckpointManager:
         self.wait()
         step = final.check(step, self.all_steps(), self.directory)
         if jax.process_index() == 0:
-            final.write(self.directory, step)
+            final.write(self.directory, step, self._session)
         self._maybe_final = True
         guard.agree("mark_final", step, self._timeout)
         return step
@@ -297,8 +312,10 @@ class CheckpointManager:
         guard.check_newer_steps(step, folders, self.directory)
         guard.check_no_file(step, self._store.step_dir(step))
         if self._maybe_final and jax.process_index() == 0:
-            final.clear(self.directory)  # the run goes on past its marked last step
-        self._maybe_final = False  # the writer holds the directory: no one else marks it
+            final.clear(self.directory)  # the run goes on past the step it marked
+        self._maybe_final = False
+        if self._hold is not None:
+            self._hold.saved = True  # the marker it took away stays away
         arrays, keys = ct.to_saveable(_leaves(state))
         if not self._prepared:  # the first write: compile beside Orbax's copies to host
             integrity.prepare(arrays)
@@ -404,6 +421,21 @@ class CheckpointManager:
         """
         self._check_open("metadata")
         return self._record(self._resolve_step(step)).get("user")
+
+    def saved_arrays(self, step: int | None = None) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The arrays saved at `step` (the latest by default), read from its metadata alone.
+
+        Returns:
+          '/'-joined path in the saved state -> (shape, dtype name), e.g.
+          {"params/w": ((8, 64), "float32"), ...}: what a restore target must hold.
+
+        Raises:
+          CheckpointError: no such step, or its files cannot be read.
+        """
+        self._check_open("saved_arrays")
+        step = self._resolve_step(step)
+        tree = self._read(step, "tree", lambda: self._store.saved_tree(step))
+        return {p: (tuple(shape), np.dtype(dtype).name) for p, (shape, dtype) in tree.items()}
 
     def restore_or_init(
         self,
@@ -570,6 +602,8 @@ class CheckpointManager:
         try:
             self._finish(self._store.close)
         finally:
+            if self._hold is not None:
+                self._release_hold()  # before the lock: no other writer comes between
             self._lock.release()
             self._watcher.close()
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -15,6 +16,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Sharding
 
+from spmd.checkpoint import guard
 from spmd.checkpoint import tree as ct
 from spmd.checkpoint.integrity import Damaged, RecordHandler, damage
 from spmd.errors import CheckpointError
@@ -68,9 +70,10 @@ class SharedStore:
                 create=not chief_only,
                 multiprocessing_options=multiprocessing,
             )
-        self.manager = ocp.CheckpointManager(
-            directory, options=options, handler_registry=_registry(multiprocessing)
-        )
+        with _listing(directory):
+            self.manager = ocp.CheckpointManager(
+                directory, options=options, handler_registry=_registry(multiprocessing)
+            )
         # Orbax deletes leftover temporary folders in a background thread. Wait for it: a
         # program that ends right after (an error at startup) would race interpreter shutdown.
         await_cleanup = getattr(self.manager, "_maybe_await_cleanup_tmp_directory", None)
@@ -120,13 +123,14 @@ class SharedStore:
         """Orbax's listing, retried while a folder it listed vanishes before it is read
         (the writer's max_to_keep deleting a step during the listing)."""
         forget_listings(self.directory)
-        for pause in (0.01, 0.05, 0.2, 1.0):
-            try:
-                self.manager.reload()
-                return
-            except FileNotFoundError:
-                time.sleep(pause)
-        self.manager.reload()
+        with _listing(self.directory):
+            for pause in (0.01, 0.05, 0.2, 1.0):
+                try:
+                    self.manager.reload()
+                    return
+                except FileNotFoundError:
+                    time.sleep(pause)
+            self.manager.reload()
 
     def set_aside(self, steps: list[int]) -> None:
         """Renames the folders of `steps` to `<step>.damaged` (process 0; call `reload` after)."""
@@ -345,6 +349,18 @@ def forget_listings(directory: epath.Path) -> None:
     backend = getattr(directory, "_backend", None)  # epath's choice (private: guarded)
     if "://" in str(directory) and backend is epath.backend.fsspec_backend:
         backend.fs(str(directory)).invalidate_cache()
+
+
+@contextlib.contextmanager
+def _listing(directory: epath.Path) -> Iterator[None]:
+    """Orbax's listing of `directory`: a folder that cannot be read is a CheckpointError
+    naming it and the errno (a missing one is Orbax's: no steps, or a folder it creates)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise guard.not_listable(directory, error) from error
 
 
 def _registry(

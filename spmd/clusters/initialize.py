@@ -299,14 +299,23 @@ def _hang(hang_timeout: Any) -> Any:
 def cluster() -> ClusterInfo:
     """Returns what `initialize()` resolved.
 
-    Without a call to `initialize()`, describes what JAX knows (jax.distributed's
-    process index and count, or this process alone) without starting any backend.
+    Without a call to `initialize()`, and without starting any backend or joining
+    anything: jax.distributed's process index and count if someone initialized it;
+    else the task TF_CONFIG describes (its type, index and training group, as TF's
+    TFConfigClusterResolver reads it, so a program can branch on `task_type` before
+    it initializes: the evaluator is a one-process job of its own); else what JAX
+    knows (this process alone).
+
+    Raises:
+      ClusterError: TF_CONFIG is set and malformed.
     """
     if _INFO is not None:
         return _INFO
     state = distributed_state()
     if state is not None:
         return worker_info(state[0], state[1], state[2], "jax.distributed")
+    if TfConfigResolver().is_present():
+        return TfConfigResolver().resolve()
     if backends_started():
         import jax
 

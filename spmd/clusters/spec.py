@@ -210,6 +210,11 @@ def _tf_task(config: dict[str, Any], jobs: dict[str, list[str]]) -> tuple[str, i
         got = received(**{f"{TF_CONFIG}['task']['type']": "ps"})
         raise ClusterError(MSG_PS_TASK.format(received=got))
     count = len(jobs[task_type])
+    if count == 0 and task_type == "evaluator":  # not part of the training cluster (TF allows it)
+        fix = "number the evaluator 0 (there is at most one)."
+        return task_type, check_int(
+            task.get("index", 0), f"{TF_CONFIG}['task']['index']", 0, None, fix
+        )
     if count == 0:
         raise ClusterError(
             message(
@@ -237,8 +242,10 @@ def parse_tf_config(text: str) -> ClusterInfo:
     The training group is the chief (if any) then the workers, in order; the chief
     task, or worker 0 without one, is process 0 and hosts the coordinator at its
     address. An evaluator is not part of the training group: it resolves to a
-    one-process group of its own (no coordinator), the chief of itself. A 'ps' task
-    is an error: spmd shards variables over the workers, it has no ps processes.
+    one-process group of its own (no coordinator), the chief of itself, whether or
+    not the cluster lists an 'evaluator' job (TF's RunConfig and Kubeflow's TFJob
+    give it a cluster without one, as TF's own checks allow). A 'ps' task is an
+    error: spmd shards variables over the workers, it has no ps processes.
 
     Args:
       text: the JSON, e.g. '{"cluster": {"worker": ["h0:2222", "h1:2222"]},

@@ -126,6 +126,7 @@ def evaluate(args) -> None:
         callbacks=[Times()],
         poll_interval=0.1,
         timeout=args.timeout,
+        final_grace=1.0,  # the run is never resumed
     ).start()
     result = {
         "history": history,
