@@ -33,12 +33,19 @@ sys.path.insert(0, str(ROOT))
 
 from bench import bench_feed, bench_step, common  # noqa: E402
 
-SECTIONS = ("overhead", "spe", "feed", "mfu", "central")
+SECTIONS = ("overhead", "spe", "feed", "mfu", "central", "sweep")
 # Dense bf16 peak FLOP/s by device kind (NVIDIA datasheets, without sparsity).
 PEAKS = (("H100 PCIe", 756e12), ("H100", 989.4e12), ("H200", 989.4e12))
 FULL_LM = dict(vocab=32768, dim=2048, heads=16, mlp=8192, layers=16, seq=1024, batch=16)
 MID_LM = dict(vocab=32768, dim=1024, heads=8, mlp=4096, layers=8, seq=1024, batch=8)
 QUICK_LM = dict(vocab=256, dim=64, heads=4, mlp=256, layers=2, seq=64, batch=4)
+# Models of 1.3-1.9 B parameters for the MFU sweep (cuDNN attention, remat keeping matmul outputs).
+SWEEP_LMS = (
+    dict(vocab=32768, dim=2048, heads=16, mlp=8192, layers=24, seq=1024, batch=32),
+    dict(vocab=32768, dim=3072, heads=24, mlp=12288, layers=16, seq=1024, batch=32),
+    dict(vocab=32768, dim=4096, heads=32, mlp=16384, layers=8, seq=2048, batch=16),
+)
+QUICK_SWEEP = (QUICK_LM, dict(QUICK_LM, dim=128, heads=4, mlp=512))
 
 
 def example():
@@ -512,6 +519,193 @@ def central_worker(model: str, strategy_name: str, quick: bool) -> dict:
     }
 
 
+# -- f. sweep: MFU of >1 B-parameter LMs, hand-written jax.jit against strategy.step, and the
+# compiler's memory figure against the device's measured peak; one process per model
+
+
+def sweep(args) -> list[dict]:
+    """Each of SWEEP_LMS in its own process (a model that does not fit says so); then
+    Trainer.fit and `explain` on the one with the best MFU."""
+    rows, results = [], []
+    lms = json.loads(args.sweep_lms) if args.sweep_lms else SWEEP_LMS
+    for sizes in QUICK_SWEEP if args.quick else lms:
+        try:
+            result = _worker_subprocess("--sweep-worker", json.dumps(sizes), args.quick)
+        except Exception as error:  # noqa: BLE001 - one model that fails must not lose the rest
+            rows.append(
+                {
+                    "benchmark": "MFU sweep",
+                    "config": str(sizes),
+                    "path": "FAILED",
+                    "step": f"{type(error).__name__}: {error}"[-300:],
+                }
+            )
+            continue
+        results.append(result)
+        rows += result["rows"]
+    if results:
+        best = max(results, key=lambda r: r["mfu"])
+        try:
+            rows += _worker_subprocess("--fit-worker", json.dumps(best["sizes"]), args.quick)[
+                "rows"
+            ]
+        except Exception as error:  # noqa: BLE001
+            rows.append(
+                {
+                    "benchmark": "MFU sweep",
+                    "path": "Trainer.fit FAILED",
+                    "step": f"{type(error).__name__}: {error}"[-300:],
+                }
+            )
+    return rows
+
+
+def _worker_subprocess(flag: str, sizes: str, quick: bool) -> dict:
+    command = [sys.executable, "-m", "bench.bench_gpu", flag, sizes] + (
+        ["--quick"] if quick else []
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    sys.stderr.write(result.stderr[-2000:])
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"{flag} {sizes} failed:\n{result.stdout[-1500:]}{result.stderr[-1500:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def _sweep_cfg(sizes: dict, quick: bool):
+    return example().LMConfig(**sizes, attention=None if quick else "cudnn", remat=True)
+
+
+def _base_row(cfg) -> dict:
+    _, params = analytic_flops(cfg)
+    return {
+        "benchmark": "MFU sweep",
+        "device": device_label(),
+        "config": f"dim {cfg.dim}, heads {cfg.heads}, mlp {cfg.mlp}, layers {cfg.layers}, "
+        f"seq {cfg.seq}, batch {cfg.batch}",
+        "params": f"{params / 1e9:.2f} B matmul",
+    }
+
+
+def _timed(run, state, tokens, steps: int) -> tuple[float, list[float], object]:
+    import jax
+
+    for _ in range(2):
+        state, loss = run(state, tokens)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, loss = run(state, tokens)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times, state
+
+
+def sweep_worker(sizes: dict, quick: bool) -> dict:
+    """One LM: a hand-written `jax.jit` step (donating the state) and `strategy.step`, timed
+    in turn; MFU from PaLM's model FLOPs; the compiled program's memory against the peak."""
+    import jax
+
+    import spmd
+
+    cfg = _sweep_cfg(sizes, quick)
+    steps = 2 if quick else 8
+    peak, (flops, _) = peak_flops(), analytic_flops(cfg)
+    strategy = spmd.OneDeviceStrategy()
+    create, step_fn = lm_pure(cfg)
+    tokens = jax.device_put(next(example().batches(cfg, 1)), jax.devices()[0])
+    state = strategy.init(create)
+    compiled = jax.jit(step_fn, donate_argnums=0).lower(state, tokens).compile()
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    estimate = (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+    )
+    jit_s, jit_times, state = _timed(compiled, state, tokens, steps)
+    measured_peak = jax.devices()[0].memory_stats() or {}
+    measured_peak = measured_peak.get("peak_bytes_in_use", 0)
+    spmd_s, spmd_times, state = _timed(strategy.step(step_fn), state, tokens, steps)
+    rows = []
+    for path, seconds, times in (
+        ("hand-written jax.jit step", jit_s, jit_times),
+        ("strategy.step", spmd_s, spmd_times),
+    ):
+        rows.append(
+            {
+                **_base_row(cfg),
+                "path": path,
+                "step": common.fmt_time({"median": seconds, "min": min(times), "max": max(times)}),
+                "MFU": f"{flops / seconds / peak:.1%}" if peak else "peak unknown",
+                "vs jax.jit": f"{seconds / jit_s:.3f}x",
+            }
+        )
+    rows.append(
+        {
+            **_base_row(cfg),
+            "path": "memory",
+            "step": f"compiler {estimate / 2**30:.2f} GiB (args {mem.argument_size_in_bytes / 2**30:.2f}, "
+            f"temps {mem.temp_size_in_bytes / 2**30:.2f}); device peak {measured_peak / 2**30:.2f} GiB; "
+            f"XLA flops {float(cost.get('flops', 0)):.3e}, bytes accessed "
+            f"{float(cost.get('bytes accessed', 0)):.3e}",
+        }
+    )
+    return {
+        "sizes": sizes,
+        "mfu": flops / spmd_s / (peak or 1.0),
+        "rows": rows,
+        "jit_s": jit_s,
+        "spmd_s": spmd_s,
+        "estimate_bytes": estimate,
+        "peak_bytes": measured_peak,
+        "flops": flops,
+        "xla_flops": float(cost.get("flops", 0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0)),
+    }
+
+
+def fit_worker(sizes: dict, quick: bool) -> dict:
+    """Trainer.fit's step time and `explain`'s memory for one LM of the sweep."""
+    import jax
+
+    import spmd
+
+    cfg = _sweep_cfg(sizes, quick)
+    peak, (flops, _) = peak_flops(), analytic_flops(cfg)
+    strategy = spmd.OneDeviceStrategy()
+    create, step_fn = lm_pure(cfg)
+    tokens = strategy.distribute_batch(next(example().batches(cfg, 1)))
+    report = strategy.explain(step_fn, strategy.abstract_state(create), tokens)
+    fit_s = _time_fit(cfg, 2 if quick else 8, quick)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "rows": [
+            {
+                **_base_row(cfg),
+                "path": "Trainer.fit (mixed_precision='bfloat16')",
+                "step": f"{fit_s * 1e3:.1f} ms",
+                "MFU": f"{flops / fit_s / peak:.1%}" if peak else "peak unknown",
+                "vs jax.jit": "",
+            },
+            {
+                **_base_row(cfg),
+                "path": "explain",
+                "step": f"peak {report.peak_bytes / 2**30:.2f} GiB, state {report.state_bytes / 2**30:.2f} GiB;"
+                f" Trainer's device peak {stats.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB",
+            },
+        ]
+    }
+
+
 # -- the page
 
 
@@ -534,7 +728,14 @@ def header() -> list[str]:
 
 def run_sections(args) -> tuple[list[str], bool]:
     """Every section asked for, each apart; (markdown lines, whether all ran)."""
-    functions = {"overhead": overhead, "spe": spe, "feed": feed, "mfu": mfu, "central": central}
+    functions = {
+        "overhead": overhead,
+        "spe": spe,
+        "feed": feed,
+        "mfu": mfu,
+        "central": central,
+        "sweep": sweep,
+    }
     lines, ok = header(), True
     print("\n".join(lines), flush=True)
     for name in args.only or SECTIONS:
@@ -586,7 +787,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", default=None, help="a directory for a jax.profiler trace")
     parser.add_argument("--central-worker", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--sweep-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fit-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sweep-lms", default=None, help="the sweep's LM sizes, a JSON list of dicts"
+    )
     args = parser.parse_args(argv)
+    for flag, worker in ((args.sweep_worker, sweep_worker), (args.fit_worker, fit_worker)):
+        if flag:
+            print(json.dumps(worker(json.loads(flag), args.quick)), flush=True)
+            return 0
     if args.central_worker:
         print(json.dumps(central_worker(*args.central_worker, args.quick)), flush=True)
         return 0

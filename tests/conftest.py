@@ -89,7 +89,9 @@ def pytest_configure(config):
         config.pluginmanager.register(_Recorder(os.environ["SPMD_TEST_RECORD"]))
 
 
-@pytest.fixture(scope="module", params=["1dev", "8dev", "2d"])
+@pytest.fixture(
+    scope="module", params=["1dev", "8dev", pytest.param("2d", marks=pytest.mark.cpu_mesh)]
+)
 def input_strategy(request):
     """The strategies the input tests place batches with: one device, eight replicas, and a
     4x2 mesh whose batches split over "data" and are replicated over "model"."""

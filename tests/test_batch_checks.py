@@ -118,6 +118,7 @@ def test_an_empty_dataset_is_refused(input_strategy):
     assert seen == 0 and "A dataset yields at least one batch a pass" in str(error)
 
 
+@pytest.mark.cpu_mesh
 def test_a_batch_that_does_not_split_over_the_replicas_is_refused():
     strategy = spmd.MirroredStrategy()
     error, seen = _raised(strategy, [_batch(0, size=12), _batch(1, size=12)])

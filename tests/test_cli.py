@@ -1,5 +1,6 @@
 """Tests of the `spmd` command line: `spmd env`, usage errors."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -39,6 +40,8 @@ def test_env_prints_cluster_devices_and_strategies():
 
 
 def test_env_strategy_filter_and_malformed_tf_config_is_a_clean_error(monkeypatch, capsys):
+    # As in a fresh process: an earlier test's spmd.initialize() is not this one's.
+    monkeypatch.setattr(importlib.import_module("spmd.clusters.initialize"), "_INFO", None)
     monkeypatch.setenv(
         "TF_CONFIG", '{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 4}}'
     )

@@ -52,6 +52,7 @@ CASES = {
 }
 
 
+@pytest.mark.cpu_mesh
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("grad", [None, 0, 1], ids=["forward", "grad lhs", "grad rhs"])
@@ -95,6 +96,7 @@ def test_cond_counts_its_larger_branch_and_dead_work_is_not_counted():
     assert counted(dead, x) == 0
 
 
+@pytest.mark.cpu_mesh
 def test_shard_map_counts_every_shard():
     mesh = spmd.make_mesh({"d": 8})
     per_shard = jax.shard_map(lambda a: a @ a.T, mesh=mesh, in_specs=P("d"), out_specs=P("d"))

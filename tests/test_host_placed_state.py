@@ -46,16 +46,21 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
     )
 
 
-def _host_strategies():
-    """Host-placed strategies: the named one and a custom sharded one."""
+def _host_strategy(index):
+    """Host-placed strategies: the named one (0) and a custom one sharded over 4x2 (1)."""
+    if index == 0:
+        return spmd.CentralStorageStrategy()
     mesh = spmd.make_mesh({"replica": 4, "model": 2})
-    sharded = spmd.Strategy(
+    return spmd.Strategy(
         mesh, [(r".*kernel", P(None, "model"))], batch_axes=("replica",), placement="host"
     )
-    return [spmd.CentralStorageStrategy(), sharded]
 
 
-HOST_IDS = ["central", "custom_sharded_host"]
+# The sharded one needs the eight CPU devices; the named one runs on a GPU's pinned_host too.
+HOST_INDEX = [
+    pytest.param(0, id="central"),
+    pytest.param(1, id="custom_sharded_host", marks=pytest.mark.cpu_mesh),
+]
 
 
 # --- NNX model + nnx.Optimizer ----------------------------------------------------
@@ -89,10 +94,10 @@ def _nnx_run(strategy, donate, read_between=False):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("donate", [None, True])
-@pytest.mark.parametrize("index", [0, 1], ids=HOST_IDS)
+@pytest.mark.parametrize("index", HOST_INDEX)
 def test_nnx_model_and_optimizer_on_host_placement_match_one_device(index, donate):
     want_losses, want = _nnx_run(spmd.OneDeviceStrategy(), donate)
-    got_losses, got = _nnx_run(_host_strategies()[index], donate, read_between=True)
+    got_losses, got = _nnx_run(_host_strategy(index), donate, read_between=True)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     _close(got, want)
     kinds = {leaf.sharding.memory_kind for leaf in jax.tree.leaves(got)}
@@ -152,10 +157,10 @@ def _key_run(strategy, read_between=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", [0, 1], ids=HOST_IDS)
+@pytest.mark.parametrize("index", HOST_INDEX)
 def test_a_state_with_a_prng_key_on_host_placement_matches_one_device(index):
     want_losses, want = _key_run(spmd.OneDeviceStrategy())
-    got_losses, got = _key_run(_host_strategies()[index], read_between=True)
+    got_losses, got = _key_run(_host_strategy(index), read_between=True)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
     np.testing.assert_array_equal(
         jax.random.key_data(got["key"]), jax.random.key_data(jax.device_get(want["key"]))
@@ -353,10 +358,10 @@ def _mixed_step(state, x, y):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", [0, 1], ids=HOST_IDS)
+@pytest.mark.parametrize("index", HOST_INDEX)
 def test_int_bool_bf16_leaves_on_host_placement_match_one_device(index):
     runs = {}
-    for name, strategy in (("one", spmd.OneDeviceStrategy()), ("host", _host_strategies()[index])):
+    for name, strategy in (("one", spmd.OneDeviceStrategy()), ("host", _host_strategy(index))):
         state = strategy.init(_mixed_create, jax.random.key(0))
         step = strategy.step(_mixed_step)
         losses = []
@@ -487,11 +492,12 @@ def test_many_central_storage_steps_keep_no_old_states_alive():
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_mesh
 def test_explain_of_a_host_placed_step_aliases_nothing_and_counts_host_bytes():
     x, y = _batches(1)[0]
     one = spmd.OneDeviceStrategy()
     want = one.explain(_train, one.abstract_state(_create, jax.random.key(0)), x, y)
-    for strategy in _host_strategies():
+    for strategy in (_host_strategy(0), _host_strategy(1)):
         report = strategy.explain(_train, strategy.abstract_state(_create, jax.random.key(0)), x, y)
         assert report.alias_bytes == 0  # nothing donated
         assert report.state_bytes == 0

@@ -271,6 +271,7 @@ def test_a_memmap_batch(input_strategy, tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ro)[order[b * N : (b + 1) * N]])
 
 
+@pytest.mark.cpu_mesh
 def test_jax_arrays_yielded_on_device_on_another_device_and_sharded(input_strategy):
     x = _rows(0, dtype=np.float32)
     other = jax.devices()[5]

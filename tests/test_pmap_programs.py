@@ -14,6 +14,9 @@ import pytest
 
 import spmd
 
+# pmap's parity oracles run over the eight CPU devices (N replicas).
+pytestmark = pytest.mark.cpu_mesh
+
 N = 8  # replicas
 LOCAL = 4  # examples per replica
 

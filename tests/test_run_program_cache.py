@@ -23,6 +23,9 @@ from hypothesis import strategies as st
 import spmd
 from spmd.strategy import per_replica
 
+# The oracles are N = 8 replicas' values: the eight CPU devices.
+pytestmark = pytest.mark.cpu_mesh
+
 N = 8
 X = np.arange(N, dtype=np.float32) + 1.0
 Pair = collections.namedtuple("Pair", "first second")

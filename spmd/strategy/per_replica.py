@@ -340,9 +340,8 @@ def _functions_key(jaxpr: Any) -> tuple:
     found: list = []
 
     def walk(value: Any) -> None:
-        if isinstance(value, jax_core.ClosedJaxpr):
-            walk(value.jaxpr)
-        elif isinstance(value, jax_core.Jaxpr):
+        if isinstance(value, jax_core.ClosedJaxpr | jax_core.Jaxpr):
+            # Both have .eqns; a ClosedJaxpr's .jaxpr is itself in some jax versions.
             for eqn in value.eqns:
                 found.append(str(eqn.source_info.name_stack))
                 rules = eqn.primitive.name in _CUSTOM_DERIVATIVES

@@ -67,7 +67,9 @@ def placed(leaves: list, shardings: list) -> list:
     `check_layout` has refused another layout on the same mesh; what is left
     to move is an array on one device (put there by `jnp`, or committed to a
     device) or in another memory kind (a fresh array in a host-placed state),
-    which jit would move itself or refuse with its own error.
+    which jit would move itself or refuse with its own error. An array on the
+    mesh's only device is moved too: jit would trace the program again for its
+    single-device sharding.
     """
     out = leaves
     for i, (x, sharding) in enumerate(zip(leaves, shardings, strict=True)):
@@ -75,7 +77,8 @@ def placed(leaves: list, shardings: list) -> list:
             continue
         current = x.sharding
         if current is sharding or (
-            current.device_set == sharding.device_set
+            isinstance(current, NamedSharding)  # one device's array is retraced, not placed
+            and current.mesh == sharding.mesh
             and current.memory_kind == sharding.memory_kind
             and current.is_equivalent_to(sharding, x.ndim)
         ):
