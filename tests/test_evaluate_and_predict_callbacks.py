@@ -3,23 +3,14 @@
 logs, then end; fit validates with its own callbacks before `on_epoch_end`), and read
 nothing per batch for callbacks that do not override the batch hooks."""
 
-import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP
 
 import spmd
 from spmd.trainer import trainer as trainer_module
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(4, 8, rngs=rngs)
-        self.out = nnx.Linear(8, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
 
 
 def _data(n=100):
@@ -30,7 +21,7 @@ def _data(n=100):
 
 def _trainer():
     return spmd.Trainer(
-        MLP(nnx.Rngs(0)),
+        MLP(nnx.Rngs(0), features=4, hidden=8, outputs=2),
         optax.sgd(0.1),
         "sparse_categorical_crossentropy",
         metrics=("accuracy",),

@@ -10,24 +10,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP
 
 import spmd
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(4, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 2, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(jax.nn.relu(self.hidden(x)))
 
 
 def _data(n=256):
@@ -38,7 +29,7 @@ def _data(n=256):
 
 def _trainer():
     return spmd.Trainer(
-        MLP(nnx.Rngs(0)),
+        MLP(nnx.Rngs(0), features=4, hidden=16, outputs=2),
         optax.adam(1e-2),
         "sparse_categorical_crossentropy",
         metrics=("accuracy",),

@@ -1,6 +1,10 @@
 """Whether a recorded run of the fast tier runs every spmd/ module within its CPU budget.
 
-Record a run, then check it:
+Run the fast tier, recorded, and check it (a few minutes):
+
+    python tests/tiers.py
+
+or check a run recorded before:
 
     SPMD_TEST_RECORD=/tmp/ran.json python -m pytest -q -m "not slow"
     python tests/tiers.py /tmp/ran.json
@@ -21,15 +25,19 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SPMD = Path(__file__).resolve().parent.parent / "spmd"
 CPU_BUDGET_S = 240.0  # the fast tier: at most 4 minutes of CPU on 2 cores
 COSTLIEST = 15  # how many of the costliest tests to show
 USAGE = (
-    "usage: python tests/tiers.py RECORD, where RECORD is written by "
-    'SPMD_TEST_RECORD=RECORD python -m pytest -q -m "not slow"'
+    "usage: python tests/tiers.py [RECORD], where RECORD is written by "
+    'SPMD_TEST_RECORD=RECORD python -m pytest -q -m "not slow" (without it, the fast '
+    "tier runs here, recorded)"
 )
 
 
@@ -99,11 +107,31 @@ def read(path: Path) -> dict | None:
     return record if isinstance(record, dict) and {"run", "tests"} <= record.keys() else None
 
 
+def record_run(path: Path) -> int:
+    """Runs the fast tier with the recorder writing to `path`; pytest's exit status."""
+    env = {**os.environ, "SPMD_TEST_RECORD": str(path)}
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "not slow"]
+    return subprocess.run(command, cwd=SPMD.parent, env=env).returncode
+
+
 def main(argv: list[str]) -> int:
-    record = read(Path(argv[0])) if len(argv) == 1 else None
+    if len(argv) > 1 or (argv and argv[0].startswith("-")):
+        print(USAGE, file=sys.stderr)
+        return 2
+    if not argv:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "ran.json"
+            status = record_run(path)
+            record = read(path)
+        if status != 0:
+            print(f"the fast tier failed (pytest exit status {status})", file=sys.stderr)
+    else:
+        record = read(Path(argv[0]))
     if record is None:
-        received = f"no record of a test run at {argv[0]!r}; " if len(argv) == 1 else ""
-        print(f"{received}{USAGE}", file=sys.stderr)
+        print(
+            f"no record of a test run at {argv[0] if argv else 'the run'!r}; {USAGE}",
+            file=sys.stderr,
+        )
         return 2
     lines, ok = report(record, runnable())
     print("\n".join(lines))
