@@ -1,5 +1,6 @@
 """spmd.DiLoCo: islands that train apart and average every H steps, against the paper in plain JAX."""
 
+import dataclasses
 import functools
 
 import jax
@@ -285,6 +286,29 @@ def test_restore_or_init_and_scope_take_a_diloco_strategy(tmp_path):
     assert start == 3 and int(again.step) == 3
     assert_trees_allclose(again, state, rtol=0, atol=0)
     ckpt.close()
+
+
+@pytest.mark.slow  # compiles three programs of a transformer: seconds on 2 shared cores
+def test_a_scanned_models_bytes_across_islands_are_one_hth_of_synchronous_training():
+    """examples/07's LM scans its layers: the synchronous step all-reduces each layer's
+    gradients inside the loop, once per layer, and explain counts it so (the trip count
+    of an XLA:CPU loop is in its backend config and behind a fused comparison)."""
+    from bench import bench_gpu
+
+    lm = bench_gpu.example()
+    cfg = lm.LMConfig(vocab=32, dim=32, heads=2, mlp=64, layers=3, seq=16, batch=8)
+    create, step = bench_gpu.lm_pure(dataclasses.replace(cfg, attention="xla"))
+    strategy = spmd.DiLoCo(islands=2, sync_every=10)
+    state = strategy.abstract_state(create)
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), np.int32)
+    report = strategy.explain(step, state, tokens)
+    params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    # 2 islands of 4 devices: each device carries a quarter of the parameters across
+    assert report.sync_crossing["all-reduce"].bytes == params_bytes // 4
+    synchronous = report.synchronous_crossing["all-reduce"]
+    assert synchronous.count >= cfg.layers  # each layer's all-reduce, and the rest's
+    assert synchronous.bytes == pytest.approx(params_bytes / 4, rel=1e-3)
+    assert report.ratio == pytest.approx(1 / 10, rel=1e-3)
 
 
 def _wide(key):
