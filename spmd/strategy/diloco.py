@@ -174,7 +174,8 @@ class DiLoCo:
                     ),
                     "read strategy.replicas_per_island inside the step (or "
                     "spmd.get_replica_context().num_replicas_in_sync inside strategy.run); "
-                    "a loss over the island's batch is spmd.compute_average_loss(per_example_loss).",
+                    "a loss over the island's batch is "
+                    "spmd.compute_average_loss(per_example_loss).",
                 )
             )
         return self.synchronous.num_replicas_in_sync

@@ -177,7 +177,7 @@ class _Programs:
         split = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), data)
 
         rows = {x.shape[0] // k for x in jax.tree.leaves(data) if np.ndim(x)}
-        island = Island(strategy, k, strategy.replicas_per_island, min(rows) if rows else None)
+        island = Island(strategy, k, min(rows) if rows else None)
 
         def per_island(islands: Any, batch: tuple) -> tuple[Any, tuple]:
             one = jax.tree.map(lambda x: x[0], islands)

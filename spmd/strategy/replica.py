@@ -118,14 +118,12 @@ class Island:
     Attributes:
       strategy: the `DiLoCo` strategy whose step is traced.
       islands: how many islands train apart.
-      replicas: data-parallel replicas in one island.
       batch: the island's rows of the step's batch (the global batch / islands),
         or None for a step without batch arrays.
     """
 
     strategy: Any
     islands: int
-    replicas: int
     batch: int | None
 
 
@@ -338,8 +336,8 @@ def _check_island_batch(size: Any, loss: jax.Array) -> None:
                 per_example_loss_shape=tuple(loss.shape),
             ),
             "leave global_batch_size=None, which is the island's batch under DiLoCo and the "
-            f"global batch under any other strategy, or pass global_batch_size={size // island.islands} "
-            "(global batch // strategy.islands).",
+            "global batch under any other strategy, or pass "
+            f"global_batch_size={size // island.islands} (global batch // strategy.islands).",
         )
     )
 
