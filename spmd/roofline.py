@@ -14,10 +14,12 @@ counts a loop body once). Wire bytes are what a ring algorithm sends per
 device: an all-reduce of N bytes over g devices sends 2(g-1)/g N, an
 all-gather to N bytes (g-1)/g N, a reduce-scatter to N bytes (g-1) N, an
 all-to-all of N bytes (g-1)/g N, a collective-permute N. A collective in a
-loop counts once per iteration (the trip count read from the loop's
-condition). On several slices XLA compiles one slice's program, and the part
-of a collective that crosses slices becomes a data-center-network transfer
-(a "megascale" send): those are the DCN bytes, over the slices as the group.
+loop counts once per iteration: the trip count XLA proved (the while's
+`known_trip_count`), else the one read from the loop's condition and the
+comparison it calls (a fusion on CPU and GPU). On several slices XLA compiles
+one slice's program, and the part of a collective that crosses slices becomes
+a data-center-network transfer (a "megascale" send): those are the DCN bytes,
+over the slices as the group.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ _SLICE_ID = 100_000  # a megascale target names device d of slice s (from 0) (s 
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(?P<kind>\w+)"')
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="(?P<key>[^"]+)"')
 _CHANNEL = re.compile(r"\bchannel_id=(?P<id>\d+)")
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 
 
 @dataclass(frozen=True)
@@ -281,9 +284,21 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return found
 
 
-def _trip_count(condition: list[str]) -> int:
-    """A counted loop's trip count: the constant its condition compares the counter to."""
-    text = "\n".join(condition)
+def _trip_count(loop: str, comps: dict[str, list[str]]) -> int:
+    """A counted loop's trip count: the one XLA proved (`known_trip_count` in the while's
+    backend config), else the constant its condition compares the counter to. XLA:CPU
+    and XLA:GPU wrap the comparison in a fusion the condition calls: it is read too."""
+    if known := _KNOWN_TRIPS.search(loop):
+        return int(known["n"])
+    condition = re.search(r"condition=%([\w.\-]+)", loop)
+    lines, seen = list(comps.get(condition[1], [])) if condition else [], set()
+    for line in lines:  # grows with the computations the condition calls
+        for match in _CALLS.finditer(line):
+            for child in re.findall(r"%([\w.\-]+)", match["names"]):
+                if child not in seen:
+                    seen.add(child)
+                    lines += comps.get(child, [])
+    text = "\n".join(lines)
     if "direction=LT" not in text:
         return 1
     constants = [int(c) for c in re.findall(r"\bconstant\((\d+)\)", text)]
@@ -301,8 +316,8 @@ def _multipliers(comps: dict[str, list[str]]) -> dict[str, int]:
         name = queue.pop()
         for line in comps.get(name, ()):
             trips = 1
-            if " while(" in line and (cond := re.search(r"condition=%([\w.\-]+)", line)):
-                trips = _trip_count(comps.get(cond[1], []))
+            if " while(" in line:
+                trips = _trip_count(line, comps)
             for match in _CALLS.finditer(line):
                 if match["how"] == "to_apply":
                     continue

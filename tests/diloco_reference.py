@@ -34,14 +34,18 @@ def create(key, inner="adamw"):
     return {"params": params, "opt": INNER[inner].init(params)}
 
 
+def logits(p, x):
+    h = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
+    return h @ p["out"]["kernel"] + p["out"]["bias"]
+
+
 def make_step(inner="adamw"):
+    """The inner step of the paper: each island's loss is the mean over its own rows."""
     tx = INNER[inner]
 
     def train_step(state, x, y):
         def loss_fn(p):
-            h = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
-            logits = h @ p["out"]["kernel"] + p["out"]["bias"]
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
         updates, opt = tx.update(grads, state["opt"], state["params"])

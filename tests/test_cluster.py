@@ -59,7 +59,7 @@ def tf_config(cluster, task_type="worker", index=0):
         ({"chief": ["c:9"], "worker": ["h0:1", "h1:2"]}, "chief", 0, (0, 3, True, "c:9")),
         ({"chief": ["c:9"], "worker": ["h0:1", "h1:2"]}, "worker", 0, (1, 3, False, "c:9")),
         ({"chief": ["c:9"], "worker": ["h0:1", "h1:2"]}, "worker", 1, (2, 3, False, "c:9")),
-        ({"worker": ["[::1]:1", "h1:2"], "ps": ["p:3"]}, "worker", 1, (1, 2, False, "[::1]:1")),
+        ({"worker": ["[::1]:1", "h1:2"]}, "worker", 1, (1, 2, False, "[::1]:1")),
         ({"worker": ["h0:1"]}, "worker", 0, (0, 1, True, None)),
     ],
 )
@@ -157,6 +157,28 @@ def test_tf_config_ps_task_points_at_the_coordinator_and_diloco():
         parse_tf_config(tf_config({"worker": ["h:1"], "ps": ["p:1"]}, "ps"))
     assert "spmd.ClusterCoordinator(strategy)" in str(caught.value)
     assert "spmd.DiLoCo(islands=..., sync_every=...)" in str(caught.value)
+
+
+@pytest.mark.parametrize("task_type, index", [("worker", 1), ("chief", 0)])
+def test_tf_config_training_task_of_a_cluster_with_ps_tasks_points_at_the_coordinator_and_diloco(
+    task_type, index
+):
+    """Its program expects parameter servers to hold the variables: none will exist."""
+    cluster = {"chief": ["c:1"], "worker": ["h:1", "h:2"], "ps": ["p:1", "p:2"]}
+    with pytest.raises(ClusterError) as caught:
+        parse_tf_config(tf_config(cluster, task_type, index))
+    text = str(caught.value)
+    assert "Received: TF_CONFIG['cluster']['ps']=['p:1', 'p:2']" in text
+    assert "ParameterServerStrategy shards the variables" in text
+    assert "spmd.ClusterCoordinator(strategy)" in text
+    assert "spmd.DiLoCo(islands=..., sync_every=...)" in text
+
+
+def test_tf_config_evaluator_of_a_cluster_with_ps_tasks_is_its_own_group():
+    """A sidecar evaluator reads checkpoints only: the cluster's ps tasks are not its concern."""
+    cluster = {"chief": ["c:1"], "worker": ["h:1"], "ps": ["p:1"], "evaluator": ["e:1"]}
+    info = parse_tf_config(tf_config(cluster, "evaluator"))
+    assert (info.process_index, info.process_count, info.task_type) == (0, 1, "evaluator")
 
 
 # ------------------------------------------------------------------ resolution order

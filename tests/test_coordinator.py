@@ -2,7 +2,9 @@
 
 TensorFlow's tutorial ("Parameter server training with ParameterServerStrategy",
 custom training loop): a `step_fn(iterator)` that takes `next(iterator)`, runs the
-replica function and returns the summed loss; a per-worker dataset from
+replica function and returns the summed loss (here the replica function is a
+`@strategy.step`, the global view, in place of `strategy.run(replica_fn)` and
+`strategy.reduce`; tests/test_diloco.py runs those inside a DiLoCo step); a per-worker dataset from
 `coordinator.create_per_worker_dataset(per_worker_dataset_fn)`; epochs of
 `coordinator.schedule(step_fn, args=(per_worker_iterator,))` with a
 `coordinator.join()` at each epoch's end and the accuracy read there; a final
@@ -34,7 +36,9 @@ def train_step(state, x, y):
     def loss_fn(p):
         logits = (x @ p["kernel"] + p["bias"])[:, 0]
         per_example = optax.sigmoid_binary_cross_entropy(logits, y)
-        return spmd.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH), logits
+        # The batch each synchronous job averages over: the global batch, or one DiLoCo
+        # island's share of it (a TF worker's own batch); passing GLOBAL_BATCH is an error there.
+        return spmd.compute_average_loss(per_example), logits
 
     (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt = tx.update(grads, state["opt"], state["params"])
@@ -145,6 +149,27 @@ def test_an_error_in_a_scheduled_function_is_raised_by_join_and_fetch_then_forgo
     coordinator.schedule(fails)
     with pytest.raises(ValueError, match="bad batch"):
         coordinator.schedule(lambda: 1)  # the next schedule raises the kept error
+
+
+def test_the_schedule_that_raises_a_kept_error_does_not_run_its_function():
+    """As docs/diloco.md says: every function scheduled before the error ran, the one whose
+    schedule raises it does not; done() raises a kept error as join() does."""
+    coordinator = spmd.ClusterCoordinator(spmd.MirroredStrategy())
+    ran = []
+
+    def fails():
+        ran.append("fails")
+        raise ValueError("bad batch")
+
+    coordinator.schedule(lambda: ran.append("first"))
+    coordinator.schedule(fails)
+    with pytest.raises(ValueError, match="bad batch"):
+        coordinator.schedule(lambda: ran.append("after"))
+    assert ran == ["first", "fails"]
+    coordinator.schedule(fails)
+    with pytest.raises(ValueError, match="bad batch"):
+        coordinator.done()
+    assert coordinator.done()
 
 
 def test_bad_arguments_say_what_to_do():

@@ -1,12 +1,14 @@
 """spmd.DiLoCo: islands that train apart and average every H steps, against the paper in plain JAX."""
 
+import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from diloco_reference import batches, create, make_step, reference
+from diloco_reference import INNER, batches, create, logits, make_step, reference
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -287,6 +289,29 @@ def test_restore_or_init_and_scope_take_a_diloco_strategy(tmp_path):
     ckpt.close()
 
 
+@pytest.mark.slow  # compiles three programs of a transformer: seconds on 2 shared cores
+def test_a_scanned_models_bytes_across_islands_are_one_hth_of_synchronous_training():
+    """examples/07's LM scans its layers: the synchronous step all-reduces each layer's
+    gradients inside the loop, once per layer, and explain counts it so (the trip count
+    of an XLA:CPU loop is in its backend config and behind a fused comparison)."""
+    from bench import bench_gpu
+
+    lm = bench_gpu.example()
+    cfg = lm.LMConfig(vocab=32, dim=32, heads=2, mlp=64, layers=3, seq=16, batch=8)
+    create, step = bench_gpu.lm_pure(dataclasses.replace(cfg, attention="xla"))
+    strategy = spmd.DiLoCo(islands=2, sync_every=10)
+    state = strategy.abstract_state(create)
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), np.int32)
+    report = strategy.explain(step, state, tokens)
+    params_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    # 2 islands of 4 devices: each device carries a quarter of the parameters across
+    assert report.sync_crossing["all-reduce"].bytes == params_bytes // 4
+    synchronous = report.synchronous_crossing["all-reduce"]
+    assert synchronous.count >= cfg.layers  # each layer's all-reduce, and the rest's
+    assert synchronous.bytes == pytest.approx(params_bytes / 4, rel=1e-3)
+    assert report.ratio == pytest.approx(1 / 10, rel=1e-3)
+
+
 def _wide(key):
     """A state whose leaves fill TPU tiles, so that no padding blurs the bytes."""
     params = {"w": jax.random.normal(key, (256, 512)), "b": jax.numpy.zeros(512)}
@@ -370,6 +395,130 @@ def test_crossing_reads_the_slices_of_dcn_transfers():
     assert crossing(_module(inside), 4, devices)["all-reduce"].bytes == 256
     found = crossing(_module(across_all, inside), 2, devices)
     assert found["all-reduce"].count == 1 and found["all-reduce"].bytes == 256 // 2
+
+
+# -- each island is a data-parallel job of its own: its batch, its replicas --------
+
+ISLAND_BATCH = 16  # batches() gives 32 rows: 16 to each of 2 islands
+
+
+def averaging_step(global_batch_size, tokens=1):
+    """The paper's step with spmd.compute_average_loss in place of the mean (`tokens` > 1:
+    a per-token loss of shape (batch, tokens), every token the example's loss)."""
+    tx = INNER["adamw"]
+
+    def train_step(state, x, y):
+        def loss_fn(p):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y)
+            if tokens > 1:
+                per_example = jnp.repeat(per_example[:, None], tokens, axis=1) / tokens
+            return spmd.compute_average_loss(per_example, global_batch_size=global_batch_size)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+    return train_step
+
+
+def per_replica_step(strategy, seen):
+    """The parameter server tutorial's step_fn: strategy.run(replica_fn) and strategy.reduce
+    inside the step, the replica function averaging with compute_average_loss."""
+    tx = INNER["adamw"]
+
+    def replica_fn(x, y, params):
+        context = spmd.get_replica_context()
+        seen.append((context.num_replicas_in_sync, spmd.get_strategy() is strategy))
+
+        def loss_fn(p):
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y)
+            return spmd.compute_average_loss(per_example)
+
+        return jax.value_and_grad(loss_fn)(params)
+
+    def train_step(state, x, y):
+        losses, grads = strategy.run(replica_fn, args=(x, y), kwargs={"params": state["params"]})
+        loss, grads = strategy.reduce("SUM", losses), strategy.reduce("SUM", grads)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+    return train_step
+
+
+def _paper(steps, islands=2):
+    return reference(create(jax.random.key(0)), make_step(), batches(steps), islands, 3)
+
+
+@pytest.mark.parametrize("global_batch_size", [None, ISLAND_BATCH], ids=["default", "island"])
+def test_compute_average_loss_over_the_islands_batch_equals_the_paper(global_batch_size):
+    strategy = spmd.DiLoCo(islands=2, sync_every=3)
+    state = strategy.init(create, jax.random.key(0))
+    step = strategy.step(averaging_step(global_batch_size))
+    losses = []
+    for x, y in batches(4):
+        state, metrics = step(state, x, y)
+        losses.append(np.asarray(metrics["loss"]))
+    want = _paper(4)
+    _check(state, want[0], want[1], losses, want[2])
+
+
+@pytest.mark.parametrize("tokens", [1, 4], ids=["per_example", "per_token"])
+def test_compute_average_loss_over_the_batch_across_islands_says_to_pass_the_islands(tokens):
+    """32 rows over 2 islands: dividing each island's sum by 32 would halve its loss (and,
+    for SGD, its learning rate) silently."""
+    strategy = spmd.DiLoCo(islands=2, sync_every=3)
+    state = strategy.init(create, jax.random.key(0))
+    x, y = batches(1)[0]
+    step = strategy.step(averaging_step(len(x) * tokens, tokens))
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        step(state, x, y)
+    text = str(caught.value)
+    assert "each island is a data-parallel job of its own" in text
+    assert f"global_batch_size={len(x) * tokens}, islands=2, island_batch_size=16" in text
+    assert f"pass global_batch_size={ISLAND_BATCH * tokens}" in text
+    one = spmd.DiLoCo(islands=1, sync_every=3)  # one island: its batch is the global batch
+    one.step(averaging_step(len(x) * tokens, tokens))(one.init(create, jax.random.key(0)), x, y)
+
+
+@pytest.mark.parametrize("through", ["closure", "get_strategy"])
+def test_num_replicas_in_sync_inside_a_step_says_to_read_replicas_per_island(through):
+    strategy = spmd.DiLoCo(islands=2, sync_every=3)
+    assert (strategy.num_replicas_in_sync, strategy.replicas_per_island) == (8, 4)
+
+    def scaled_step(state, x, y):
+        read = strategy if through == "closure" else spmd.get_strategy()
+        new, metrics = make_step()(state, x, y)
+        return new, {"loss": metrics["loss"] * read.num_replicas_in_sync}
+
+    state = strategy.init(create, jax.random.key(0))
+    with strategy.scope(), pytest.raises(spmd.ContextError) as caught:
+        strategy.step(scaled_step)(state, *batches(1)[0])
+    assert "num_replicas_in_sync=8, islands=2, replicas_per_island=4" in str(caught.value)
+    assert "read strategy.replicas_per_island inside the step" in str(caught.value)
+
+
+def test_run_and_reduce_inside_a_step_are_the_islands_per_replica_view_and_equal_the_paper():
+    strategy = spmd.DiLoCo(islands=2, sync_every=3)
+    state = strategy.init(create, jax.random.key(0))
+    seen = []
+    step = strategy.step(per_replica_step(strategy, seen))
+    losses = []
+    for x, y in batches(4):
+        state, metrics = step(state, x, y)
+        losses.append(np.asarray(metrics["loss"]))
+    assert set(seen) == {(4, True)}  # an island's 4 replicas; get_strategy() is the DiLoCo
+    want = _paper(4)
+    _check(state, want[0], want[1], losses, want[2])
+
+
+def test_run_and_reduce_outside_a_step_say_to_move_them_into_the_step():
+    strategy = spmd.DiLoCo(islands=2, sync_every=3)
+    x, y = batches(1)[0]
+    with pytest.raises(spmd.ContextError, match="inside a step") as caught:
+        strategy.run(lambda x, y: x.sum(), args=(x, y))
+    assert "strategy.run(replica_fn, args=(x, y)" in str(caught.value)
+    with pytest.raises(spmd.ContextError, match="DiLoCo's reduce"):
+        strategy.reduce("SUM", spmd.PerReplica(np.ones(8)))
 
 
 def test_a_trainer_on_diloco_says_to_write_the_loop():

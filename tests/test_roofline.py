@@ -85,3 +85,56 @@ def test_collectives_of_different_kinds_on_one_channel_are_each_counted():
     gather, scatter = flows[("all-gather", "ICI")], flows[("reduce-scatter", "ICI")]
     assert gather.count == 1 and gather.wire_bytes == pytest.approx(3 / 4 * 256 * 128 * 4)
     assert scatter.count == 1 and scatter.wire_bytes == pytest.approx(3 * 64 * 128 * 4)
+
+
+# XLA:CPU and XLA:GPU write a loop's condition as a fusion that calls the comparison, and
+# say the trip count they proved in the while's backend_config.
+FUSED_CONDITION = """HloModule step, num_partitions=4
+
+%body (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]{1,0}) parameter(0)
+  %ar = f32[8,128]{1,0} all-reduce(%x), channel_id=7, replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %t = (s32[], f32[8,128]) tuple(%i, %ar)
+}
+
+%wrapped_compare_computation (a: s32[], b: s32[]) -> pred[] {
+  %a = s32[] parameter(0)
+  %b = s32[] parameter(1)
+  ROOT %lt = pred[] compare(%a, %b), direction=LT
+}
+
+%cond (p: (s32[], f32[8,128])) -> pred[] {
+  %p = (s32[], f32[8,128]{1,0}) parameter(0)
+  %c = s32[] constant(6)
+  %g = s32[] get-tuple-element(%p), index=0
+  ROOT %wrapped_compare = pred[] fusion(%g, %c), kind=kLoop, calls=%wrapped_compare_computation
+}
+
+ENTRY %main (a: f32[256]) -> f32[256] {
+  %a = f32[256]{0} parameter(0)
+  %w = (s32[], f32[8,128]) while(%init), condition=%cond, body=%body{config}
+  ROOT %out = f32[256]{0} copy(%a)
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        "",
+        ', backend_config={"known_induction_variable":{"tuple_index":"0"},'
+        '"known_trip_count":{"n":"6"}}',
+    ],
+    ids=["condition_fusion", "known_trip_count"],
+)
+def test_a_loop_whose_condition_calls_its_comparison_counts_its_collective_per_iteration(config):
+    """A scanned layer's gradient all-reduce on CPU or GPU runs once per layer, not once."""
+    (reduce,) = traffic(FUSED_CONDITION.replace("{config}", config), num_partitions=4)
+    assert reduce.count == 6 and reduce.bytes == 6 * 8 * 128 * 4
+
+
+def test_the_known_trip_count_wins_over_a_condition_it_cannot_read():
+    hlo = FUSED_CONDITION.replace("{config}", ', backend_config={"known_trip_count":{"n":"3"}}')
+    hlo = hlo.replace("%c = s32[] constant(6)", "%c = s32[] get-tuple-element(%p), index=1")
+    (reduce,) = traffic(hlo, num_partitions=4)
+    assert reduce.count == 3

@@ -168,7 +168,7 @@ def _tf_cluster(config: Any) -> dict[str, list[str]]:
 
 
 MSG_PS_TASK = """\
-This process is a parameter server task, but spmd runs no parameter server
+{who}, but spmd runs no parameter server
 processes: spmd.ParameterServerStrategy shards the variables over the workers' own
 devices (ZeRO-3 / FSDP) and XLA gathers them where they are used.
 {received}
@@ -184,6 +184,13 @@ between groups of workers, as asynchronous parameter servers did, use
 spmd.DiLoCo(islands=..., sync_every=...): islands that average every H steps
 (docs/diloco.md).
 """
+
+
+PS_TASK = "This process is a parameter server task"
+PS_JOB = (
+    "This {task} task's cluster lists parameter server tasks ('ps'), which its program\n"
+    "expects to hold the variables"
+)
 
 
 def _tf_task(config: dict[str, Any], jobs: dict[str, list[str]]) -> tuple[str, int]:
@@ -208,7 +215,12 @@ def _tf_task(config: dict[str, Any], jobs: dict[str, list[str]]) -> tuple[str, i
         )
     if task_type == "ps":
         got = received(**{f"{TF_CONFIG}['task']['type']": "ps"})
-        raise ClusterError(MSG_PS_TASK.format(received=got))
+        raise ClusterError(MSG_PS_TASK.format(who=PS_TASK, received=got))
+    if jobs["ps"] and task_type != "evaluator":
+        # Its program was written for parameter servers that hold the variables
+        # (a coordinator's schedule, workers that read and update them): none will run.
+        got = received(**{f"{TF_CONFIG}['cluster']['ps']": jobs["ps"]})
+        raise ClusterError(MSG_PS_TASK.format(who=PS_JOB.format(task=task_type), received=got))
     count = len(jobs[task_type])
     if count == 0 and task_type == "evaluator":  # not part of the training cluster (TF allows it)
         fix = "number the evaluator 0 (there is at most one)."
@@ -245,7 +257,11 @@ def parse_tf_config(text: str) -> ClusterInfo:
     one-process group of its own (no coordinator), the chief of itself, whether or
     not the cluster lists an 'evaluator' job (TF's RunConfig and Kubeflow's TFJob
     give it a cluster without one, as TF's own checks allow). A 'ps' task is an
-    error: spmd shards variables over the workers, it has no ps processes.
+    error: spmd shards variables over the workers, it has no ps processes; so is
+    a chief or worker of a cluster that lists 'ps' tasks (its program expects
+    parameter servers that will not exist), with the same pointers to
+    `spmd.ClusterCoordinator` and `spmd.DiLoCo`. An evaluator of such a cluster
+    reads checkpoints only, and resolves as above.
 
     Args:
       text: the JSON, e.g. '{"cluster": {"worker": ["h0:2222", "h1:2222"]},

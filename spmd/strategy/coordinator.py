@@ -45,7 +45,12 @@ class RemoteValue:
 
     def fetch(self) -> Any:
         """Waits for the value and returns it with every array as numpy (a float for a scalar
-        is `float(rv.fetch())`)."""
+        is `float(rv.fetch())`).
+
+        An array sharded over several processes (a DiLoCo step's metrics, one row
+        per island) is gathered from every process: a collective, which every
+        process must call, in the same order, as every process runs the loop.
+        """
         return jax.tree.map(_to_numpy, self.get())
 
 
@@ -82,10 +87,16 @@ class ClusterCoordinator:
     Differences from TensorFlow, by design:
       - `fn` runs in the calling thread and in order; it is a Python function
         (typically calling a `@strategy.step`), not a `tf.function` sent away.
-      - An error in `fn` is kept and raised by `join()`, by the next `schedule()`
-        and by its `RemoteValue`'s `fetch()`, as TF does; a failed process ends
-        the job (restart it with `spmd launch --max-restarts` and a
+      - `schedule` returns when `fn`'s Python has run (the next batch, the
+        first call's compile, the dispatch); only the device work is left to
+        run asynchronously. Each function runs once, in the order scheduled.
+      - An error in `fn` is kept and raised by `join()`, `done()`, the next
+        `schedule()` (which then does not call its own `fn`) and its
+        `RemoteValue`'s `fetch()`, as TF does; a failed process ends the job
+        (restart it with `spmd launch --max-restarts` and a
         `CheckpointManager`) rather than having its steps rescheduled.
+      - A `RemoteValue` passed to `schedule` reaches `fn` as it is, not
+        resolved (TF does not support it either): pass `value.get()`.
       - Every process must call `schedule` the same number of times with the
         same functions (every process runs the loop), or the others wait.
 
@@ -121,7 +132,8 @@ class ClusterCoordinator:
         """Runs `fn(*args, **kwargs)` now (its device work asynchronously); returns a `RemoteValue`.
 
         Raises:
-          An error an earlier scheduled function raised (then forgotten, as TF does).
+          An error an earlier scheduled function raised (then forgotten, as TF does);
+            `fn` is then not called.
           ConfigurationError: `fn` is not callable, or `args` is not a sequence.
           ContextError: called inside `strategy.run`.
         """

@@ -13,12 +13,12 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd.errors import ConfigurationError, message, received
-from spmd.strategy import nnx_state
+from spmd.errors import ConfigurationError, ContextError, message, received
+from spmd.strategy import nnx_state, per_replica
 from spmd.strategy.base import Strategy
 from spmd.strategy.island_step import IslandStep, explain_islands
 from spmd.strategy.islands import ISLAND, DiLoCoState, island_strategies
-from spmd.strategy.replica import running_strategy
+from spmd.strategy.replica import ReduceOp, current_island, running_strategy
 from spmd.topologies import check_runnable, eager_refused
 from spmd.validate import positive_int
 
@@ -148,8 +148,42 @@ class DiLoCo:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """Data-parallel replicas over all islands: islands x replicas per island."""
+        """Data-parallel replicas over all islands: islands x replicas per island.
+
+        What a global batch is split over (it must divide by it). Inside a
+        step, where each island is a data-parallel job of its own, the
+        replicas in sync are one island's: reading this there is an error
+        that says to read `replicas_per_island`.
+
+        Raises:
+          ContextError: read while a step of this strategy (with several
+            islands) is traced.
+        """
+        island = current_island()
+        if island is not None and island.strategy is self and island.islands > 1:
+            raise ContextError(
+                message(
+                    "Inside a spmd.DiLoCo step each island is a data-parallel job of its own: "
+                    "its replicas in sync are the island's, not the "
+                    f"{self.synchronous.num_replicas_in_sync} over all islands that "
+                    "num_replicas_in_sync counts (what a global batch splits over).",
+                    received(
+                        num_replicas_in_sync=self.synchronous.num_replicas_in_sync,
+                        islands=self.islands,
+                        replicas_per_island=self.replicas_per_island,
+                    ),
+                    "read strategy.replicas_per_island inside the step (or "
+                    "spmd.get_replica_context().num_replicas_in_sync inside strategy.run); "
+                    "a loss over the island's batch is "
+                    "spmd.compute_average_loss(per_example_loss).",
+                )
+            )
         return self.synchronous.num_replicas_in_sync
+
+    @property
+    def replicas_per_island(self) -> int:
+        """Data-parallel replicas in one island: the replicas each island's step syncs over."""
+        return self.layout.num_replicas_in_sync
 
     def __repr__(self) -> str:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
@@ -386,6 +420,84 @@ class DiLoCo:
         if fn is None:
             return lambda f: IslandStep(self, f, gather_metrics=gather_metrics)
         return IslandStep(self, fn, gather_metrics=gather_metrics)
+
+    # -- the per-replica view, inside a step ----------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        axis_name: str | None = None,
+    ) -> Any:
+        """Runs `fn` once per replica of the island, inside a step (`Strategy.run`'s view).
+
+        Each island is a data-parallel job of its own, and a step is what runs
+        on every island: call `run` inside your step function, where it splits
+        the island's batch over the island's replicas and
+        `spmd.get_replica_context()` (ids, `all_reduce`) spans the island only.
+        `strategy.reduce` then combines over the island's replicas.
+
+        Args:
+          fn, args, kwargs, axis_name: as `Strategy.run` takes them (the state
+            goes in `kwargs`, replicated; positional arguments are split).
+
+        Returns:
+          `fn`'s result structure with a `spmd.PerReplica` at each leaf, one
+          value per replica of the island.
+
+        Raises:
+          ContextError: called outside a step of this strategy.
+
+        Example:
+          >>> @strategy.step
+          ... def train_step(state, x, y):
+          ...     loss, grads = strategy.run(replica_fn, args=(x, y),
+          ...                                kwargs={"params": state["params"]})
+          ...     grads = strategy.reduce("SUM", grads)
+          ...     ...
+        """
+        self._in_step("run")
+        return per_replica.run(self.layout, fn, args, kwargs, axis_name, current=self)
+
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines per-replica values of `run` over the island's replicas, inside a step.
+
+        Args, Returns: as `Strategy.reduce`.
+
+        Raises:
+          ContextError: called outside a step of this strategy.
+        """
+        self._in_step("reduce")
+        return per_replica.reduce(ReduceOp.parse(op), value, axis, self.layout)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenates the island's replicas' values of `run` along `axis`, inside a step.
+
+        Raises:
+          ContextError: called outside a step of this strategy.
+        """
+        self._in_step("gather")
+        return per_replica.gather(value, axis, self.layout)
+
+    def _in_step(self, method: str) -> None:
+        """Refuses the per-replica view outside a step: no program runs every island else."""
+        island = current_island()
+        if island is not None and island.strategy is self:
+            return
+        raise ContextError(
+            message(
+                f"DiLoCo's {method} is the per-replica view of one island, inside a step: each "
+                "island is a data-parallel job of its own, and a step (strategy.step) is the "
+                "program that runs every island at once and syncs them every H calls.",
+                received(called=f"strategy.{method}", where="outside a step of this strategy"),
+                "move the per-replica code into your step function, "
+                "@strategy.step def train_step(state, x, y): losses, grads = "
+                "strategy.run(replica_fn, args=(x, y), kwargs={'params': state['params']}); "
+                "grads = strategy.reduce('SUM', grads); ..., and call the step from the loop "
+                "(or from the function coordinator.schedule runs).",
+            )
+        )
 
     def explain(self, step_fn: Callable | Any, state: DiLoCoState, *data: Any) -> Any:
         """Compiles the inner, sync and synchronous programs; reports bytes across islands.

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from spmd.errors import ConfigurationError, ContextError, message, received
 from spmd.explain import explain_traced
 from spmd.strategy.islands import ISLAND, DiLoCoState, IslandsExplanation, crossing
-from spmd.strategy.replica import in_replica_context
+from spmd.strategy.replica import Island, in_replica_context, island_context
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
 from spmd.strategy.step_layout import conform
 from spmd.topologies import check_runnable
@@ -176,9 +176,13 @@ class _Programs:
         strategy, k = self.strategy, self.strategy.islands
         split = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), data)
 
+        rows = {x.shape[0] // k for x in jax.tree.leaves(data) if np.ndim(x)}
+        island = Island(strategy, k, min(rows) if rows else None)
+
         def per_island(islands: Any, batch: tuple) -> tuple[Any, tuple]:
             one = jax.tree.map(lambda x: x[0], islands)
-            out = self.fn(one, *jax.tree.map(lambda x: x[0], batch))
+            with island_context(island):  # the per-replica quantities are the island's
+                out = self.fn(one, *jax.tree.map(lambda x: x[0], batch))
             returns, new, metrics = _split_output(out, one, True)
             self.returns = returns
             return jax.tree.map(lambda x: x[None], (new, metrics))

@@ -53,8 +53,16 @@ def run(
     args: Sequence[Any] = (),
     kwargs: dict | None = None,
     axis_name: str | None = None,
+    *,
+    current: Any = None,
 ):
-    """`Strategy.run`: `fn` once per replica; fn's structure with `PerReplica` leaves."""
+    """`Strategy.run`: `fn` once per replica; fn's structure with `PerReplica` leaves.
+
+    `current` is the strategy `spmd.get_strategy()` gives inside `fn`
+    (`strategy` by default; a `DiLoCo` runs its island layout as itself).
+    Traced inside a shard_map manual over other axes of the strategy's mesh
+    (a DiLoCo island's step), `fn` runs over the batch axes of that island.
+    """
     _check_run_call(strategy, fn, args, kwargs)
     _check_axis_name(strategy, axis_name)
     top, treedef = jax.tree.flatten((tuple(args), dict(kwargs or {})), is_leaf=_is_per_replica)
@@ -91,9 +99,11 @@ def run(
         conform(x, strategy.replicated if k == _REPLICATED else batch)
         for x, k in zip(flat, kinds, strict=True)
     ]
-    structure = (strategy, treedef, tuple(subdefs), tuple(kinds), axis_name)
+    structure = (strategy, treedef, tuple(subdefs), tuple(kinds), axis_name, current or strategy)
     if axis_name is None or (axis_name,) == tuple(strategy.batch_axes):
         return _program(fn, structure, flat)(*flat)
+    if _island_mesh(strategy) is not None:
+        _no_island_axis_name(tuple(strategy.batch_axes), axis_name)
     # Under the strategy's scope (or jax.set_mesh) its mesh is the context mesh;
     # the program runs on the replica mesh, the same devices renamed.
     # Inside a trace set_mesh is refused, and `_jitted` renames the abstract mesh instead.
@@ -181,7 +191,8 @@ def _check_run_call(strategy: Strategy, fn: Any, args: Any, kwargs: Any) -> None
             )
         )
     current = jax.sharding.get_abstract_mesh()
-    if not current.empty and current != strategy.mesh.abstract_mesh:
+    inside = _island_mesh(strategy) is not None
+    if not current.empty and current != strategy.mesh.abstract_mesh and not inside:
         raise ContextError(
             message(
                 f"strategy.run runs on its strategy's mesh, {dict(strategy.mesh.shape)}: inside "
@@ -214,6 +225,21 @@ def _check_run_call(strategy: Strategy, fn: Any, args: Any, kwargs: Any) -> None
                 'pass kwargs={"name": value}, or None.',
             )
         )
+
+
+def _island_mesh(strategy: Strategy) -> Any:
+    """The context mesh where it is the strategy's mesh with other axes than the batch
+    axes manual (inside a DiLoCo island's step, the `island` axis), else None."""
+    current = jax.sharding.get_abstract_mesh()
+    mesh = strategy.mesh
+    if current.empty or not current.manual_axes:
+        return None
+    same = current.axis_names == mesh.axis_names and current.axis_sizes == tuple(
+        mesh.shape.values()
+    )
+    if not same or set(current.manual_axes) & set(strategy.batch_axes):
+        return None
+    return current
 
 
 def _check_count(strategy: Strategy, value: PerReplica, where: str) -> None:
@@ -377,9 +403,12 @@ class _Identity:
 
 def _jitted(fn: Callable, structure: tuple) -> Callable:
     """One jitted shard_map of `fn` for (strategy, argument structure)."""
-    strategy, treedef, subdefs, kinds, axis_name = structure
+    strategy, treedef, subdefs, kinds, axis_name, current = structure
     mesh, axes = strategy.mesh, tuple(strategy.batch_axes)
-    if axis_name is not None and (axis_name,) != axes:
+    island = _island_mesh(strategy)
+    if island is not None:  # axis_name is None or the island's one batch axis (`run`)
+        mesh = island
+    elif axis_name is not None and (axis_name,) != axes:
         mesh, axes = _replica_mesh(strategy, axis_name), (axis_name,)
     context = ReplicaContext(strategy.num_replicas_in_sync, axes)
     batch = PartitionSpec(axes)
@@ -394,7 +423,7 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
             for subdef in subdefs
         ]
         args, kwargs = jax.tree.unflatten(treedef, top)
-        with replica_context(context), running_strategy(strategy):
+        with replica_context(context), running_strategy(current):
             out = _call_replica_fn(fn, args, kwargs, axes, axis_name)
         return jax.tree.map(lambda y: jnp.asarray(y)[None], out)
 
@@ -413,13 +442,27 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
     def program(*flat):
         # Inside a step the context mesh is the strategy's; the replica mesh is
         # the same devices with the batch axes renamed, so it stands in for it.
-        current = jax.sharding.get_abstract_mesh()
-        if current.empty or current == mesh.abstract_mesh:
+        context_mesh = jax.sharding.get_abstract_mesh()
+        if context_mesh.empty or context_mesh == mesh.abstract_mesh:
             return jax.tree.map(PerReplica, mapped(*flat))
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return jax.tree.map(PerReplica, mapped(*flat))
 
     return jax.jit(program)
+
+
+def _no_island_axis_name(axes: tuple[str, ...], axis_name: str) -> None:
+    """Inside a DiLoCo island the replicas keep the island's batch axis names: a collective
+    over a renamed axis could not come back onto the island's mesh."""
+    raise ConfigurationError(
+        message(
+            "Inside a DiLoCo step, run names the island's replicas by the island's batch "
+            "axes; an axis_name of your own is supported outside DiLoCo only.",
+            received(axis_name=axis_name, island_batch_axes=axes),
+            f"write fn's collectives over {axes[0]!r} (lax.psum(x, {axes[0]!r})) or with "
+            "spmd.get_replica_context().all_reduce, and pass axis_name=None.",
+        )
+    )
 
 
 _UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")

@@ -19,6 +19,7 @@ from spmd.errors import ArgumentTypeError, ConfigurationError, enum_member, mess
 from spmd.validate import is_integer
 
 __all__ = [
+    "Island",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
@@ -107,6 +108,43 @@ _CONTEXT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar
 _STRATEGY: contextvars.ContextVar[Any] = contextvars.ContextVar("spmd_strategy", default=None)
 
 
+@dataclass(frozen=True)
+class Island:
+    """What the trace of a `spmd.DiLoCo` step knows of the island it runs the step for.
+
+    Each island is a data-parallel job of its own: its "global batch" is its
+    slice of the step's batch, and its replicas in sync are its own.
+
+    Attributes:
+      strategy: the `DiLoCo` strategy whose step is traced.
+      islands: how many islands train apart.
+      batch: the island's rows of the step's batch (the global batch / islands),
+        or None for a step without batch arrays.
+    """
+
+    strategy: Any
+    islands: int
+    batch: int | None
+
+
+_ISLAND: contextvars.ContextVar[Island | None] = contextvars.ContextVar("spmd_island", default=None)
+
+
+def current_island() -> Island | None:
+    """The island whose step is being traced (`spmd.DiLoCo`), else None."""
+    return _ISLAND.get()
+
+
+@contextlib.contextmanager
+def island_context(island: Island) -> Iterator[Island]:
+    """Makes `island` the one `current_island()` returns, while an island's step is traced."""
+    token = _ISLAND.set(island)
+    try:
+        yield island
+    finally:
+        _ISLAND.reset(token)
+
+
 def current_strategy() -> Any:
     """The strategy of the open scope or of the running `strategy.run`, else None."""
     return _STRATEGY.get()
@@ -176,7 +214,12 @@ def compute_average_loss(
     per-example loss already covers the whole batch. A `sample_weight` of 0
     drops an example (padding): divide by the count of real examples by
     passing `global_batch_size` yourself, or let evaluation helpers do it.
-    Semantics and checks are tf.nn.compute_average_loss's.
+    Semantics and checks are tf.nn.compute_average_loss's. Inside a
+    `spmd.DiLoCo` step each island is a data-parallel job of its own, as a
+    worker of tf.distribute's parameter server training was: the global batch
+    is the island's (the step's batch / islands), which None gives; the batch
+    across all islands is an error, since it would make each island's loss
+    1/islands of its mean.
 
     Args:
       per_example_loss: shape (batch, ...), rank at least 1; extra axes are summed too.
@@ -191,7 +234,8 @@ def compute_average_loss(
 
     Raises:
       ConfigurationError: `per_example_loss` is a scalar, `global_batch_size` is
-        not a positive integer scalar, or `sample_weight` does not broadcast.
+        not a positive integer scalar, or `sample_weight` does not broadcast;
+        inside a DiLoCo step, `global_batch_size` is the batch across islands.
 
     Example:
       >>> loss = spmd.compute_average_loss(per_example, global_batch_size=64)
@@ -213,6 +257,7 @@ def compute_average_loss(
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * _replicas()
     _check_global_batch_size(global_batch_size)
+    _check_island_batch(global_batch_size, loss)
     return jnp.sum(loss) / jnp.asarray(global_batch_size).astype(loss.dtype)
 
 
@@ -261,6 +306,40 @@ def _check_global_batch_size(size: Any) -> None:
                 "for the replica batch times num_replicas_in_sync.",
             )
         )
+
+
+def _check_island_batch(size: Any, loss: jax.Array) -> None:
+    """Inside a DiLoCo step, refuses the batch across islands as an island's global batch:
+    `islands` times the island's rows of the step's batch, or times the elements of a loss
+    that covers those rows (per token). A traced size counts rows of the island's own data."""
+    island = _ISLAND.get()
+    if island is None or island.islands == 1 or isinstance(size, jax.core.Tracer):
+        return
+    size, replicas = int(size), _replicas()
+    rows, elements = loss.shape[0] * replicas, loss.size * replicas  # the island's
+    across = set() if island.batch is None else {island.islands * island.batch}
+    if rows == island.batch:
+        across.add(island.islands * elements)
+    if size == elements or size not in across:
+        return
+    raise ConfigurationError(
+        message(
+            "Inside a spmd.DiLoCo step each island is a data-parallel job of its own: "
+            "compute_average_loss's global_batch_size is the island's batch (the step's "
+            "batch / islands), so that each island's loss is the mean over its examples. "
+            f"The batch across all {island.islands} islands makes it 1/{island.islands} of "
+            f"that mean (for SGD, a {island.islands}x smaller learning rate).",
+            received(
+                global_batch_size=size,
+                islands=island.islands,
+                island_batch_size=island.batch,
+                per_example_loss_shape=tuple(loss.shape),
+            ),
+            "leave global_batch_size=None, which is the island's batch under DiLoCo and the "
+            "global batch under any other strategy, or pass "
+            f"global_batch_size={size // island.islands} (global batch // strategy.islands).",
+        )
+    )
 
 
 def _weights_like(weight: jax.Array, loss: jax.Array) -> jax.Array:
