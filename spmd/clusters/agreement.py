@@ -4,7 +4,8 @@ No device collective: the records go through the key-value store of JAX's
 coordination service, so a check can run in a background thread beside the
 steps and a missing process is named within a timeout rather than hanging the
 next collective. Input pipelines check each batch this way
-(`spmd.data.prefetch.HostCheck`), and a step each new batch signature.
+(`spmd.data.prefetch.HostCheck`), and a step each batch signature that differs
+from its previous call's.
 """
 
 from __future__ import annotations
