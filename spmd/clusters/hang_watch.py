@@ -50,7 +50,7 @@ __all__ = [
     "start",
 ]
 
-STEPS = [0]  # Step calls made in this process; Step.__call__ adds 1, nothing else
+STEPS = [0]  # step calls made in this process: Step.__call__ and IslandStep.__call__ add 1
 MIN_HANG_TIMEOUT = 300.0  # the default hang timeout's floor, seconds
 SLOW_STEP_FACTOR = 10  # the default hang timeout: this many times the slowest recent step
 HUNG = "hung:"  # how a hang's failure reason starts (the peers exit with HANG_EXIT_CODE)
