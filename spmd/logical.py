@@ -45,9 +45,10 @@ REST = "*"
 
 
 def is_box(x: Any) -> bool:
-    """Whether `x` carries a leaf's annotation: an NNX Variable or a linen `nn.Partitioned`
-    (`nn.LogicallyPartitioned` is one)."""
-    return isinstance(x, nnx.Variable | flax_meta.Partitioned)
+    """Whether `x` carries a leaf's annotation: an NNX Variable or a linen box, any flax
+    `meta.AxisMetadata` (`nn.Partitioned`, `nn.LogicallyPartitioned`, the `NNXMeta` of
+    `nnx.bridge.to_linen`, or a box of the user's own)."""
+    return isinstance(x, nnx.Variable | flax_meta.AxisMetadata)
 
 
 def _axes(target: Any) -> tuple[str, ...]:
@@ -134,29 +135,108 @@ def _check_axes_exist(rules: Sequence[tuple[str, Any]], mesh: Mesh) -> None:
     )
 
 
-def annotation(variable: Any) -> tuple | None:
+def annotation(variable: Any, path: str = "") -> tuple | None:
     """The sharding names a flax Variable or linen box was annotated with, or None.
 
     Reads `out_sharding` (what `nnx.with_partitioning` and `Param(out_sharding=...)`
     set, and what `nnx.bridge` makes of linen's `with_partitioning` and
     `with_logical_partitioning`), or a linen box's `names` (what
     `nn.get_partition_spec` reads); names the Variable's own `sharding_rules`
-    (a `nn.LogicallyPartitioned`'s own `rules`) map are mapped first.
+    (a `nn.LogicallyPartitioned`'s own `rules`) map are mapped first. The
+    `NNXMeta` box of `nnx.bridge.to_linen` is read as the Variable it holds;
+    any other flax box by its `get_partition_spec()`, as `nn.get_partition_spec`
+    reads it.
+
+    Args:
+      variable: an NNX Variable or a flax `meta.AxisMetadata` box.
+      path: where it is in the state, for errors.
+
+    Raises:
+      ConfigurationError: a box has no sharding spmd can read (no
+        `get_partition_spec`, or one that fails), or its names are not a
+        tuple of names (str, None, or a tuple of str per dimension).
     """
     if isinstance(variable, flax_meta.Partitioned):
         names, local = variable.names, getattr(variable, "rules", None)
     elif isinstance(variable, nnx.Variable):
-        metadata = variable.get_metadata()
-        names = metadata.get("out_sharding") or metadata.get("sharding_names")
-        local = metadata.get("sharding_rules")
+        names, local = _variable_names(variable.get_metadata())
+    elif isinstance(variable, flax_meta.AxisMetadata):
+        names, local = _box_names(variable, path)
     else:
         return None
-    if not names:
+    if names is None or (isinstance(names, tuple | list | PartitionSpec) and not names):
         return None
     if isinstance(names, jax.sharding.NamedSharding):
         names = names.spec
+    _check_names(names, path, variable)
     local = dict(local or ())  # the Variable's own logical rules
     return tuple(local.get(n, n) if isinstance(n, str) else n for n in names)
+
+
+def _variable_names(metadata: dict) -> tuple[Any, Any]:
+    """(names, its own logical rules) of an NNX Variable's metadata."""
+    names = metadata.get("out_sharding") or metadata.get("sharding_names")
+    return names, metadata.get("sharding_rules")
+
+
+def _box_names(box: flax_meta.AxisMetadata, path: str) -> tuple[Any, Any]:
+    """(names, its own logical rules) of a flax box other than `nn.Partitioned`."""
+    metadata = getattr(box, "metadata", None)
+    if hasattr(box, "to_nnx_variable") and isinstance(metadata, dict):
+        return _variable_names(metadata)  # NNXMeta: the NNX Variable's metadata, as it is
+    kind = f"{type(box).__module__}.{type(box).__qualname__}"
+    if not callable(getattr(box, "get_partition_spec", None)):
+        raise ConfigurationError(
+            message(
+                f"Every flax box (meta.AxisMetadata) in a state says how its leaf is sharded "
+                f"through get_partition_spec(), as nn.get_partition_spec reads it; the box "
+                f"at '{path}' has none, so its layout is unknown (it would be replicated "
+                "unnoticed).",
+                received(path=path, box=kind),
+                "give the box a get_partition_spec() returning a PartitionSpec of logical "
+                "names or mesh axes (nn.Partitioned's is one to follow), unbox it "
+                "(nn.meta.unbox) and lay the leaf out with a rule, or use nn.Partitioned / "
+                "nn.LogicallyPartitioned.",
+            )
+        )
+    try:
+        spec = box.get_partition_spec()
+    except Exception as error:
+        raise ConfigurationError(
+            message(
+                f"A flax box says how its leaf is sharded through get_partition_spec(); the "
+                f"box at '{path}' raised instead.",
+                received(path=path, box=kind, error=f"{type(error).__name__}: {error}"),
+                "make get_partition_spec() return a PartitionSpec of logical names or mesh "
+                "axes, or unbox the leaf (nn.meta.unbox) and lay it out with a rule.",
+            )
+        ) from error
+    return spec, None
+
+
+def _check_names(names: Any, path: str, box: Any) -> None:
+    """An annotation is a sequence of per-dimension entries: a name, None, or names."""
+
+    def entry_ok(entry: Any) -> bool:
+        if entry is None or isinstance(entry, str):
+            return True
+        return isinstance(entry, tuple | list) and all(isinstance(a, str) for a in entry)
+
+    if isinstance(names, tuple | list | PartitionSpec) and all(map(entry_ok, names)):
+        return
+    kind = type(box).__name__
+    bare = f"('{names}',)" if isinstance(names, str) else "('embed', 'mlp')"
+    raise ConfigurationError(
+        message(
+            f"The annotation of '{path}' ({kind}) is a tuple with one entry per dimension of "
+            "its leaf: a logical name or mesh axis (str), None (replicated), or a tuple of "
+            "names (one dimension split over several axes).",
+            received(path=path, names=names),
+            f"write the names as a tuple, e.g. {bare}"
+            + (" (a bare string is read letter by letter)" if isinstance(names, str) else "")
+            + ", in nnx.with_partitioning(init, names) or nn.with_logical_partitioning.",
+        )
+    )
 
 
 class Annotation(NamedTuple):
@@ -172,13 +252,17 @@ class Annotation(NamedTuple):
 
 
 def annotations(tree: Any) -> list[Annotation | None]:
-    """One annotation (or None) per array leaf of `tree`, in `jax.tree.leaves` order."""
+    """One annotation (or None) per array leaf of `tree`, in `jax.tree.leaves` order.
+
+    Raises:
+      ConfigurationError: a box cannot be read, or its names are malformed (`annotation`).
+    """
     out: list[Annotation | None] = []
-    for item in jax.tree.leaves(tree, is_leaf=is_box):
+    for key_path, item in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
         if not is_box(item):
             out.append(None)
             continue
-        names = annotation(item)
+        names = annotation(item, jax.tree_util.keystr(key_path, simple=True, separator="/"))
         inherited = isinstance(item, OptState)
         out += [None if names is None else Annotation(names, inherited)] * len(
             jax.tree.leaves(item)

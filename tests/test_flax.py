@@ -119,6 +119,39 @@ def test_plain_strategy_rejects_an_unmapped_name_and_names_it():
         strategy.init(create)
 
 
+class Annotated(nnx.Module):
+    """Four logical names over three layers: ("vocab", "embed"), ("embed", "mlp"),
+    ("mlp", "heads")."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        init = nnx.initializers.lecun_normal()
+        self.embed = nnx.Param(nnx.with_partitioning(init, ("vocab", "embed"))(rngs(), (8, 4)))
+        self.up = nnx.Linear(
+            4, 8, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")), rngs=rngs
+        )
+        self.out = nnx.Param(nnx.with_partitioning(init, ("mlp", "heads"))(rngs(), (8, 2)))
+
+
+@pytest.mark.cpu_mesh
+def test_every_unmapped_name_of_an_nnx_model_is_listed_in_one_error_when_it_is_laid_out():
+    """Building the strategy cannot tell (it has not seen the model); init and put
+    each raise one error listing every unmapped name with a path that has it."""
+    strategy = spmd.Strategy(
+        spmd.make_mesh({"data": 4, "model": 2}), logical_axis_rules=[("mlp", "model")]
+    )
+    with nnx.use_eager_sharding(False):
+        model = Annotated(nnx.Rngs(0))
+    for lay_out in (lambda: strategy.init(Annotated, nnx.Rngs(0)), lambda: strategy.put(model)):
+        with pytest.raises(spmd.ConfigurationError) as error:
+            lay_out()
+        text = str(error.value)
+        for name, path in (("vocab", "embed"), ("embed", "embed"), ("heads", "out")):
+            assert f"'{name}' (at '{path}')" in text, (name, text)
+        assert "'mlp' (at" not in text  # mapped
+        assert "unmapped=('vocab', 'embed', 'heads')" in text, text
+        assert "(spmd.logical.REST, None)" in text
+
+
 @pytest.mark.slow
 @pytest.mark.cpu_mesh
 def test_names_equal_to_mesh_axes_map_to_them():

@@ -13,8 +13,19 @@ from spmd.clusters.hang_watch import Record, behind, check_hang_timeout, interva
 from spmd.clusters.roll_call import Verdict
 
 
-def rec(step, stalled, *, waiting=False, limit=10.0, done=False, waited=0.0):
-    return Record(1, step, stalled, limit, step >= 2, waiting, done, waited)
+def rec(step, stalled, *, waiting=False, limit=10.0, done=False, waited=0.0, in_spmd=True):
+    return Record(1, step, stalled, limit, step >= 2, waiting, done, waited, in_spmd)
+
+
+def test_a_record_tells_a_step_call_returned_only_once_the_process_is_past_it():
+    """A peer's record says it returned from step call 5 (without agreeing there) only
+    when it made a later call, finished, or made 5 calls and is out of spmd's calls."""
+    assert hang_watch.returned_from(rec(6, 0.0), 5)
+    assert hang_watch.returned_from(rec(5, 0.0, in_spmd=False, waiting=True), 5)
+    assert hang_watch.returned_from(rec(5, 0.0, done=True), 5)
+    assert not hang_watch.returned_from(rec(5, 9.0, waiting=True), 5)  # inside call 5
+    assert not hang_watch.returned_from(rec(4, 0.0, in_spmd=False), 5)  # not there yet
+    assert Record(1, 5, 0.0, 10.0, True, False).in_spmd  # a record without it: inside
 
 
 def test_nobody_is_behind_while_every_process_advances():

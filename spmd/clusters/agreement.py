@@ -4,7 +4,8 @@ No device collective: the records go through the key-value store of JAX's
 coordination service, so a check can run in a background thread beside the
 steps and a missing process is named within a timeout rather than hanging the
 next collective. Input pipelines check each batch this way
-(`spmd.data.prefetch.HostCheck`), and a step each new batch signature.
+(`spmd.data.prefetch.HostCheck`), and a step each batch signature that differs
+from its previous call's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from spmd.errors import BatchError, message, received
 __all__ = ["Agreement", "Stopped"]
 
 _POLL_S = 0.1  # how often a waiting thread looks at its stop event
+_PASSED_POLL_S = 1.0  # how often a waiting thread asks whether the awaited process went on
 # A process other than 0 waits this much longer than the timeout for process 0's
 # verdict, so that process 0's own timeout (naming the missing process) reaches it.
 _VERDICT_GRACE = 5.0
@@ -40,7 +42,8 @@ class Agreement:
     process's failure becomes a `BatchError` on every process.
 
     Subclasses say what the records mean: `compare`, `missing_message` and
-    `failed_message`.
+    `failed_message`; and, where they can tell, that a process went on past an
+    index without posting (`passed_message`), which ends the wait at once.
     """
 
     def __init__(
@@ -88,6 +91,11 @@ class Agreement:
             received(index=index, failed=failed),
             "read the failing process's error above (each process reports its own).",
         )
+
+    def passed_message(self, process: int, index: int) -> str | None:
+        """The error when `process` has gone on past `index` without posting a record,
+        so that it never will; None while that cannot be told (the default: it is not)."""
+        return None
 
     # -- the exchange ---------------------------------------------------------
 
@@ -151,12 +159,19 @@ class Agreement:
             records[missing] = self._get(f"{key}/{missing}", missing, index, stop)
 
     def _get(self, key: str, process: int, index: int, stop: threading.Event, grace: float = 0.0):
-        deadline = time.monotonic() + self._timeout + grace
+        start = time.monotonic()
+        deadline, asked = start + self._timeout + grace, start
         while True:
             try:
                 return json.loads(self._client.blocking_key_value_get(key, int(_POLL_S * 1000)))
             except Exception:  # the client raises on its timeout; poll again
                 if stop.is_set():
                     raise Stopped() from None
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise BatchError(self.missing_message(process, index)) from None
+            if now - asked >= _PASSED_POLL_S:
+                asked = now
+                passed = self.passed_message(process, index)
+                if passed is not None:
+                    raise BatchError(passed)

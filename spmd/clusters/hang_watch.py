@@ -45,10 +45,12 @@ __all__ = [
     "Record",
     "behind",
     "check_hang_timeout",
+    "progress",
+    "returned_from",
     "start",
 ]
 
-STEPS = [0]  # Step calls made in this process; Step.__call__ adds 1, nothing else
+STEPS = [0]  # step calls made in this process: Step.__call__ and IslandStep.__call__ add 1
 MIN_HANG_TIMEOUT = 300.0  # the default hang timeout's floor, seconds
 SLOW_STEP_FACTOR = 10  # the default hang timeout: this many times the slowest recent step
 HUNG = "hung:"  # how a hang's failure reason starts (the peers exit with HANG_EXIT_CODE)
@@ -98,6 +100,8 @@ class Record:
       waited: seconds its main thread has waited inside one of spmd's calls (a step, a
         restore), without a step call since and compilation aside: before its second
         step, only this counts.
+      in_spmd: whether its main thread was inside one of spmd's calls; a process out of
+        them has returned from its last step call (`returned_from`).
     """
 
     seq: int
@@ -108,6 +112,7 @@ class Record:
     waiting: bool
     done: bool = False
     waited: float = 0.0
+    in_spmd: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +142,26 @@ def behind(records: Mapping[int, Record]) -> int | None:
     index = min(live, key=lambda i: (live[i].step, live[i].waiting, i))
     r = live[index]
     return index if r.stalled >= r.limit / 2 and (r.armed or not r.waiting) else None
+
+
+def progress(client: Any, index: int) -> Record | None:
+    """Process `index`'s last published Record; None before its first (or without a watch)."""
+    try:
+        return Record(**json.loads(client.key_value_try_get(f"{_KEY}{index}")))
+    except Exception:  # not published (yet), or the service is gone
+        return None
+
+
+def returned_from(record: Record, step: int) -> bool:
+    """Whether the process whose record this is had returned from its Step call number
+    `step` (`STEPS` counted in that call) when it published it.
+
+    True once it made a later step call, or reached the end of its program, or
+    has made `step` calls and its main thread is out of spmd's calls: each
+    call counts itself first, inside spmd. Like the watch itself, this takes
+    the main thread to be the one that calls the steps.
+    """
+    return record.step > step or (record.step == step and (record.done or not record.in_spmd))
 
 
 def check_hang_timeout(value: float | None, name: str = "hang_timeout") -> float | None:
@@ -304,7 +329,9 @@ class _Watch:
         stalled, limit = now - self.moved_at, self.limit()
         waited = 0.0 if self.waits_since is None else round(now - self.waits_since, 2)
         armed = count >= _ARMED_AT
-        return Record(self.seq, count, round(stalled, 2), limit, armed, act.waiting, done, waited)
+        return Record(
+            self.seq, count, round(stalled, 2), limit, armed, act.waiting, done, waited, act.in_spmd
+        )
 
     def publish(self, record: Record) -> None:
         value = json.dumps(dataclasses.asdict(record))

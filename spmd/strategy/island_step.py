@@ -14,12 +14,15 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd.clusters.hang_watch import STEPS as _STEPS
 from spmd.errors import ConfigurationError, ContextError, message, received
 from spmd.explain import explain_traced
 from spmd.strategy.islands import ISLAND, DiLoCoState, IslandsExplanation, crossing
 from spmd.strategy.replica import Island, in_replica_context, island_context
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
+from spmd.strategy.step_checks import LastAgreed
 from spmd.strategy.step_layout import conform
+from spmd.strategy.step_records import signature
 from spmd.topologies import check_runnable
 
 if TYPE_CHECKING:
@@ -48,9 +51,11 @@ class IslandStep:
         self._last: tuple[Any, int] | None = None  # (the state returned last, its step)
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
+        self._agreed = LastAgreed()  # with several processes: the batch signature
         functools.update_wrapper(self, fn)
 
     def __call__(self, state: DiLoCoState, *data: Any, **kwargs: Any) -> Any:
+        _STEPS[0] += 1  # progress, which the hang watch publishes, as `Step` counts it
         if in_replica_context():
             raise ContextError(message(*STEP_IN_RUN))
         check_runnable(self.strategy, "Calling a step")
@@ -62,6 +67,11 @@ class IslandStep:
                     "close over constants (functools.partial) or pass them as batch arrays.",
                 )
             )
+        if jax.process_count() > 1:  # a batch wrong on one process is an error on every one
+            leaves, data_def = jax.tree.flatten(data)
+            key = (data_def, signature(leaves))
+            if self._agreed.differs(key):
+                self._agreed.agree(self.fn, data, key)
         position = self.position(state)
         data = self._place(data)
         programs = self.programs(state, data)

@@ -67,9 +67,10 @@ class Step:
        reused while only the step has touched it) or several processes, or
        static keyword arguments; still no checks.
     3. `_call`: anything else. Split the state, check every argument
-       (`step_checks`), with several processes agree on a new batch signature,
-       find or compile the program (`_program`, `_compile`), place the state,
-       run, and remember what the next call needs for paths 1 and 2 (`_run`).
+       (`step_checks`), with several processes agree on a batch signature that
+       differs from the previous call's, find or compile the program
+       (`_program`, `_compile`), place the state, run, and remember what the
+       next call needs for paths 1 and 2 (`_run`).
     """
 
     def __init__(
@@ -90,7 +91,7 @@ class Step:
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
         self._hot: _Hot | None = None
-        self._agreed: set = set()  # batch signatures every process has agreed on
+        self._agreed = checks.LastAgreed()  # with several processes: the batch signature
         self._tag = object()  # names this step's flax update context
         functools.update_wrapper(self, fn)
 
@@ -142,16 +143,13 @@ class Step:
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
 
     def _agree_on(self, data: tuple, data_def: Any, leaves: list) -> None:
-        """With several processes, each new batch signature is checked with every other
-        process before its first call (`step_checks.agree_on_batch`); calls with a
-        signature already agreed on cost a set lookup."""
+        """With several processes, every call whose batch signature differs from the
+        previous call's is checked with every other process first
+        (`step_checks.LastAgreed`); calls with the same signature cost a comparison."""
         key = (data_def, _signature(leaves))
-        if key in self._agreed:
-            return
-        checks.agree_on_batch(self.fn, data)
-        if len(self._agreed) >= STEP_CACHE_SIZE:
-            self._agreed.clear()
-        self._agreed.add(key)
+        if self._agreed.differs(key):
+            self._hot = None  # the fast path is for the signature agreed on last only
+            self._agreed.agree(self.fn, data, key)
 
     def _run_plain(self, hot: _Hot, state: Any, data: tuple) -> Any:
         """The fast path of a pytree state on one process, inlined: the state the last

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import math
 import os
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AGREE_TIMEOUT_S",
     "ENV_AGREE_TIMEOUT",
+    "LastAgreed",
     "agree_on_batch",
     "agree_timeout",
     "check_arguments",
@@ -58,22 +60,22 @@ _AGREEMENTS = itertools.count()
 
 
 class _BatchSignatures(Agreement):
-    """Every process passes a step batches of one signature: shapes, dtypes, structure."""
+    """Every process passes a step batches of one signature: shapes, dtypes, structure.
+
+    A process agrees when its signature differs from the step's previous call.
+    One that changed alone waits for peers that never come: they passed the
+    call with the signature they all agreed on last, which the hang watch's
+    records tell (`hang_watch.returned_from`), ending the wait at once.
+    """
+
+    def __init__(self, client: Any, prefix: str, batch: str, previous: str | None, call: int):
+        super().__init__(client, agree_timeout(), prefix)
+        self._batch, self._previous, self._call = batch, previous, call
+        self._main = threading.current_thread() is threading.main_thread()
 
     def compare(self, records: list[dict], index: int) -> None:
         if len({r["batch"] for r in records}) > 1:
-            raise BatchError(
-                message(
-                    "Every process passes a step the same global batch signature (shapes, "
-                    "dtypes, structure): each process's arrays are the global batch, of which "
-                    "it keeps its own rows, and the step runs on all processes together.",
-                    received(per_process={p: r["batch"] for p, r in enumerate(records)}),
-                    "give every process the same global batch size and dtypes, or feed the "
-                    "step from strategy.distribute_dataset(...) / "
-                    "strategy.distribute_datasets_from_function(...), which split one global "
-                    "batch and check every batch across processes.",
-                )
-            )
+            raise BatchError(_mixed({p: r["batch"] for p, r in enumerate(records)}))
 
     def missing_message(self, process: int, index: int) -> str:
         return message(
@@ -84,27 +86,86 @@ class _BatchSignatures(Agreement):
             "process; a process that changed its batch shape alone is the one to look at.",
         )
 
+    def passed_message(self, process: int, index: int) -> str | None:
+        if self._previous is None or not self._main:
+            return None
+        record = hang_watch.progress(self._client, process)
+        if record is None or not hang_watch.returned_from(record, self._call):
+            return None
+        kept = f"{self._previous} (unchanged since its previous call of this step)"
+        return _mixed({self._process: self._batch, process: kept})
 
-def agree_on_batch(fn: Any, data: tuple) -> None:
+
+def _mixed(per_process: dict[int, str]) -> str:
+    return message(
+        "Every process passes a step the same global batch signature (shapes, dtypes, "
+        "structure): each process's arrays are the global batch, of which it keeps its own "
+        "rows, and the step runs on all processes together.",
+        received(per_process=dict(sorted(per_process.items()))),
+        "give every process the same global batch size and dtypes, or feed the step from "
+        "strategy.distribute_dataset(...) / strategy.distribute_datasets_from_function(...), "
+        "which split one global batch and check every batch across processes.",
+    )
+
+
+class LastAgreed:
+    """The batch signature a step's processes agreed on last, for a step with several.
+
+    A call whose signature differs from it agrees anew (`agree`), one signature
+    seen before included: a process that went back to it alone would otherwise
+    train on mixed data. A call with the same signature costs one comparison.
+    """
+
+    __slots__ = ("_key", "_shown")
+
+    def __init__(self) -> None:
+        self._key: Any = None  # the signature, as the caller compares it
+        self._shown: str | None = None  # how it reads, for the next agreement's errors
+
+    def differs(self, key: Any) -> bool:
+        """Whether a call with signature `key` must agree first."""
+        return self._key is None or self._key != key
+
+    def agree(self, fn: Any, data: tuple, key: Any) -> None:
+        """Agrees on `data` (signature `key`) with every process (`agree_on_batch`)."""
+        self._key = None
+        self._shown = agree_on_batch(fn, data, self._shown)
+        self._key = key
+
+
+def agree_on_batch(fn: Any, data: tuple, previous: str | None = None) -> str | None:
     """Checks with every other process that they call a step with this batch signature.
 
-    Called once per new signature of a step (its steady state costs nothing).
+    Called whenever a step's batch signature differs from its previous call's
+    (its steady state costs nothing).
+
+    Args:
+      fn: the step function, whose argument names the signature shows.
+      data: the call's batch arguments.
+      previous: what this function returned for the step's previous call (the
+        signature every process agreed on then); None for its first call.
+
+    Returns:
+      The signature agreed on, as shown in errors; None with one process.
 
     Raises:
       BatchError: the processes' signatures differ, or one did not reach the step
-        within `agree_timeout()` seconds.
+        within `agree_timeout()` seconds, or went on past it with its previous one.
     """
     client = coordination_client()
     if client is None:
-        return
+        return None
     leaves, treedef = jax.tree.flatten(data)
     names = data_names(fn, len(data)) or [f"argument {i}" for i in range(len(data))]
     described = ", ".join(
         f"{name}: {_describe(entry)}" for name, entry in zip(names, data, strict=False)
     )
-    record = {"batch": f"{described} ({len(leaves)} arrays, {treedef})"}
-    check = _BatchSignatures(client, agree_timeout(), f"spmd/step/{next(_AGREEMENTS)}")
-    check.agree(0, record)
+    batch = f"{described} ({len(leaves)} arrays, {treedef})"
+    prefix = f"spmd/step/{next(_AGREEMENTS)}"
+    _BatchSignatures(client, prefix, batch, previous, hang_watch.STEPS[0]).agree(
+        0, {"batch": batch}
+    )
+    return batch
 
 
 def agree_timeout() -> float:

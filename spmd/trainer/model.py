@@ -12,11 +12,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spmd.errors import ConfigurationError, message, received
+from spmd.rules import path_str
 
 if TYPE_CHECKING:
     from spmd.strategy.base import Strategy
 
-__all__ = ["Model", "averages", "cast", "example_weights", "first_nan", "stack", "wrap_model"]
+__all__ = [
+    "Model",
+    "averages",
+    "cast",
+    "example_weights",
+    "first_nan",
+    "stack",
+    "wrap_model",
+    "written",
+]
 
 
 @dataclass
@@ -89,7 +99,15 @@ def _wrap_module(model: nnx.Module, seed: int, rngs: nnx.Rngs | None) -> Model:
     return Model(params, rest, apply_rngs, model, (model, rngs))
 
 
-NAN_LOSS, NAN_UPDATE = 1, 2  # what made a step non-finite (`first_nan`)
+# What made a step non-finite (`first_nan`): its loss, or its update of the written leaf
+# `cause - NAN_UPDATE` (`written`).
+NAN_LOSS, NAN_UPDATE = 1, 2
+# The parts of the train state a step writes, in `written`'s order, as errors name them.
+WRITTEN = {
+    "params": "the parameter",
+    "opt_state": "the optimizer state",
+    "rest": "the model's other state",
+}
 
 
 def cast(tree: Any, dtype: Any) -> Any:
@@ -98,24 +116,54 @@ def cast(tree: Any, dtype: Any) -> Any:
     )
 
 
-def first_nan(state: dict, loss_sum: jax.Array, params: Any = None) -> tuple[jax.Array, jax.Array]:
-    """The first step whose loss, or whose update of `params`, was not finite, and which.
+def written(state: dict) -> list[tuple[str, Any]]:
+    """('/'-joined path, leaf) of each floating-point leaf a train step writes: the
+    parameters, the optimizer state and the model's other state, in that order."""
+    leaves = []
+    for part in WRITTEN:
+        for key_path, leaf in jax.tree_util.tree_flatten_with_path(state.get(part))[0]:
+            if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                leaves.append((path_str((jax.tree_util.DictKey(part), *key_path)), leaf))
+    return leaves
+
+
+def first_nan(
+    state: dict, loss_sum: jax.Array, new: dict | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """The first step whose loss, or whose update of the state, was not finite, and which.
 
     Returns (step or -1, cause): cause is NAN_LOSS where the step's loss was NaN or
-    infinite, NAN_UPDATE where its loss was finite but the parameters it wrote
-    are not (an infinite gradient, an overflowing update), 0 while all is finite.
-    A state loaded without these entries starts at (-1, 0).
+    infinite, NAN_UPDATE + i where its loss was finite but it made the i-th leaf
+    of `written(new)` NaN or infinite (an infinite gradient, an overflowing update
+    or optimizer moment, a statistic the model writes), 0 while all is finite.
+    An element already non-finite in `state` (an optimizer's inf sentinel) is no
+    alarm. One reduction per leaf, fused into one flag vector, then read with the
+    step's flag: no host transfer of its own. A state loaded without these
+    entries starts at (-1, 0).
+
+    Args:
+      state: the train state before the step.
+      loss_sum: the step's summed loss.
+      new: the parts of `WRITTEN` the step wrote; None checks the loss only.
     """
     seen = state.get("nan_step", jnp.full((), -1, jnp.int32))
     cause = state.get("nan_cause", jnp.zeros((), jnp.int32))
     bad_loss = ~jnp.isfinite(loss_sum)
-    bad_update = jnp.zeros((), bool)
-    for leaf in jax.tree.leaves(params):
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            bad_update = bad_update | ~jnp.all(jnp.isfinite(leaf))
-    new = (seen < 0) & (bad_loss | bad_update)
-    now = jnp.where(bad_loss, NAN_LOSS, NAN_UPDATE).astype(jnp.int32)
-    return jnp.where(new, state["step"], seen), jnp.where(new, now, cause)
+    bad_update, leaf = jnp.zeros((), bool), jnp.zeros((), jnp.int32)
+    if new is not None:
+        after = [x for _, x in written(new)]
+        before = [x for _, x in written({part: state.get(part) for part in new})]
+        if [jnp.shape(x) for x in before] != [jnp.shape(x) for x in after]:
+            before = [jnp.zeros(())] * len(after)  # another structure: every element counts
+        if after:
+            became = [
+                jnp.isfinite(b) & ~jnp.isfinite(a) for b, a in zip(before, after, strict=True)
+            ]
+            flags = jnp.stack([jnp.any(x) for x in became])
+            bad_update, leaf = jnp.any(flags), jnp.argmax(flags).astype(jnp.int32)
+    new_flag = (seen < 0) & (bad_loss | bad_update)
+    now = jnp.where(bad_loss, NAN_LOSS, NAN_UPDATE + leaf).astype(jnp.int32)
+    return jnp.where(new_flag, state["step"], seen), jnp.where(new_flag, now, cause)
 
 
 def example_weights(y: Any, w: Any, mask: Any) -> tuple[jax.Array, jax.Array]:

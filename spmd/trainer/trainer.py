@@ -38,12 +38,14 @@ from spmd.trainer.losses import (
 from spmd.trainer.model import (
     NAN_LOSS,
     NAN_UPDATE,
+    WRITTEN,
     averages,
     cast,
     example_weights,
     first_nan,
     stack,
     wrap_model,
+    written,
 )
 
 __all__ = ["NonFiniteLossError", "Trainer"]
@@ -53,22 +55,32 @@ _PRECISIONS = {None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16":
 
 
 class NonFiniteLossError(SpmdError, FloatingPointError):
-    """`Trainer.fit` met a NaN or infinite loss (raised unless `terminate_on_nan=False`)."""
+    """`Trainer.fit` met a NaN or infinite loss, or an update that made a leaf of the train
+    state so (raised unless `terminate_on_nan=False`)."""
 
 
-def _non_finite_message(cause: int, epoch: int, batch_in_epoch: int, step: int) -> str:
-    """Names the step that went non-finite, and whether its loss or its update did."""
+def _non_finite_message(cause: int, epoch: int, batch_in_epoch: int, step: int, state: dict) -> str:
+    """Names the step that went non-finite, and whether its loss or its update did (and
+    then the leaf of `state` it made NaN or infinite)."""
     where = received(epoch=epoch, batch_in_epoch=batch_in_epoch, global_step=step)
-    if cause == NAN_UPDATE:
+    if cause >= NAN_UPDATE:
+        leaves = written(state)
+        if cause - NAN_UPDATE < len(leaves):
+            path = leaves[cause - NAN_UPDATE][0]
+            what = f"{WRITTEN[path.split('/', 1)[0]]} at '{path}'"
+        else:  # a flag from a state of another structure
+            what = "some of the state it writes"
         return message(
-            "Every update leaves the parameters finite (terminate_on_nan=True stops at the "
-            "first step that does not, as Keras' TerminateOnNaN does).",
+            "Every update leaves the train state finite: the parameters, the optimizer state "
+            "and the model's other state (terminate_on_nan=True stops at the first step "
+            "that does not, as Keras' TerminateOnNaN does).",
             where + f"; the loss at global_step={step} was finite, but the update it computed "
-            "made a parameter NaN or infinite",
-            "look for an infinite gradient at that step's inputs (jnp.sqrt or jnp.log at 0, a "
-            "division by a value that reaches 0), or a learning rate too high; clip the "
-            "gradients (optax.clip_by_global_norm); pass Trainer(terminate_on_nan=False) to "
-            "train on regardless.",
+            f"made {what} NaN or infinite",
+            "look for an infinite or huge gradient at that step's inputs (jnp.sqrt or jnp.log "
+            "at 0, a division by a value that reaches 0; Adam's second moment squares the "
+            "gradient, so one above ~1e19 overflows float32), or a learning rate too high; "
+            "clip the gradients (optax.clip_by_global_norm); pass "
+            "Trainer(terminate_on_nan=False) to train on regardless.",
         )
     return message(
         "The loss is finite at every step (terminate_on_nan=True stops at the first "
@@ -106,8 +118,10 @@ class Trainer:
         backward pass in that type; parameters and optimizer state stay float32.
       seed: the seed of an (init, apply) model's parameters and of shuffling.
       terminate_on_nan: stop `fit` with a `NonFiniteLossError` naming the
-        epoch and step at the first batch whose loss is NaN or infinite
-        (Keras' TerminateOnNaN, on by default); False trains on.
+        epoch and step at the first batch whose loss is NaN or infinite, or
+        whose update makes a leaf of the train state so (named too: a
+        parameter, the optimizer state, the model's other state) (Keras'
+        TerminateOnNaN, on by default); False trains on.
       rngs: for an NNX module whose `__call__` takes `rngs` (Dropout given
         its key at call time): the `nnx.Rngs` it is called with, advanced
         every step and carried in the train state; `nnx.Rngs(seed)` by default.
@@ -189,7 +203,7 @@ class Trainer:
             "step": jnp.zeros((), jnp.int32),
             "metrics": self._zero_sums(),
             "nan_step": jnp.full((), -1, jnp.int32),  # the first step that went non-finite
-            "nan_cause": jnp.zeros((), jnp.int32),  # its loss (NAN_LOSS) or its update
+            "nan_cause": jnp.zeros((), jnp.int32),  # its loss (NAN_LOSS) or its update's leaf
         }
 
     def _zero_sums(self) -> dict:
@@ -297,9 +311,8 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / jnp.maximum(sums["count"], 1.0), grads)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        nan_step, nan_cause = first_nan(
-            state, sums["loss"], params if self.terminate_on_nan else None
-        )
+        new = {"params": params, "opt_state": opt_state, "rest": rest}
+        nan_step, nan_cause = first_nan(state, sums["loss"], new if self.terminate_on_nan else None)
         return {
             "params": params,
             "opt_state": opt_state,
@@ -366,7 +379,9 @@ class Trainer:
             # state trained elsewhere): the epoch began this epoch's batches ago.
             start = int(jax.device_get(self.state["step"])) - (self.iterations - self._epoch_start)
             cause = int(jax.device_get(self.state.get("nan_cause", NAN_LOSS)))
-            raise NonFiniteLossError(_non_finite_message(cause, self.epoch, step - start, step))
+            raise NonFiniteLossError(
+                _non_finite_message(cause, self.epoch, step - start, step, self.state)
+            )
 
     def _check_batch(self, batch: tuple, what: str, first: bool, placed: bool = True) -> None:
         """Checks a batch before it runs (see `BatchChecks.check`)."""

@@ -9,10 +9,15 @@ labels have 5 rows, its images 8). Writes the losses and the final weights to OU
 when training finished; a BatchError is printed as "BatchError: <message>" and
 exits with code 3.
 
+SCENARIO back_on_K: both processes call the step with 8 rows, then 16, then process K
+goes back to 8 alone while the other keeps 16; a BatchError is not caught (the process
+ends as an uncaught error does, telling its peer). diloco_back_on_K: the same with a
+DiLoCo step (one island over both processes).
+
 SCENARIO absent: process 1 never calls the step (it sleeps); process 0 prints how
 long it waited ("waited S s") with its BatchError. AGREE_DEFAULT_S in the
 environment replaces the agreement's default bound (AGREE_TIMEOUT_S). SCENARIO steady: 6 steps with
-8-row batches, 3 with 16 rows, 3 with 8 again; each process writes to OUT.<index>.json
+8-row batches, 3 with 16 rows, 1 with 8 again, then 4 more; each process writes to OUT.<index>.json
 how many batch agreements it took part in and how many coordination-service calls
 the step's checks made, after the first step and after each phase.
 """
@@ -107,7 +112,8 @@ if scenario == "steady":
         ("first", 8, 1),
         ("eight", 8, 5),
         ("sixteen", 16, 3),
-        ("back", 8, 3),
+        ("back", 8, 1),
+        ("again", 8, 4),
     ):
         for i in range(steps):
             x = np.random.default_rng(i).normal(size=(rows, 3)).astype(np.float32)
@@ -116,6 +122,22 @@ if scenario == "steady":
         counts[phase] = {"agreements": list(agreements), "client_calls": client.calls}
     with open(f"{out}.{me}.json", "w") as f:
         json.dump(counts, f)
+    sys.exit(0)
+
+if "back_on_" in scenario:
+    alone = int(scenario.rpartition("_")[2])
+    if scenario.startswith("diloco_"):
+        strategy = spmd.DiLoCo(
+            spmd.MultiWorkerMirroredStrategy(), islands=1, sync_every=2, params="w"
+        )
+        state = strategy.init(lambda: {"w": jnp.zeros(3, jnp.float32)})
+        step = strategy.step(train_step)
+    for i, rows in enumerate((8, 8, 16, 16, 8, 8, 8)):
+        rows = 16 if i >= 4 and me != alone else rows
+        x = np.random.default_rng(i).normal(size=(rows, 3)).astype(np.float32)
+        state, metrics = step(state, x, x @ np.array([1.0, -2.0, 0.5], np.float32))
+        jax.block_until_ready(metrics)
+    np.savez(out, done=np.asarray(True))
     sys.exit(0)
 
 try:

@@ -3,9 +3,10 @@
 Each process's numpy arrays are the global batch (it keeps its own rows), so two
 processes passing different shapes, dtypes or structures would train on mixed
 data; every process gets a `BatchError` naming both signatures instead, within a
-bound. A process that never comes to the step is named by the hang watch
+bound, also when one process goes back alone to a signature agreed on before. A process that never comes to the step is named by the hang watch
 (`hang_timeout`), or within `SPMD_BATCH_AGREE_TIMEOUT` where that is set. Equal signatures train as one process does, and
-agree once per signature: the steady state asks the coordination service nothing.
+agree at each change of signature: the steady state asks the coordination service
+nothing.
 """
 
 import json
@@ -21,7 +22,7 @@ import pytest
 
 import spmd
 from spmd.clusters import hang_watch
-from spmd.clusters.launch_results import HANG_EXIT_CODE
+from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE, HANG_EXIT_CODE
 from spmd.clusters.spec import ENV_HANG_TIMEOUT
 from spmd.strategy import step_checks
 from spmd.testing import run_processes
@@ -112,24 +113,65 @@ def test_a_process_that_never_comes_to_the_step_is_named_by_the_hang_watch_by_de
 
 
 @pytest.mark.multiprocess
-def test_processes_agree_once_per_batch_signature_and_not_in_the_steady_state(tmp_path):
-    """12 steps over two signatures (8 rows, then 16, then 8 again): two agreements on
-    each process, made at the first call of each signature; the other steps make no
-    coordination-service call."""
+@pytest.mark.parametrize("step, alone", [("step", 0), ("step", 1), ("diloco_step", 1)])
+def test_a_process_going_back_alone_to_an_earlier_signature_ends_every_process(
+    step, alone, tmp_path
+):
+    """Both processes agree on 8 rows, then on 16; then process `alone` goes back to 8
+    while the other keeps 16. The one that changed agrees again and, finding that its
+    peer went on past that call with 16, raises a BatchError naming both signatures; its
+    peer, waiting in a collective, ends naming that BatchError. Nothing trains on the
+    mixed data, and no one waits for a timeout. A DiLoCo step agrees as a step does."""
+    out = tmp_path / "out.npz"
+    scenario = f"{step.removesuffix('step')}back_on_{alone}"
+    start = time.monotonic()
+    results = run_processes(
+        [sys.executable, str(WORKER), scenario, str(out)],
+        2,
+        devices_per_process=2,
+        timeout=240,
+        check=False,
+    )
+    assert time.monotonic() - start < 120
+    changed, kept = results[alone], results[1 - alone]
+    output = changed.stdout + changed.stderr
+    assert changed.returncode == CONFIGURATION_EXIT_CODE, (changed.returncode, output[-3000:])
+    assert "BatchError: Every process passes a step the same global batch signature" in output
+    assert f"{alone}: 'images: float32[8, 3], labels: float32[8]" in output, output[-3000:]
+    assert (
+        f"{1 - alone}: 'images: float32[16, 3], labels: float32[16] (2 arrays, "
+        in output.replace("\n", " ")
+    ), output[-3000:]
+    assert "unchanged since its previous call of this step" in output, output[-3000:]
+    follower = f"spmd: ending: process {alone} failed (BatchError: Every process passes a step"
+    assert kept.returncode != 0 and follower in kept.stderr, (kept.returncode, kept.stderr[-3000:])
+    assert not out.exists()
+
+
+@pytest.mark.multiprocess
+def test_processes_agree_at_each_change_of_batch_signature_and_not_in_the_steady_state(tmp_path):
+    """13 steps over two signatures (8 rows, then 16, then 8 again): three agreements on
+    each process, made at each call whose signature differs from the previous call's, a
+    signature agreed on before included; the other steps make no coordination-service
+    call."""
     out = tmp_path / "counts"
     run_processes(
         [sys.executable, str(WORKER), "steady", str(out)], 2, devices_per_process=2, timeout=240
     )
     for index in range(2):
         counts = json.loads(Path(f"{out}.{index}.json").read_text())
-        signatures = counts["back"]["agreements"]
-        assert len(signatures) == 2, signatures
+        signatures = counts["again"]["agreements"]
+        assert len(signatures) == 3, signatures
         assert "float32[8, 3]" in signatures[0] and "float32[16, 3]" in signatures[1]
+        assert "float32[8, 3]" in signatures[2]
         assert len(counts["first"]["agreements"]) == len(counts["eight"]["agreements"]) == 1
+        assert len(counts["back"]["agreements"]) == 3
         calls = {phase: counts[phase]["client_calls"] for phase in counts}
         assert calls["first"] > 0
         assert calls["eight"] == calls["first"], calls  # 5 steps, no call
-        assert calls["back"] == calls["sixteen"] > calls["eight"], calls
+        assert calls["sixteen"] > calls["eight"], calls
+        assert calls["back"] > calls["sixteen"], calls  # back to 8: agreed again
+        assert calls["again"] == calls["back"], calls  # 4 steps, no call
 
 
 def test_the_agreement_bound_comes_from_the_environment(monkeypatch):
