@@ -10,6 +10,7 @@ Scenarios (process ids come from SPMD_PROCESS_ID):
   dead       as block, with heartbeat_timeout=10 (a test kills one process with SIGKILL).
   collective heartbeat_timeout=10; both take 2 psum steps and print READY, then process 0
              sleeps while process 1 waits for it in the third step's collective.
+  collective1 as collective, with the roles swapped: process 1 sleeps, process 0 waits.
   idle       heartbeat_timeout=10; both take 2 psum steps, print READY and sleep (between
              steps, in Python).
 Each prints "PID <pid>" once joined.
@@ -24,6 +25,7 @@ from spmd.errors import InitializationError
 
 SCENARIO = sys.argv[1]
 INDEX = os.environ.get("SPMD_PROCESS_ID")
+SLEEPER = "1" if SCENARIO == "collective1" else "0"  # who sleeps at step 2 of `collective`
 
 
 def listening_addresses(port: int) -> list[str]:
@@ -49,7 +51,7 @@ def steps() -> None:
     for i in range(3):
         if i == 2:
             print("READY", flush=True)
-        if i == 2 and (SCENARIO == "idle" or INDEX == "0"):
+        if i == 2 and (SCENARIO == "idle" or INDEX == SLEEPER):
             time.sleep(60)
         state, loss = step(state, batch)
         print("STEP", i, float(loss), flush=True)
@@ -67,7 +69,7 @@ def block(seconds: float) -> None:
 
 try:
     exit_timeout = 2 if SCENARIO == "early" else 30
-    heartbeat = 10 if SCENARIO in ("dead", "collective", "idle") else 100
+    heartbeat = 10 if SCENARIO in ("dead", "collective", "collective1", "idle") else 100
     spmd.initialize(
         local_device_count=1,
         initialization_timeout=8,
@@ -89,7 +91,7 @@ elif SCENARIO == "raise":
     time.sleep(60)
 elif SCENARIO == "early" and INDEX == "1":
     time.sleep(60)
-elif SCENARIO in ("collective", "idle"):
+elif SCENARIO in ("collective", "collective1", "idle"):
     steps()
 elif SCENARIO.startswith("block") or SCENARIO == "dead":
     if SCENARIO == "block_save":

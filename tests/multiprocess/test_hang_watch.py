@@ -36,6 +36,14 @@ def launch(
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 
+def assert_no_raw_traceback(out: str) -> None:
+    """spmd's message is all a process says about a hang: no Python traceback, no collective's
+    own error (a peer's end closes the collective's connections)."""
+    for index in (0, 1):
+        said = "\n".join(line for line in out.splitlines() if line.startswith(f"[{index}]"))
+        assert "Traceback" not in said and "Gloo" not in said, said[-3000:]
+
+
 @pytest.mark.parametrize(
     ("scenario", "where", "steps", "stuck"),
     [
@@ -60,6 +68,7 @@ def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(
     assert any(line.startswith(follower) for line in lines), out[-3000:]
     assert f"spmd launch: first failure: process {stuck}, alive but hung: no progress" in out
     assert "DONE" not in out
+    assert_no_raw_traceback(out)
 
 
 def assert_named_before_its_first_step(code: int, out: str, elapsed: float, where: str) -> None:
@@ -73,6 +82,7 @@ def assert_named_before_its_first_step(code: int, out: str, elapsed: float, wher
     assert any(line.startswith(follower) for line in lines), out[-3000:]
     assert "spmd launch: first failure: process 1, alive but hung: no progress" in out
     assert "DONE" not in out
+    assert_no_raw_traceback(out)
 
 
 def test_a_process_stuck_before_its_first_step_is_named_while_its_peer_waits_in_it():
