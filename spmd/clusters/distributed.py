@@ -24,6 +24,7 @@ from spmd.clusters.launch_results import (
     PREEMPTED_EXIT_CODE,
     not_arrived,
 )
+from spmd.clusters.resolvers.jax_detect import detected_join
 from spmd.errors import BatchError, ConfigurationError, InitializationError, message, received
 
 __all__ = [
@@ -224,11 +225,15 @@ def join(
     """Calls jax.distributed.initialize, raising InitializationError instead of aborting.
 
     With a coordinator address it binds the coordinator there only (see
-    `bind_address`), checks on process 0 that the port is free, then starts
-    the peer watch (`report_failure`), the hang watch (`hang_watch`: a process
-    that stops stepping for `hang_timeout` s, None: the default rule, is named),
-    the bounded exit, and spmd's SIGTERM handling. Without one, JAX's cluster
-    detection picks everything.
+    `bind_address`). Without one, JAX's cluster detection (Slurm, Open MPI,
+    Cloud TPU) finds the address, asked first here (`detected_join`), and the
+    coordinator listens where JAX's would (every interface, or
+    JAX_COORDINATOR_BIND_ADDRESS). Process 0 checks that the port is free;
+    the roll call names a process missing or doubled. Then it starts the peer
+    watch (`report_failure`), the hang watch (`hang_watch`: a process that
+    stops stepping for `hang_timeout` s, None: the default rule, is named),
+    the bounded exit, and spmd's SIGTERM handling. Where JAX's detection finds
+    no address, JAX's join reports it.
     """
     import jax
 
@@ -236,8 +241,12 @@ def join(
         "initialization_timeout": int(init_timeout),
         "heartbeat_timeout_seconds": int(heartbeat_timeout),
     }
+    bind = None if coordinator is None else bind_address(coordinator)
+    if coordinator is None and (found := detected_join(count, index, init_timeout)):
+        coordinator, local = found
+        if local is not None:
+            kwargs["local_device_ids"] = local
     if coordinator is not None:
-        bind = bind_address(coordinator)
         if index == 0:
             _check_port_free(coordinator, bind)
         _roll_call(coordinator, bind, (index, count), init_timeout)

@@ -11,9 +11,10 @@ Scenarios (process ids come from SPMD_PROCESS_ID):
   collective heartbeat_timeout=10; both take 2 psum steps and print READY, then process 0
              sleeps while process 1 waits for it in the third step's collective.
   collective1 as collective, with the roles swapped: process 1 sleeps, process 0 waits.
+  train      take 3 psum steps and end.
   idle       heartbeat_timeout=10; both take 2 psum steps, print READY and sleep (between
              steps, in Python).
-Each prints "PID <pid>" once joined.
+Each prints "PID <pid>" once joined. The process id is SPMD_PROCESS_ID's, else SLURM_PROCID's.
 """
 
 import os
@@ -24,8 +25,8 @@ import spmd
 from spmd.errors import InitializationError
 
 SCENARIO = sys.argv[1]
-INDEX = os.environ.get("SPMD_PROCESS_ID")
-SLEEPER = "1" if SCENARIO == "collective1" else "0"  # who sleeps at step 2 of `collective`
+INDEX = os.environ.get("SPMD_PROCESS_ID", os.environ.get("SLURM_PROCID"))
+SLEEPER = {"collective": "0", "collective1": "1"}.get(SCENARIO)  # who sleeps at step 2
 
 
 def listening_addresses(port: int) -> list[str]:
@@ -91,7 +92,7 @@ elif SCENARIO == "raise":
     time.sleep(60)
 elif SCENARIO == "early" and INDEX == "1":
     time.sleep(60)
-elif SCENARIO in ("collective", "collective1", "idle"):
+elif SCENARIO in ("collective", "collective1", "idle", "train"):
     steps()
 elif SCENARIO.startswith("block") or SCENARIO == "dead":
     if SCENARIO == "block_save":
