@@ -2,12 +2,15 @@
 
 The public names are imported when first used (PEP 562), so that `import spmd` and the
 `spmd` command's `--help` do not import jax; `spmd.X` and `from spmd import X` work as usual.
+Once jax is imported, JAX's TPU backend is kept from starting on a host with no TPU chip
+(spmd/clusters/tpu_backend.py: libtpu's noise on every CPU program).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -209,8 +212,20 @@ def __getattr__(name: str) -> Any:
     else:
         value = getattr(importlib.import_module(module), name)
     globals()[name] = value
+    _no_tpu_backend_without_chips()
     return value
+
+
+def _no_tpu_backend_without_chips() -> None:
+    """Once jax is imported: JAX's TPU backend does not start where no TPU chip is."""
+    if "jax" in sys.modules:
+        from spmd.clusters.tpu_backend import skip_without_chips
+
+        skip_without_chips()
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_WHERE))
+
+
+_no_tpu_backend_without_chips()  # jax imported before spmd

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 import spmd
+import spmd.strategy.per_replica
+import spmd.strategy.step
 from spmd.clusters import hang_watch
 from spmd.clusters.hang_watch import Record, behind, check_hang_timeout, interval_for
 from spmd.clusters.roll_call import Verdict
@@ -135,6 +137,45 @@ def test_before_any_step_the_limit_is_the_hang_timeout_or_its_floor(monkeypatch)
     looks(monkeypatch)
     assert watch(None).sample(1.0, False).limit == hang_watch.MIN_HANG_TIMEOUT
     assert watch(42.0).sample(1.0, False).limit == 42.0
+
+
+def test_the_default_limit_is_ten_times_the_slowest_recent_step(monkeypatch):
+    looks(monkeypatch)
+    w, steps = watch(None), [0]
+    monkeypatch.setattr(hang_watch, "STEPS", steps)
+
+    def step_at(now: float, count: int = 1) -> float:
+        steps[0] += count
+        return w.sample(now, False).limit
+
+    assert step_at(0.0, 2) == hang_watch.MIN_HANG_TIMEOUT  # armed; no step timed yet
+    assert step_at(45.0) == 450.0  # a step of 45 s: 10 x 45, over the floor
+    assert step_at(85.0) == 450.0  # one of 40 s: the slowest rules
+    assert step_at(105.0, 2) == 450.0  # two in 20 s: 10 s each
+    now = 105.0
+    for _ in range(29):  # the 32 most recent steps timed still hold the 45 s one
+        now += 1.0
+        assert step_at(now) == 450.0
+    assert step_at(now + 1.0) == 400.0  # it is no longer recent: the 40 s one rules
+    assert step_at(now + 2.0) == hang_watch.MIN_HANG_TIMEOUT  # nor that one: 10 x 10 s < floor
+
+
+def test_strategy_run_is_progress_unless_traced_in_a_step(monkeypatch):
+    steps = [0]
+    monkeypatch.setattr(hang_watch, "STEPS", steps)
+    monkeypatch.setattr(spmd.strategy.step, "_STEPS", steps)
+    monkeypatch.setattr(spmd.strategy.per_replica, "_STEPS", steps)
+    strategy = spmd.MirroredStrategy()
+    batch = jnp.ones((strategy.num_replicas_in_sync, 2))
+    strategy.run(jnp.sum, args=(batch,))
+    assert steps == [1]  # a pmap port's step
+
+    @strategy.step
+    def step(state, x):
+        return state + strategy.reduce("SUM", strategy.run(jnp.sum, args=(x,)), axis=None), 0.0
+
+    step(jnp.zeros(()), batch)
+    assert steps == [2]  # the step counts; the run traced inside it does not
 
 
 def test_a_look_at_the_main_thread_sees_jax_compile():

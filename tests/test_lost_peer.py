@@ -3,6 +3,7 @@
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -85,6 +86,25 @@ def test_a_port_that_accepts_but_never_answers_means_process_0_is_frozen_or_lost
     with Server(answer=False) as server:
         why = lost_peer.lost(server.address, timeout=0.3)
     assert why.startswith("no answer within 0.3 s: process 0 is frozen"), why
+
+
+def test_a_process_resetting_connections_as_it_dies_was_killed_not_frozen():
+    """A SIGKILLed process closes its connections before its listening socket: a probe that
+    got in resets, and asked again, the port refuses."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+
+    def die() -> None:
+        connection, _ = listener.accept()
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.close()  # a reset
+        listener.close()
+
+    dying = threading.Thread(target=die)
+    dying.start()
+    why = lost_peer.lost(address, timeout=5)
+    dying.join()
+    assert why == "its port refuses connections: process 0 was killed or crashed", why
 
 
 def test_process_0_gone_is_the_culprit_with_its_address():

@@ -8,6 +8,7 @@ import errno
 import functools
 import ipaddress
 import os
+import re
 import socket
 import sys
 import threading
@@ -23,6 +24,7 @@ from spmd.clusters.launch_results import (
     PREEMPTED_EXIT_CODE,
     not_arrived,
 )
+from spmd.clusters.resolvers.jax_detect import detected_join
 from spmd.errors import BatchError, ConfigurationError, InitializationError, message, received
 
 __all__ = [
@@ -49,11 +51,21 @@ _REASON_CHARS = 4000  # of a hang's reason, which carries the stuck process's st
 # process K failed ..."): `spmd launch` reads it, never to name it as the first failure.
 FOLLOWER = "ending: process"
 _EXIT_CODE_SIGTERM = 128 + 15
+# What a collective says when a peer's end closed its connections (gloo, NCCL): an
+# uncaught error saying so is that peer's failure, which the watches name.
+_PEER_CLOSED = re.compile(
+    r"closed by peer|reset by peer|Broken pipe|Socket closed|remote process exited", re.I
+)
+# Held by the thread that ends this process, from its decision on: any other thread that
+# would end it too (or print an error) waits for that end instead.
+_ENDING = threading.RLock()
 
 _state: dict[str, Any] = {
     "process": None,
     "coordinator": None,  # process 0's "host:port"
     "exiting": False,
+    "ending": False,  # some thread holds _ENDING: this process is ending
+    "peer_wait": 0.0,  # seconds an error from a closed connection waits for the peer's name
     "save_grace": None,
     "sigterm": False,
     "exit_code": None,
@@ -213,11 +225,15 @@ def join(
     """Calls jax.distributed.initialize, raising InitializationError instead of aborting.
 
     With a coordinator address it binds the coordinator there only (see
-    `bind_address`), checks on process 0 that the port is free, then starts
-    the peer watch (`report_failure`), the hang watch (`hang_watch`: a process
-    that stops stepping for `hang_timeout` s, None: the default rule, is named),
-    the bounded exit, and spmd's SIGTERM handling. Without one, JAX's cluster
-    detection picks everything.
+    `bind_address`). Without one, JAX's cluster detection (Slurm, Open MPI,
+    Cloud TPU) finds the address, asked first here (`detected_join`), and the
+    coordinator listens where JAX's would (every interface, or
+    JAX_COORDINATOR_BIND_ADDRESS). Process 0 checks that the port is free;
+    the roll call names a process missing or doubled. Then it starts the peer
+    watch (`report_failure`), the hang watch (`hang_watch`: a process that
+    stops stepping for `hang_timeout` s, None: the default rule, is named),
+    the bounded exit, and spmd's SIGTERM handling. Where JAX's detection finds
+    no address, JAX's join reports it.
     """
     import jax
 
@@ -225,8 +241,12 @@ def join(
         "initialization_timeout": int(init_timeout),
         "heartbeat_timeout_seconds": int(heartbeat_timeout),
     }
+    bind = None if coordinator is None else bind_address(coordinator)
+    if coordinator is None and (found := detected_join(count, index, init_timeout)):
+        coordinator, local = found
+        if local is not None:
+            kwargs["local_device_ids"] = local
     if coordinator is not None:
-        bind = bind_address(coordinator)
         if index == 0:
             _check_port_free(coordinator, bind)
         _roll_call(coordinator, bind, (index, count), init_timeout)
@@ -249,6 +269,7 @@ def join(
         ) from e
     _state["process"] = index
     _state["coordinator"] = coordinator or global_state().coordinator_address
+    _state["peer_wait"] = float(heartbeat_timeout)
     _exit_promptly_on_errors()
     _record_sys_exit()
     atexit.register(_agree_to_exit, exit_timeout)
@@ -271,12 +292,12 @@ def _end_for(culprit: int, reason: str, text: str) -> None:
     or on the first to see a peer fall silent (it speaks for that peer). Its
     peers' watches then end them naming `culprit`, with HANG_EXIT_CODE.
     """
+    _claim_end()
     client = _client()
     with contextlib.suppress(Exception):
         client.key_value_set(f"{_FAILED}{culprit}", reason[:_REASON_CHARS], allow_overwrite=True)
     if culprit != _state["process"]:
-        _linger_if_host()
-        _end(HANG_EXIT_CODE, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
+        _end_following(culprit, reason)
     time.sleep(2.5 * PEER_POLL)  # the peers read it and end first: no collective fails on them
     _end(HANG_EXIT_CODE, text)
 
@@ -289,6 +310,7 @@ def _end_as_lost(culprit: int | None, reason: str) -> None:
     its own end for the loss. A process with no culprit of its own names the
     one process 0 recorded, if it can still read it.
     """
+    _claim_end()
     if culprit is None:
         culprit, reason = _recorded_failure() or (None, reason)
     if _state["process"] == 0:
@@ -403,11 +425,56 @@ def _client() -> Any:
     return None if state is None else state.client
 
 
+def _claim_end() -> None:
+    """Makes this thread the one that ends this process: one that ends it too (a watch, the
+    excepthook, JAX's client reporting a lost peer) waits here for that end, saying nothing."""
+    _ENDING.acquire()
+    _state["ending"] = True
+
+
 def _end(code: int, text: str) -> None:
     """Prints `text` and ends this process at once, without waiting for anyone."""
-    print(f"spmd: {text}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    _claim_end()
+    with contextlib.suppress(Exception):
+        print(f"spmd: {text}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
     os._exit(code)
+
+
+def _end_following(culprit: int | str, reason: str) -> None:
+    """Ends this process because process `culprit` failed for `reason` (what it recorded)."""
+    _claim_end()
+    _linger_if_host()
+    stalled = reason.startswith((hang_watch.HUNG, hang_watch.GONE))
+    code = HANG_EXIT_CODE if stalled else _EXIT_CODE_PEER
+    _end(code, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
+
+
+def _end_if_a_peer_caused(error: BaseException) -> None:
+    """Before an uncaught error is reported: ends naming the peer whose end caused it, if any.
+
+    A collective fails on this process when a peer ends (named hung, failed,
+    killed): its error ("Gloo AllGather failed: ... Connection closed by
+    peer") is the peer's failure, not this process's. A failure a peer
+    recorded, or process 0's service gone, is named at once; an error that
+    says a connection closed waits, up to `heartbeat_timeout`, for the
+    watches to name the peer (or to end this process themselves). Returns
+    when no peer is to blame: the error is this process's own.
+    """
+    if _client() is None or _state["process"] is None:
+        return
+    wait = _state["peer_wait"] if _PEER_CLOSED.search(str(error)) else 0.0
+    deadline = time.monotonic() + wait
+    while True:
+        if _state["ending"]:
+            _claim_end()  # another thread ends this process: wait for it
+        recorded = _recorded_failure()
+        if recorded is not None:
+            _end_following(*recorded)
+        _end_if_coordinator_lost()
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(PEER_POLL)
 
 
 def report_failure(reason: str) -> None:
@@ -440,15 +507,17 @@ def _exit_promptly_on_errors() -> None:
 
     Otherwise the failing process waits in jax.distributed's shutdown barrier
     while the others wait in a collective for it. The traceback is printed
-    first; `SystemExit` (e.g. a preemption's code 42) exits normally. spmd's
+    first, unless a peer's end caused the error (`_end_if_a_peer_caused`):
+    then the process ends naming that peer, as its watches would; `SystemExit` (e.g. a preemption's code 42) exits normally. spmd's
     ConfigurationError and BatchError exit with CONFIGURATION_EXIT_CODE: a
     restart would raise them again, and `spmd launch` does not restart for them.
     """
     previous = sys.excepthook
 
     def hook(kind, value, traceback):
+        _end_if_a_peer_caused(value)
+        _claim_end()  # from here on the watches wait: the traceback prints whole
         previous(kind, value, traceback)
-        _end_if_coordinator_lost()
         report_failure(f"{kind.__name__}: {value}")
         deterministic = issubclass(kind, (ConfigurationError, BatchError))
         code = CONFIGURATION_EXIT_CODE if deterministic else 1
@@ -568,11 +637,7 @@ def _watch_peers() -> None:
             failed = _failed_peers(client)
             if failed and not _state["exiting"]:
                 key, reason = failed[0]
-                who = key.rsplit("/", 1)[1]
-                _linger_if_host()
-                stalled = reason.startswith((hang_watch.HUNG, hang_watch.GONE))
-                code = HANG_EXIT_CODE if stalled else _EXIT_CODE_PEER
-                _end(code, f"{FOLLOWER} {who} failed ({reason}); ending this one too.")
+                _end_following(key.rsplit("/", 1)[1], reason)
         if sigterm_at is None and _notice(client):
             sigterm_at = time.monotonic()
             _state["sigterm"] = True
@@ -580,5 +645,6 @@ def _watch_peers() -> None:
             grace = _state["save_grace"]
             if grace is None or time.monotonic() - sigterm_at > grace:
                 after = "" if grace is None else f" and {grace:g} s without the save ending it"
+                _claim_end()
                 _linger_if_host()
                 _end(_EXIT_CODE_SIGTERM, f"SIGTERM{after}; ending the process.")

@@ -1,6 +1,7 @@
 """The hang watch: each process publishes its step count; one that stops advancing is named.
 
-A step pays one list-item increment (`STEPS[0] += 1` in `Step.__call__`). A
+A step pays one list-item increment (`STEPS[0] += 1` in `Step.__call__`, and in
+`strategy.run` called outside a trace: a pmap port's step). A
 daemon thread of each process samples that count and, every few seconds,
 publishes it in the coordination service's key-value store with how long it
 has not moved and whether the process waits in JAX or spmd (for a peer, in a
@@ -50,7 +51,7 @@ __all__ = [
     "start",
 ]
 
-STEPS = [0]  # step calls made in this process: Step.__call__ and IslandStep.__call__ add 1
+STEPS = [0]  # steps taken here: Step and IslandStep calls, strategy.run calls (untraced)
 MIN_HANG_TIMEOUT = 300.0  # the default hang timeout's floor, seconds
 SLOW_STEP_FACTOR = 10  # the default hang timeout: this many times the slowest recent step
 HUNG = "hung:"  # how a hang's failure reason starts (the peers exit with HANG_EXIT_CODE)
@@ -58,7 +59,7 @@ GONE = "gone:"  # how the reason given for a process that stopped publishing sta
 _KEY = "spmd/progress/"  # key prefix: each process's Record, as JSON
 _VERDICT = "spmd/behind"  # the process that process 0 found behind, which then ends itself
 RUNNING = threading.Event()  # set once this process's hang watch has started
-_ARMED_AT = 2  # from the second Step call on, any time without a step call is a stall
+_ARMED_AT = 2  # from the second step on, any time without a step is a stall
 _STACK_FRAMES = 12  # innermost frames of the main thread's stack that are shown
 _OTHER_FRAMES = 3  # innermost frames shown of each other thread
 _WATCHES = ("spmd-hang-watch", "spmd-peer-watch")  # threads that are not the program's
@@ -91,10 +92,10 @@ class Record:
 
     Attributes:
       seq: how many times it published (a record that stops changing is a dead publisher).
-      step: its Step calls so far.
+      step: its steps so far (Step calls, and strategy.run calls outside a trace).
       stalled: seconds since its step count last moved.
       limit: its hang timeout, seconds.
-      armed: whether its second Step call came (from then on any stall counts).
+      armed: whether its second step came (from then on any stall counts).
       waiting: whether its main thread waits in JAX (or spmd's step) rather than in its own code.
       done: whether it reached the end of its program (it no longer steps).
       waited: seconds its main thread has waited inside one of spmd's calls (a step, a

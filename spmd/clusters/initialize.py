@@ -27,6 +27,7 @@ from spmd.clusters.spec import (
     parse_tf_config,
     worker_info,
 )
+from spmd.clusters.tpu_backend import skip_without_chips
 from spmd.errors import ClusterError, InitializationError, message, received
 
 __all__ = [
@@ -252,6 +253,7 @@ def initialize(
       (0, 1)
     """
     global _INFO
+    skip_without_chips()  # libtpu is not started (nor heard) on a host with no TPU chip
     _check_cpu_collectives(cpu_collectives)
     interface = check_interface(interface)
     args = (coordinator_address, num_processes, process_id, local_device_count)

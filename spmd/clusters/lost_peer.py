@@ -20,6 +20,7 @@ import ctypes
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 
 from spmd.clusters.hang_watch import GONE
@@ -27,6 +28,9 @@ from spmd.clusters.hang_watch import GONE
 __all__ = ["ANSWER_TIMEOUT", "install", "lost", "reason"]
 
 ANSWER_TIMEOUT = 2.0  # seconds process 0's service has to answer a connection
+_RESETS = 5  # connections reset (a process ending) before its port is asked no more
+_AFTER_RESET = 0.1  # seconds between them
+_DYING = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)  # a reset connection
 # An HTTP/2 client preface and an empty SETTINGS frame: a gRPC server answers with its
 # own SETTINGS at once; a frozen process (SIGSTOP, a hung machine) does not.
 _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -43,7 +47,20 @@ Quietest = Callable[[], "tuple[int, str] | None"]
 
 
 def lost(address: str, timeout: float = ANSWER_TIMEOUT) -> str | None:
-    """Why the coordination service at `address` ("host:port") does not answer; None if it does."""
+    """Why the coordination service at `address` ("host:port") does not answer; None if it does.
+
+    A connection reset is a process that is dying (its sockets close as it
+    ends, the listening one last): asked again, its port refuses.
+    """
+    for _ in range(_RESETS):
+        try:
+            return _ask(address, timeout)
+        except _DYING:
+            time.sleep(_AFTER_RESET)
+    return "it resets every connection: process 0 was killed or crashed"
+
+
+def _ask(address: str, timeout: float) -> str | None:
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
@@ -53,6 +70,8 @@ def lost(address: str, timeout: float = ANSWER_TIMEOUT) -> str | None:
             return "it closed the connection without a word"
     except ConnectionRefusedError:
         return "its port refuses connections: process 0 was killed or crashed"
+    except _DYING:
+        raise
     except (OSError, ValueError):
         return (
             f"no answer within {timeout:g} s: process 0 is frozen, or its machine or the "

@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd.clusters.hang_watch import STEPS as _STEPS
 from spmd.errors import BatchError, ConfigurationError, ContextError, message, received
 from spmd.strategy.replica import (
     PerReplica,
@@ -79,6 +80,8 @@ def run(
         flat.append(x)
         kinds.append(_SPLIT if i < n_args and np.ndim(x) > 0 else _REPLICATED)
         subdefs.append(None)
+    if not any(isinstance(x, jax.core.Tracer) for x in flat):  # runs now, not traced in a step
+        _STEPS[0] += 1  # progress, as a Step call is (spmd/clusters/hang_watch.py)
     if _SPLIT in kinds:
         # fn's positional arguments, PerReplica leaves left out, named by fn's own names.
         split = [

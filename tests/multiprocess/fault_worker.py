@@ -10,9 +10,11 @@ Scenarios (process ids come from SPMD_PROCESS_ID):
   dead       as block, with heartbeat_timeout=10 (a test kills one process with SIGKILL).
   collective heartbeat_timeout=10; both take 2 psum steps and print READY, then process 0
              sleeps while process 1 waits for it in the third step's collective.
+  collective1 as collective, with the roles swapped: process 1 sleeps, process 0 waits.
+  train      take 3 psum steps and end.
   idle       heartbeat_timeout=10; both take 2 psum steps, print READY and sleep (between
              steps, in Python).
-Each prints "PID <pid>" once joined.
+Each prints "PID <pid>" once joined. The process id is SPMD_PROCESS_ID's, else SLURM_PROCID's.
 """
 
 import os
@@ -23,7 +25,8 @@ import spmd
 from spmd.errors import InitializationError
 
 SCENARIO = sys.argv[1]
-INDEX = os.environ.get("SPMD_PROCESS_ID")
+INDEX = os.environ.get("SPMD_PROCESS_ID", os.environ.get("SLURM_PROCID"))
+SLEEPER = {"collective": "0", "collective1": "1"}.get(SCENARIO)  # who sleeps at step 2
 
 
 def listening_addresses(port: int) -> list[str]:
@@ -49,7 +52,7 @@ def steps() -> None:
     for i in range(3):
         if i == 2:
             print("READY", flush=True)
-        if i == 2 and (SCENARIO == "idle" or INDEX == "0"):
+        if i == 2 and (SCENARIO == "idle" or INDEX == SLEEPER):
             time.sleep(60)
         state, loss = step(state, batch)
         print("STEP", i, float(loss), flush=True)
@@ -67,7 +70,7 @@ def block(seconds: float) -> None:
 
 try:
     exit_timeout = 2 if SCENARIO == "early" else 30
-    heartbeat = 10 if SCENARIO in ("dead", "collective", "idle") else 100
+    heartbeat = 10 if SCENARIO in ("dead", "collective", "collective1", "idle") else 100
     spmd.initialize(
         local_device_count=1,
         initialization_timeout=8,
@@ -89,7 +92,7 @@ elif SCENARIO == "raise":
     time.sleep(60)
 elif SCENARIO == "early" and INDEX == "1":
     time.sleep(60)
-elif SCENARIO in ("collective", "idle"):
+elif SCENARIO in ("collective", "collective1", "idle", "train"):
     steps()
 elif SCENARIO.startswith("block") or SCENARIO == "dead":
     if SCENARIO == "block_save":

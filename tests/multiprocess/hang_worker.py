@@ -13,7 +13,10 @@ psum-ing step, then prints DONE):
           (argv[2]) that nobody writes: a hung filesystem read before the first batch.
   restore every process saves step 1 in the folder argv[2], then restores it; process 1's
           read opens the FIFO argv[3] (a hung read in the restore, before any step).
-The hang timeout comes from SPMD_HANG_TIMEOUT (spmd launch --hang-timeout).
+  run     a pmap port: each step is a strategy.run whose replicas all-reduce; process 1
+          sleeps 120 s before step 4.
+  limit   as sleep, with spmd.initialize(hang_timeout=3) (and no SPMD_HANG_TIMEOUT).
+The hang timeout comes from SPMD_HANG_TIMEOUT (spmd launch --hang-timeout), except in `limit`.
 """
 
 import os
@@ -26,7 +29,7 @@ import spmd
 SCENARIO = sys.argv[1]
 INDEX = int(os.environ["SPMD_PROCESS_ID"])
 STALLER = 0 if SCENARIO == "sleep0" else 1  # the process that stops making progress
-spmd.initialize(local_device_count=1)
+spmd.initialize(local_device_count=1, hang_timeout=3 if SCENARIO == "limit" else None)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,7 +43,7 @@ def step(state, batch):
 
 
 def stall_here() -> None:
-    if SCENARIO in ("sleep", "sleep0"):
+    if SCENARIO in ("sleep", "sleep0", "run", "limit"):
         time.sleep(120)
     elif SCENARIO == "lock":
         lock = threading.Lock()
@@ -102,6 +105,24 @@ def restore_with_a_hung_read(directory: str, fifo: str) -> None:
     sys.exit(0)
 
 
+def run_loop() -> None:
+    """Steps as a pmap port takes them: strategy.run, the replicas all-reducing, then reduce."""
+
+    def replica_step(x):
+        return spmd.get_replica_context().all_reduce("SUM", jnp.sum(x))
+
+    batch = jnp.ones((strategy.num_replicas_in_sync, 2))
+    for i in range(30):
+        if INDEX == STALLER and i == 4:
+            stall_here()
+        total = strategy.reduce("MEAN", strategy.run(replica_step, args=(batch,)), axis=None)
+        print("STEP", i, float(total), flush=True)
+    print("DONE", flush=True)
+    sys.exit(0)
+
+
+if SCENARIO == "run":
+    run_loop()
 if SCENARIO in ("loader", "fifo"):
     fit_on_a_stalling_loader()
 if SCENARIO == "restore":

@@ -20,6 +20,7 @@ import pytest
 
 import spmd
 from spmd.clusters.launch import free_port, launch, process_env, run_group
+from spmd.clusters.launch_results import HANG_EXIT_CODE
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -183,22 +184,26 @@ def test_interrupted_save_is_ignored(tmp_path):
     _assert_no_pickles(directory)
 
 
-def test_dead_worker_ends_the_others_within_the_heartbeat_timeout():
-    """Two 2-process jobs side by side: in one the coordinator dies, in the other a worker."""
+def test_dead_worker_ends_the_others_within_the_heartbeat_timeout(tmp_path):
+    """Two 2-process jobs side by side: in one the coordinator dies, in the other a worker.
+    The survivor ends naming the dead process, with spmd's message and exit code 75."""
     heartbeat = 3
     worker = HERE / "ckpt_heartbeat_worker.py"
-    jobs = {}
+    jobs, logs = {}, {}
     for victim in (0, 1):
         coordinator = f"127.0.0.1:{free_port()}"
-        jobs[victim] = [
-            subprocess.Popen(
-                [sys.executable, str(worker), str(victim), str(heartbeat)],
-                env=process_env(_env(), i, 2, coordinator, 1, 0),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for i in range(2)
-        ]
+        jobs[victim] = []
+        for i in range(2):
+            logs[victim, i] = tmp_path / f"job{victim}-process{i}.log"
+            with open(logs[victim, i], "w") as log:
+                jobs[victim].append(
+                    subprocess.Popen(
+                        [sys.executable, str(worker), str(victim), str(heartbeat)],
+                        env=process_env(_env(), i, 2, coordinator, 1, 0),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
     procs = {(victim, i): p for victim, job in jobs.items() for i, p in enumerate(job)}
     ended: dict[tuple[int, int], float] = {}
     try:
@@ -215,5 +220,8 @@ def test_dead_worker_ends_the_others_within_the_heartbeat_timeout():
         dead, survivor = (victim, victim), (victim, 1 - victim)
         assert procs[dead].returncode == -9
         assert survivor in ended, f"the survivor hung after process {victim} died"
-        assert procs[survivor].returncode != 0  # ended by the coordination service, not done
+        out = logs[survivor].read_text()
+        assert procs[survivor].returncode == HANG_EXIT_CODE, out[-2000:]
+        assert f"spmd: ending: process {victim} failed (gone: " in out, out[-2000:]
+        assert "Traceback" not in out and "bad_cast" not in out, out[-2000:]
         assert ended[survivor] - ended[dead] < heartbeat + 15

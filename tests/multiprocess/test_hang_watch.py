@@ -24,16 +24,26 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
 def launch(
-    scenario: str, hang_timeout: float, seconds: float, *args: str
+    scenario: str, hang_timeout: float | None, seconds: float, *args: str
 ) -> tuple[int, str, float]:
-    """(exit code, output, seconds taken) of spmd launch -n 2 running `scenario`."""
-    argv = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--hang-timeout", str(hang_timeout)]
+    """(exit code, output, seconds taken) of spmd launch -n 2 running `scenario`
+    (`--hang-timeout` left out for None)."""
+    argv = [sys.executable, "-m", "spmd", "launch", "-n", "2"]
+    argv += ["--hang-timeout", str(hang_timeout)] if hang_timeout is not None else []
     argv += ["--timeout", str(seconds), "--", sys.executable, str(WORKER), scenario, *args]
     start = time.monotonic()
     done = subprocess.run(
         argv, env=child_env(), capture_output=True, text=True, timeout=seconds + 30
     )
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+def assert_no_raw_traceback(out: str) -> None:
+    """spmd's message is all a process says about a hang: no Python traceback, no collective's
+    own error (a peer's end closes the collective's connections)."""
+    for index in (0, 1):
+        said = "\n".join(line for line in out.splitlines() if line.startswith(f"[{index}]"))
+        assert "Traceback" not in said and "Gloo" not in said, said[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -43,6 +53,7 @@ def launch(
         ("sleep0", "time.sleep(120)", 4, 0),  # process 0 hosts the service and judges
         ("lock", "lock.acquire(timeout=120)", 4, 1),
         ("loader", "time.sleep(120)  # the source stopped delivering", 5, 1),  # one prefetched
+        ("run", "time.sleep(120)", 4, 1),  # each step a strategy.run (a pmap port)
     ],
 )
 def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(
@@ -60,6 +71,17 @@ def test_a_process_that_stops_stepping_is_named_with_its_step_and_stack(
     assert any(line.startswith(follower) for line in lines), out[-3000:]
     assert f"spmd launch: first failure: process {stuck}, alive but hung: no progress" in out
     assert "DONE" not in out
+    assert_no_raw_traceback(out)
+
+
+def test_initialize_s_hang_timeout_sets_the_limit():
+    """spmd.initialize(hang_timeout=3) in the program, no --hang-timeout (SPMD_HANG_TIMEOUT)."""
+    code, out, elapsed = launch("limit", hang_timeout=None, seconds=100)
+    assert code == HANG_EXIT_CODE, out[-3000:]
+    assert elapsed < 60, elapsed  # the default limit (300 s) would outlast the launcher's 100 s
+    [own] = [line for line in out.splitlines() if line.startswith("[1] spmd: process 1 hung: ")]
+    assert "after 4 steps (hang_timeout=3 s)" in own, own
+    assert_no_raw_traceback(out)
 
 
 def assert_named_before_its_first_step(code: int, out: str, elapsed: float, where: str) -> None:
@@ -73,6 +95,7 @@ def assert_named_before_its_first_step(code: int, out: str, elapsed: float, wher
     assert any(line.startswith(follower) for line in lines), out[-3000:]
     assert "spmd launch: first failure: process 1, alive but hung: no progress" in out
     assert "DONE" not in out
+    assert_no_raw_traceback(out)
 
 
 def test_a_process_stuck_before_its_first_step_is_named_while_its_peer_waits_in_it():

@@ -1,8 +1,10 @@
 """jax.distributed under spmd: joins fail with errors, peers end together, SIGTERM ends, bounded.
 
-Real processes over loopback, started here with explicit SPMD_* variables (so a
-test can give two processes the same index or leave one out); every wait is
-bounded, and every process is killed at the end whatever happened.
+Real processes over loopback, started here with explicit SPMD_* variables, or
+with the variables Slurm's `srun` sets (JAX's own detection then finds the
+coordinator), so that a test can give two processes the same index or leave one
+out; every wait is bounded, and every process is killed at the end whatever
+happened.
 """
 
 import ipaddress
@@ -12,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,28 +29,59 @@ WORKER = HERE / "fault_worker.py"
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 
-def env_for(index: int, count: int, address: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SPMD_")}
+def clean_env() -> dict[str, str]:
+    """This environment without any cluster description, with spmd importable."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "TF_CONFIG" and not k.startswith(("SPMD_", "SLURM_", "JAX_COORDINATOR"))
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.update(
-        SPMD_NUM_PROCESSES=str(count),
-        SPMD_PROCESS_ID=str(index),
-        SPMD_COORDINATOR_ADDRESS=address,
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+def env_for(index: int, count: int, address: str) -> dict[str, str]:
+    """Process `index` of `count` as `spmd launch` describes it (SPMD_* variables)."""
+    return {
+        **clean_env(),
+        "SPMD_NUM_PROCESSES": str(count),
+        "SPMD_PROCESS_ID": str(index),
+        "SPMD_COORDINATOR_ADDRESS": address,
+    }
+
+
+def slurm_env(index: int, count: int, address: str) -> dict[str, str]:
+    """Process `index` of `count` as `srun` describes it, on a one-node allocation whose
+    node is `address`'s host; JAX's Slurm detection finds the coordinator there (its port
+    from JAX_COORDINATOR_PORT, as a batch script may set it)."""
+    host, _, port = address.rpartition(":")
+    return {
+        **clean_env(),
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_NODELIST": host,
+        "SLURM_NTASKS": str(count),
+        "SLURM_PROCID": str(index),
+        "SLURM_LOCALID": str(index),
+        "JAX_COORDINATOR_PORT": port,
+    }
+
+
+Env = Callable[[int, int, str], dict[str, str]]
+DESCRIPTIONS = [pytest.param(env_for, id="SPMD_vars"), pytest.param(slurm_env, id="Slurm")]
 
 
 class Group:
     """Processes of fault_worker.py with the given indices; always killed on exit."""
 
-    def __init__(self, scenario: str, indices: list[int], count: int, address: str = "") -> None:
+    def __init__(
+        self, scenario: str, indices: list[int], count: int, address: str = "", env: Env = env_for
+    ) -> None:
         address = address or f"127.0.0.1:{free_port()}"
         self.address = address
         self.procs = [
             subprocess.Popen(
                 [sys.executable, str(WORKER), scenario],
-                env=env_for(i, count, address),
+                env=env(i, count, address),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -84,6 +118,13 @@ class Group:
             out, _ = p.communicate(timeout=left)
             results.append((p.returncode, out))
         return results
+
+
+def assert_spmd_message_only(out: str) -> None:
+    """A process ended for a lost peer says so in spmd's words: no Python traceback, no
+    collective's own error, no C++ abort."""
+    for raw in ("Traceback", "Gloo", "bad_cast", "Check failure"):
+        assert raw not in out, out[-3000:]
 
 
 def init_error(output: str) -> str:
@@ -198,8 +239,25 @@ def test_a_peer_killed_without_a_launcher_is_named_by_the_survivor(when):
         elapsed = time.monotonic() - sent
     assert code == HANG_EXIT_CODE, (elapsed, out[-2000:])
     assert f"spmd: ending: process {killed} failed (gone: " in out, out[-2000:]
-    assert "bad_cast" not in out and "Check failure" not in out, out[-2000:]
+    assert_spmd_message_only(out)
     assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s) would abort it
+
+
+def test_a_peer_killed_while_the_survivor_waits_for_it_in_a_collective_is_named():
+    """kill -9 of process 1 while process 0 waits for it in a step: the collective fails on
+    process 0 at once (its connection closed); process 0 ends naming process 1, not itself."""
+    with Group("collective1", [0, 1], 2) as group:
+        group.wait_for("READY")
+        time.sleep(1)  # process 0 is in the step's collective
+        group.procs[1].kill()
+        sent = time.monotonic()
+        [(code, out)] = group.finish(seconds=90)[:1]
+        elapsed = time.monotonic() - sent
+    assert code == HANG_EXIT_CODE, (elapsed, out[-2000:])
+    [line] = [line for line in out.splitlines() if line.startswith("spmd: ")]
+    assert line.startswith("spmd: ending: process 1 failed (gone: "), line
+    assert_spmd_message_only(out)
+    assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s)
 
 
 @pytest.mark.parametrize(
@@ -227,7 +285,7 @@ def test_process_0_killed_without_a_launcher_is_named_with_its_address(scenario)
         f"service at {group.address}, is gone (its port refuses connections: process 0 was "
         "killed or crashed)"
     ), line
-    assert "bad_cast" not in out and "Check failure" not in out, out[-2000:]
+    assert_spmd_message_only(out)
     assert elapsed < 10, elapsed  # at once, never after the heartbeat timeout (10 s)
 
 
@@ -248,12 +306,21 @@ def test_process_0_frozen_without_a_launcher_is_named_after_the_heartbeat_timeou
         f"spmd: ending: process 0 failed (gone: process 0, which hosts the coordination service "
         f"at {group.address}, is gone (no answer within 2 s: process 0 is frozen" in out
     ), out[-2000:]
-    assert "bad_cast" not in out, out[-2000:]
+    assert_spmd_message_only(out)
     assert elapsed < 30, elapsed  # the heartbeat timeout (10 s), then the 2 s probe
 
 
-def test_a_missing_process_is_named_on_every_process_that_joined():
-    with Group("join", [0, 2], 3) as group:
+def test_a_job_that_jax_detects_joins_at_the_address_it_detects_and_trains():
+    with Group("train", [0, 1], 2, env=slurm_env) as group:
+        results = group.finish(seconds=60)
+    for code, out in results:
+        assert code == 0, out[-2000:]
+        assert "STEP 2 1.0" in out and "END" in out.split(), out[-2000:]
+
+
+@pytest.mark.parametrize("env", DESCRIPTIONS)
+def test_a_missing_process_is_named_on_every_process_that_joined(env):
+    with Group("join", [0, 2], 3, env=env) as group:
         results = group.finish(seconds=50)
         elapsed = time.monotonic() - group.start
     assert [code for code, _ in results] == [3, 3], [out[-1500:] for _, out in results]
@@ -263,8 +330,9 @@ def test_a_missing_process_is_named_on_every_process_that_joined():
     assert elapsed < 30, elapsed  # initialization_timeout=8
 
 
-def test_a_process_id_given_twice_is_named_with_both_processes():
-    with Group("join", [0, 1, 1], 3) as group:
+@pytest.mark.parametrize("env", DESCRIPTIONS)
+def test_a_process_id_given_twice_is_named_with_both_processes(env):
+    with Group("join", [0, 1, 1], 3, env=env) as group:
         results = group.finish(seconds=50)
     assert [code for code, _ in results] == [3, 3, 3], [out[-1500:] for _, out in results]
     pids = [p.pid for p in group.procs[1:]]
@@ -272,6 +340,19 @@ def test_a_process_id_given_twice_is_named_with_both_processes():
         line = init_error(out)
         assert "process_id 1 was given to more than one process" in line, line
         assert all(f"127.0.0.1 (pid {pid} on " in line for pid in pids), (pids, line)
+
+
+@pytest.mark.parametrize("env", DESCRIPTIONS)
+def test_process_0_never_starting_is_named_on_the_others(env):
+    with Group("join", [1, 2], 3, env=env) as group:
+        results = group.finish(seconds=50)
+        elapsed = time.monotonic() - group.start
+    assert [code for code, _ in results] == [3, 3], [out[-1500:] for _, out in results]
+    for _, out in results:
+        line = init_error(out)
+        assert "process(es) [0] did not reach spmd.initialize() (process 0 hosts the " in line, line
+        assert "Traceback" not in out and "bad_cast" not in out
+    assert elapsed < 30, elapsed  # initialization_timeout=8
 
 
 def test_a_late_second_process_with_a_taken_id_is_refused_and_the_job_runs():

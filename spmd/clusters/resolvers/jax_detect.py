@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
 from spmd.clusters.spec import ClusterInfo, worker_info
 from spmd.errors import ClusterError, message, received
 
-__all__ = ["JaxResolver"]
+__all__ = ["JaxResolver", "detected_join"]
 
 
 class JaxResolver:
@@ -51,3 +53,34 @@ class JaxResolver:
                 )
             ) from e
         return worker_info(index, count, None, self.source)
+
+
+def detected_join(count: int, index: int, timeout: int) -> tuple[str, list[int] | None] | None:
+    """What `jax.distributed.initialize()` with no arguments would join with: the
+    coordinator's "host:port" and this process's local device ids (None: all of them).
+
+    JAX's own detection (`auto_detect_unset_distributed_params`, with the
+    JAX_COORDINATOR_ADDRESS, JAX_COORDINATOR_PORT and JAX_LOCAL_DEVICE_IDS it
+    reads), asked once before the join so that spmd can hold its roll call at
+    that address; None where JAX finds no address here (it then fails the join
+    itself, with its own error).
+
+    Args:
+      count: the process count the resolver read.
+      index: this process's index.
+      timeout: seconds an environment may take to find the address (Cloud TPU's
+        metadata server).
+    """
+    try:
+        from jax._src import clusters  # private: guarded, JAX may move it
+    except ImportError:
+        return None
+    ids = os.environ.get("JAX_LOCAL_DEVICE_IDS")
+    local = [int(i) for i in ids.split(",")] if ids else None
+    with contextlib.suppress(Exception):
+        address, _, _, local = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            os.environ.get("JAX_COORDINATOR_ADDRESS"), count, index, local, None, timeout
+        )
+        if isinstance(address, str) and address.rpartition(":")[2].isdigit():
+            return address, None if local is None else list(local)
+    return None
