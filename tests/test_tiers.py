@@ -153,3 +153,55 @@ def test_without_a_record_it_runs_the_fast_tier_recorded_and_prints_its_verdict(
     assert tiers.main([]) == 0
     assert len(runs) == 1 and not runs[0].exists()  # a temporary record, removed after
     assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: OK: ")
+
+
+@pytest.mark.parametrize("text", [None, "not json", '{"t": ["mesh.py"]}'])
+def test_a_path_holding_no_record_is_a_usage_error(text, tmp_path, capsys):
+    path = tmp_path / "ran.json"
+    if text is not None:
+        path.write_text(text)
+    assert _tiers().main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"no record of a test run at {str(path)!r}; usage: "
+    )
+
+
+def test_the_recorder_writes_each_tests_modules_cpu_and_wall(tmp_path):
+    """A pytest run under SPMD_TEST_RECORD writes a record tiers.py reads."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(
+        "import spmd.errors\n\n"
+        "def test_spins():\n"
+        "    spmd.errors.received(x=sum(i * i for i in range(3_000_000)))\n\n"
+        "def test_idles():\n"
+        "    __import__('time').sleep(0.3)\n"
+    )
+    record_path = tmp_path / "ran.json"
+    env = {**os.environ, "SPMD_TEST_RECORD": str(record_path), "PYTHONPATH": str(ROOT)}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--rootdir",
+        str(tmp_path),
+        "--confcutdir",
+        str(tmp_path),
+        "-c",
+        os.devnull,
+        "-p",
+        "conftest",
+        str(probe),
+    ]
+    env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests")
+    subprocess.run(command, env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300)
+    record = json.loads(record_path.read_text())
+    spins, idles = (
+        record["tests"][f"test_probe.py::{name}"] for name in ("test_spins", "test_idles")
+    )
+    assert spins["ran"] == ["errors.py"] and idles["ran"] == []
+    assert spins["cpu_s"] > 0.1 and idles["cpu_s"] < 0.2 and idles["wall_s"] >= 0.3
+    assert record["run"]["cpu_s"] > spins["cpu_s"] and record["run"]["wall_s"] > idles["wall_s"]
