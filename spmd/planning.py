@@ -208,12 +208,12 @@ def _host_link(array: jax.Array, device: Any, reps: int) -> float | None:
     """Bytes/s each way between `device` and its `pinned_host` memory; None without one."""
     if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
         return None
-    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    jax.device_put(array, sharding).block_until_ready()
+    there = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    back = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    jax.device_put(jax.device_put(array, there), back).block_until_ready()
     start = time.perf_counter()
     for _ in range(reps):
-        back = jax.device_put(jax.device_put(array, sharding), device)
-        back.block_until_ready()
+        jax.device_put(jax.device_put(array, there), back).block_until_ready()
     return 2 * array.nbytes * reps / (time.perf_counter() - start)
 
 

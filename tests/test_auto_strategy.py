@@ -72,7 +72,7 @@ def test_on_a_topology_what_does_not_fit_is_dropped_with_the_reason():
     dp = next(c for c in plan.candidates if c.name == "data parallel")
     assert dp.dropped.startswith("does not fit: needs") and "over by" in dp.dropped
     ranked = {c.name: c for c in plan.ranked}
-    assert set(ranked) == {"FSDP over 16", "FSDP over 16, state in host memory"}
+    assert set(ranked) == {"FSDP over 16", "FSDP over 16, optimizer state in host memory"}
     assert all(c.explanation.fits for c in plan.ranked)
     assert dict(best.mesh.shape) == {"data": 1, "fsdp": 16}
     assert "dropped:" in str(plan) and "does not fit" in str(plan)
@@ -86,7 +86,7 @@ def test_two_slices_offer_hsdp_and_host_offload():
     across = next(c for c in plan.candidates if c.name == "FSDP over 8")
     assert across.dropped is None  # the FSDP axis itself crosses slices (data=1 is too small)
     assert {d.slice_index for d in across.strategy.mesh.devices[0, :4]} == {0}
-    assert "FSDP over 4, state in host memory" in names
+    assert "FSDP over 4, optimizer state in host memory" in names
     hsdp = next(c for c in plan.candidates if c.name.startswith("FSDP over 4 (HSDP"))
     assert hsdp.dropped is None and hsdp.roofline.dcn_bytes > 0
 
@@ -393,7 +393,10 @@ def test_a_batch_some_layouts_cannot_split_drops_them_with_the_reason():
 
 def test_only_is_a_name_or_a_list_of_names():
     _, plan = spmd.auto_strategy(_create, _step, X, "v5e:2x2", only="FSDP over 4")
-    assert [c.name for c in plan.candidates] == ["FSDP over 4", "FSDP over 4, state in host memory"]
+    assert [c.name for c in plan.candidates] == [
+        "FSDP over 4",
+        "FSDP over 4, optimizer state in host memory",
+    ]
     with pytest.raises(spmd.ConfigurationError, match="only is a string, or a list of strings"):
         spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=[8])
 
