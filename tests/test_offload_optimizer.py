@@ -194,6 +194,20 @@ def test_the_trainer_with_its_optimizer_in_host_memory_follows_one_device(option
     )
 
 
+def test_a_checkpoint_restores_the_optimizer_into_host_memory(tmp_path):
+    strategy = _one_device()
+    state = strategy.init(_create, jax.random.key(0))
+    state, _ = strategy.step(_step)(state, _batches(1)[0])
+    manager = spmd.CheckpointManager(tmp_path, async_save=False)
+    manager.save(1, state)
+    with strategy.scope():
+        restored = manager.restore(target=strategy.abstract_state(_create, jax.random.key(0)))
+    manager.close()
+    assert _kinds(restored) == _kinds(state)
+    assert_trees_allclose(jax.device_get(restored), jax.device_get(state), rtol=0, atol=0)
+    strategy.step(_step)(restored, _batches(1)[0])  # and it trains on
+
+
 def test_a_named_strategy_takes_the_placement_by_replace():
     strategy = dataclasses.replace(spmd.OneDeviceStrategy(), placement="offload_optimizer")
     want_losses, _, _ = _run(spmd.OneDeviceStrategy())

@@ -20,7 +20,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from spmd.errors import ConfigurationError, message, received
-from spmd.rules import is_key, path_str
+from spmd.rules import is_key, matches, path_str
 
 __all__ = ["OPTIMIZER_PATH", "check_offload", "offloaded", "streamed"]
 
@@ -64,7 +64,7 @@ def check_offload(offload: Any, placement: str) -> tuple[str, ...]:
         except re.error as error:
             raise ConfigurationError(
                 message(
-                    "Each offload regex compiles (it is matched with re.fullmatch).",
+                    "Each offload regex compiles (it is matched as a rule's regex is).",
                     received(offload=pattern, error=str(error)),
                     fix,
                 )
@@ -75,7 +75,8 @@ def check_offload(offload: Any, placement: str) -> tuple[str, ...]:
 def offloaded(tree: Any, patterns: Sequence[str]) -> list[bool]:
     """Per flat leaf of `tree` (a pure state), whether it lives in host memory.
 
-    A leaf whose '/'-joined path fully matches one of `patterns` is offloaded;
+    A leaf whose '/'-joined path one of `patterns` matches (whole, or a
+    '/'-suffix of it, as a rule's regex) is offloaded;
     with no patterns, a leaf under an `opt_state` entry or inside an optax
     state. Scalars (a step count) and PRNG keys stay in device memory: a
     scalar saves nothing in host memory and would tie every group of the
@@ -84,7 +85,7 @@ def offloaded(tree: Any, patterns: Sequence[str]) -> list[bool]:
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     if patterns:
         compiled = [re.compile(p) for p in patterns]
-        named = [any(r.fullmatch(path_str(p)) for r in compiled) for p, _ in flat]
+        named = [any(matches(r, path_str(p)) for r in compiled) for p, _ in flat]
     else:
         inside = _inside_optax(tree)
         named = [
