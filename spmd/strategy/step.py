@@ -366,7 +366,9 @@ class Step:
         (merging and splitting NNX objects around it), constrains the metrics
         replicated and the new state to its layout (and memory kind), and records
         in `_Outcome` what the trace found: what the function returns, the new
-        state's structure, and whether an NNX graph changed.
+        state's structure, and whether an NNX graph changed. With the optimizer
+        offloaded, its leaves stream through the device (`offload.streamed`) and
+        the program takes and returns the state as two lists (`_Split`).
         """
         strategy = self.strategy
         state_sharding = strategy.state_sharding(pure)
@@ -381,7 +383,10 @@ class Step:
         if strategy.placement == "offload_optimizer" and not any(host) and donate:
             warnings.warn(_nothing_offloaded(pure), stacklevel=4)
 
-        def body(pure_state, data, kwargs):
+        in_def = jax.tree.structure(state_sharding)
+
+        def body(leaves, data, kwargs):
+            pure_state = in_def.unflatten(leaves)
             if moves:
                 pure_state = to_memory(pure_state, state_sharding, "device")
             new_sharding, new_graphdef, same_graph = state_sharding, None, True
@@ -415,18 +420,11 @@ class Step:
             traced.value = _Traced(returns, state_def, new_graphdef, same_graph)
             return new_leaves, out, _done(out)
 
-        state_def = jax.tree.structure(state_sharding)
-
         @strategy.context(traced=True)
         def traced_step(leaves, data, kwargs):
             traced.traces += 1
-            if not offloads:
-                return body(state_def.unflatten(leaves), data, kwargs)
-            # The optimizer's leaves stream through the device, group by group.
-            on_leaves = lambda leaves, data, kwargs: body(  # noqa: E731
-                state_def.unflatten(leaves), data, kwargs
-            )
-            return streamed(on_leaves, host)(leaves, data, kwargs)
+            # Offloaded, the optimizer's leaves stream through the device, group by group.
+            return (streamed(body, host) if offloads else body)(leaves, data, kwargs)
 
         flat_shardings = jax.tree.leaves(state_sharding)
         if offloads:
