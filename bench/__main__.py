@@ -29,6 +29,8 @@ MODULES = (
     "bench_hang_watch",
     "bench_peers",
     "bench_scale",
+    "bench_plan",
+    "plan_maxtext",
 )
 HIDDEN = {"benchmark", "median_s"}
 
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     common.set_cpu_devices(8)
     start, rows = time.perf_counter(), []
     for name in args.only or MODULES:
-        name = name if name.startswith("bench_") else f"bench_{name}"
+        name = name if name.startswith(("bench_", "plan_")) else f"bench_{name}"
         module = importlib.import_module(f"bench.{name}")
         print(f"running {name} ...", flush=True)
         rows += module.main(args.quick)

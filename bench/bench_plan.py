@@ -1,13 +1,15 @@
 """Does `spmd.auto_strategy`'s ranking on CPU devices match the candidates' measured step times?
 
-    python -m bench.bench_plan [--devices 8] [--steps 20]
+    python -m bench.bench_plan [--devices 8] [--steps 20] [--quick]
+    python -m bench --only bench_plan [--quick]   (its rows in docs/performance.md)
 
 Ranks the candidate layouts of an MLP with AdamW on this process's simulated
 CPU devices (the roofline with this machine's measured figures), then runs
 each candidate's step and times it (median of --steps calls after two warm-up
 calls), and prints both with the rank correlation (Spearman's rho) between
 the estimate and the measurement. Not a test: timings depend on the machine
-and its load. docs/planning.md quotes a run.
+and its load. docs/planning.md quotes a run. `--quick` (the bench smoke
+test) ranks and times two layouts of a narrow MLP for 3 steps.
 """
 
 from __future__ import annotations
@@ -36,23 +38,14 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return 1 - 6 * d2 / (n * (n * n - 1))
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--width", type=int, default=2048)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def measure(width: int = 2048, steps: int = 20, only: list[str] | None = None) -> dict:
+    """Ranks the layouts on this process's devices, times each; the estimates beside the times."""
     import jax
-
-    jax.config.update("jax_num_cpu_devices", args.devices)
     import jax.numpy as jnp
     import numpy as np
     import optax
 
     import spmd
-
-    width = args.width
 
     def create(key):
         k1, k2, k3 = jax.random.split(key, 3)
@@ -76,7 +69,8 @@ def main(argv: list[str]) -> int:
         }
 
     batch = np.random.default_rng(0).normal(size=(256, 512)).astype(np.float32)
-    _, plan = spmd.auto_strategy(create, step, (jax.ShapeDtypeStruct(batch.shape, batch.dtype),))
+    shape = (jax.ShapeDtypeStruct(batch.shape, batch.dtype),)
+    _, plan = spmd.auto_strategy(create, step, shape, only=only)
     print(plan)
     rows = []
     for candidate in plan.ranked:
@@ -88,7 +82,7 @@ def main(argv: list[str]) -> int:
             state, metrics = train(state, x)
         jax.block_until_ready(metrics)
         times = []
-        for _ in range(args.steps):
+        for _ in range(steps):
             start = time.perf_counter()
             state, metrics = train(state, x)
             jax.block_until_ready((state, metrics))
@@ -102,24 +96,56 @@ def main(argv: list[str]) -> int:
         )
     rho = _spearman([r["estimate_ms"] for r in rows], [r["measured_ms"] for r in rows])
     best_measured = min(rows, key=lambda r: r["measured_ms"])
+    return {
+        "spearman_rho": round(rho, 3),
+        "estimated_best": rows[0]["layout"],
+        "measured_best": best_measured["layout"],
+        "estimated_best_measured_ms": rows[0]["measured_ms"],
+        "measured_best_ms": best_measured["measured_ms"],
+        "rows": rows,
+    }
+
+
+def main(quick: bool = False) -> list[dict]:
+    """`python -m bench`'s rows: each layout's estimate beside its measured step."""
+    if quick:
+        result = measure(width=256, steps=3, only=["data parallel", "FSDP over 8"])
+    else:
+        result = measure()
+    name = f"auto_strategy's estimate against the measured step (rank correlation {result['spearman_rho']})"
+    return [
+        {
+            "benchmark": name,
+            "layout": r["layout"],
+            "estimate (ms)": f"{r['estimate_ms']:.3f}",
+            "measured (ms)": f"{r['measured_ms']:.3f}",
+            "chosen": "yes" if r["layout"] == result["estimated_best"] else "",
+        }
+        for r in result["rows"]
+    ]
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--quick", action="store_true", help="two layouts, narrow, 3 steps")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    if args.quick:
+        result = measure(width=256, steps=3, only=["data parallel", "FSDP over 8"])
+    else:
+        result = measure(args.width, args.steps)
     print(f"{'layout':<20} {'estimate ms':>12} {'measured ms':>12}")
-    for r in rows:
+    for r in result["rows"]:
         print(f"{r['layout']:<20} {r['estimate_ms']:>12.3f} {r['measured_ms']:>12.3f}")
-    print(
-        json.dumps(
-            {
-                "spearman_rho": round(rho, 3),
-                "estimated_best": rows[0]["layout"],
-                "measured_best": best_measured["layout"],
-                "estimated_best_measured_ms": rows[0]["measured_ms"],
-                "measured_best_ms": best_measured["measured_ms"],
-                "rows": rows,
-            },
-            indent=2,
-        )
-    )
+    print(json.dumps(result, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli(sys.argv[1:]))

@@ -2,6 +2,8 @@
 
     python -m bench.plan_maxtext v5p     # llama2-7b, v5p-512, per_device_batch_size=4, seq 4096
     python -m bench.plan_maxtext v5e     # llama2-7b, 2 x v5e-256, per_device_batch_size=4, seq 2048
+    python -m bench.plan_maxtext small   # 8 such layers (1.9 B), v5e:2x2, seq 256: seconds
+    python -m bench --only plan_maxtext [--quick]   (the rows in docs/performance.md; quick: small)
 
 The model is Llama 2's shape (MaxText's `model_name=llama2-7b`): vocabulary
 32000, width 4096, 32 layers of 32 heads of 128, SwiGLU MLP of 11008, RMS
@@ -20,7 +22,9 @@ parallel, and checks:
   the published parameter count, 6.74 B).
 
 Run it on an otherwise idle machine: each compile for 256 or 512 devices takes
-minutes on two cores.
+minutes on two cores. `small` (the bench smoke test) makes the same checks for
+eight of Llama 2's layers (1.88 B parameters: 22.6 GB of state, over one
+v5e's HBM; 5.6 GB a chip split over four) on a v5e:2x2, in seconds.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ TARGETS = {
     "v5p": ("v5p-512", 1, LLAMA2_7B),
     # MaxText/configs/v5e/llama2_7b.sh: "any number of v5e-256 slices" (its AOT example: 2).
     "v5e": ("v5e-256", 2, Config(seq=2048, remat="save_qkv_proj")),
+    # The same checks at a size that compiles in seconds (python -m bench --quick).
+    "small": ("v5e:2x2", 1, Config(layers=8, seq=256, per_device_batch=1)),
 }
 
 
@@ -238,19 +244,44 @@ def plan(target: str) -> dict:
     return result
 
 
-def main(argv: list[str]) -> int:
+def passed(result: dict) -> bool:
+    """Data parallel does not fit; FSDP does, with 12 bytes a parameter split over the chips."""
+    return (
+        not result["data_parallel_fits"]
+        and result["fsdp_fits"]
+        and abs(result["fsdp_state_bytes_per_chip"] / result["expected_state_bytes_per_chip"] - 1)
+        < 0.01
+    )
+
+
+def main(quick: bool = False) -> list[dict]:
+    """`python -m bench`'s rows: each target's checks (quick: the small one)."""
+    rows = []
+    for target in ["small"] if quick else ["v5p", "v5e"]:
+        r = plan(target)
+        rows.append(
+            {
+                "benchmark": "planning a MaxText-shaped decoder for a TPU slice (no TPU)",
+                "target": r["target"],
+                "parameters": f"{r['parameters'] / 1e9:.2f} B",
+                "data parallel": "fits" if r["data_parallel_fits"] else "does not fit",
+                "FSDP state/chip": f"{r['fsdp_state_bytes_per_chip'] / 2**30:.2f} GiB",
+                "FSDP memory/chip": f"{r['fsdp_memory_bytes_per_chip'] / 2**30:.2f} GiB",
+                "compile and rank (s)": r["compile_and_rank_s"],
+                "checks": "pass" if passed(r) else "FAIL",
+            }
+        )
+    return rows
+
+
+def cli(argv: list[str]) -> int:
     targets = argv or ["v5p"]
     results = [plan(t) for t in targets]
     print(json.dumps(results, indent=2, default=str))
-    ok = all(
-        not r["data_parallel_fits"]
-        and r["fsdp_fits"]
-        and abs(r["fsdp_state_bytes_per_chip"] / r["expected_state_bytes_per_chip"] - 1) < 0.01
-        for r in results
-    )
+    ok = all(passed(r) for r in results)
     print("checks:", "pass" if ok else "FAIL")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(cli(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""The layouts `spmd.auto_strategy` tries: data parallel, FSDP, HSDP, TP, FSDP x TP, host-placed.
+"""The layouts `spmd.auto_strategy` tries: data parallel, FSDP, HSDP, TP, FSDP x TP, optimizer offload.
 
 Each candidate is a `Strategy` on the target's devices whose rules lay out
 every leaf of the state. A leaf with a flax annotation keeps it wherever it
@@ -22,6 +22,7 @@ from spmd.mesh import make_mesh
 from spmd.rules import Rule, path_str
 from spmd.strategy import nnx_state
 from spmd.strategy.base import Strategy
+from spmd.strategy.offload import offloaded
 
 __all__ = ["MIN_SHARDED_ELEMENTS", "ModelLayout", "candidates", "model_layout", "tensor_axis"]
 
@@ -103,11 +104,15 @@ class ModelLayout(NamedTuple):
       annotated: path -> the `PartitionSpec` over mesh axes that a leaf's flax
         annotation gives (its names mapped through the logical axis rules).
       axes: the mesh axes the annotations and rules name.
+      optimizer: the paths of the leaves placement="offload_optimizer" keeps
+        in host memory (the optimizer state, found as `Strategy.offload`'s
+        default finds it); empty where the state holds none.
     """
 
     leaves: list[tuple[str, Any]]
     annotated: dict[str, PartitionSpec]
     axes: tuple[str, ...]
+    optimizer: tuple[str, ...] = ()
 
 
 def _rule_axes(rules: Sequence[Rule], logical_axis_rules: LogicalRules) -> list[str]:
@@ -167,7 +172,10 @@ def model_layout(
         for (path, leaf), note in zip(leaves, notes, strict=True)
         if note is not None and len(note.names) <= len(getattr(leaf, "shape", ()))
     }
-    return ModelLayout(leaves, annotated, tuple(a for a in axes if a != DATA_AXIS))
+    optimizer = tuple(
+        path for (path, _), host in zip(leaves, offloaded(state, ()), strict=True) if host
+    )
+    return ModelLayout(leaves, annotated, tuple(a for a in axes if a != DATA_AXIS), optimizer)
 
 
 def tensor_axis(model_axes: Sequence[str]) -> str:
@@ -195,13 +203,15 @@ def candidates(
     2, 4, 8 (each matrix's last dimension split: column-parallel, no
     Megatron pairing inferred); FSDP x TP with FSDP over every device the
     TP axis leaves inside a slice; and, where the devices have host memory,
-    the widest FSDP with the state kept in host memory between steps.
+    the widest FSDP with the optimizer state in host memory
+    (placement="offload_optimizer"), for a model that almost fits.
 
     Args:
       state_leaves: ('/'-joined path, leaf) of every leaf of the state.
       devices: the target's devices.
       slices: how many slices they are.
-      host_memory: whether to try the state in host memory.
+      host_memory: whether to try the optimizer state in host memory (an
+        accelerator with `pinned_host` memory, and a state holding one).
       annotated: path -> the `PartitionSpec` (over mesh axes) a leaf's flax
         annotation gives. Where it splits over a candidate's axes the leaf
         keeps it (FSDP adds its axis on a free dimension); elsewhere the leaf
@@ -252,6 +262,6 @@ def candidates(
             strategy(f"FSDP {k} x TP {m}", axes, (DATA_AXIS, FSDP_AXIS))
     if host_memory:
         axes = {DATA_AXIS: n // per_slice, FSDP_AXIS: per_slice}
-        name = f"FSDP over {per_slice}, state in host memory"
-        strategy(name, axes, (DATA_AXIS, FSDP_AXIS), placement="host")
+        name = f"FSDP over {per_slice}, optimizer state in host memory"
+        strategy(name, axes, (DATA_AXIS, FSDP_AXIS), placement="offload_optimizer")
     return out

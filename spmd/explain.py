@@ -96,10 +96,15 @@ class Explanation:
     Attributes:
       strategy: the strategy's repr.
       state_bytes: bytes of state one device holds in device memory.
-      state_host_bytes: bytes of state kept in host memory (CentralStorageStrategy).
+      state_host_bytes: bytes of state kept in host memory (CentralStorageStrategy,
+        or the optimizer's with placement="offload_optimizer"): what the step
+        moves to the device and back, each way.
       input_bytes: bytes of one batch one device receives.
       argument_bytes, output_bytes, alias_bytes, temp_bytes: XLA's memory
-        analysis of the compiled program (alias = outputs reusing donated inputs).
+        analysis of the compiled program (alias = outputs reusing donated inputs),
+        in device memory. The TPU and GPU compilers count arguments and outputs
+        in `pinned_host` apart; on CPU devices, whose "device" memory is the
+        same RAM, XLA counts them in, and they are taken out here.
       peak_bytes: argument + output - alias + temp, an upper bound of the
         program's device memory.
       flops: XLA's cost estimate of floating point operations per device. It
@@ -227,8 +232,15 @@ def _chip_rows(e: Explanation) -> list[tuple[str, str]]:
         rows += [
             ("compute / HBM time", f"{r.compute_s * 1e3:,.3f} ms / {r.memory_s * 1e3:,.3f} ms"),
             ("ICI / DCN time", f"{r.ici_s * 1e3:,.3f} ms / {r.dcn_s * 1e3:,.3f} ms{dcn}"),
-            ("estimated step", f"{r.step_s * 1e3:,.3f} ms ({r.bound}-bound)"),
         ]
+        if r.host_bytes:
+            rows.append(
+                (
+                    "host link time",
+                    f"{r.host_s * 1e3:,.3f} ms ({_human(r.host_bytes)} each way)",
+                )
+            )
+        rows.append(("estimated step", f"{r.step_s * 1e3:,.3f} ms ({r.bound}-bound)"))
     return rows
 
 
@@ -301,16 +313,18 @@ def explain_traced(
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
     traced_flops = matmul_flops(traced.jaxpr)
-    tpu = _tpu_fields(devices or [], hlo, cost, memory, traced_flops)
+    host_bytes = _per_device_bytes(state, "pinned_host")
+    tpu = _tpu_fields(devices or [], hlo, cost, memory, traced_flops, host_bytes)
     if compiled is None:
         tpu |= {"hbm_required": required, "roofline": None, "traffic": ()}
+    arguments, outputs = _device_resident(compiled, memory)
     return Explanation(
         strategy=name,
         state_bytes=_per_device_bytes(state, "device"),
-        state_host_bytes=_per_device_bytes(state, "pinned_host"),
+        state_host_bytes=host_bytes,
         input_bytes=_per_device_bytes(batches),
-        argument_bytes=int(getattr(memory, "argument_size_in_bytes", 0)),
-        output_bytes=int(getattr(memory, "output_size_in_bytes", 0)),
+        argument_bytes=arguments,
+        output_bytes=outputs,
         alias_bytes=int(getattr(memory, "alias_size_in_bytes", 0)),
         temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
         flops=float(cost.get("flops", 0.0)),
@@ -321,7 +335,34 @@ def explain_traced(
     )
 
 
-def _tpu_fields(devices: list, hlo: str, cost: Mapping, memory: Any, traced_flops: float):
+def _device_resident(compiled: Any, memory: Any) -> tuple[int, int]:
+    """The program's argument and output bytes in device memory.
+
+    The TPU and GPU compilers report those in `pinned_host` apart
+    (`host_argument_size_in_bytes`); XLA:CPU, where both kinds are the same
+    RAM, counts them in, so they are taken out by the program's shardings.
+    """
+    arguments = int(getattr(memory, "argument_size_in_bytes", 0))
+    outputs = int(getattr(memory, "output_size_in_bytes", 0))
+    if (
+        compiled is None
+        or getattr(memory, "host_argument_size_in_bytes", 0)
+        or (getattr(memory, "host_output_size_in_bytes", 0))
+    ):
+        return arguments, outputs
+    avals = jax.tree.leaves(compiled.in_avals)
+    ins = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+        for a, s in zip(avals, jax.tree.leaves(compiled.input_shardings), strict=True)
+    ]
+    host_in = _per_device_bytes(ins, "pinned_host")
+    host_out = _per_device_bytes(jax.tree.leaves(compiled.out_info), "pinned_host")
+    return max(0, arguments - host_in), max(0, outputs - host_out)
+
+
+def _tpu_fields(
+    devices: list, hlo: str, cost: Mapping, memory: Any, traced_flops: float, host_bytes: int
+):
     """On TPU devices: the chip, its HBM, the traffic by link and the roofline."""
     from spmd.roofline import estimate, traffic
     from spmd.topologies import chip_of, compiler_hbm, devices_per_chip
@@ -342,7 +383,9 @@ def _tpu_fields(devices: list, hlo: str, cost: Mapping, memory: Any, traced_flop
         "hbm_capacity": capacity,
         "code_bytes": int(getattr(memory, "generated_code_size_in_bytes", 0)),
         "traffic": flows,
-        "roofline": estimate(chip, flops, float(cost.get("bytes accessed", 0.0)), flows, share),
+        "roofline": estimate(
+            chip, flops, float(cost.get("bytes accessed", 0.0)), flows, share, host_bytes
+        ),
     }
 
 

@@ -94,7 +94,16 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
     def __str__(self) -> str:
-        header = ("#", "layout", "mesh", "memory/device", "headroom", "step (est.)", "bound")
+        header = (
+            "#",
+            "layout",
+            "mesh",
+            "memory/device",
+            "host/device",
+            "headroom",
+            "step (est.)",
+            "bound",
+        )
         rows = []
         for i, c in enumerate(self.ranked, 1):
             e, r = c.explanation, c.roofline
@@ -104,6 +113,7 @@ class Plan:
                     c.name,
                     _mesh(c.strategy),
                     _human(c.memory_bytes or 0),
+                    _human(e.state_host_bytes) if e.state_host_bytes else "-",
                     "-" if e.hbm_headroom is None else _human(e.hbm_headroom),
                     _seconds(r.step_s),
                     r.bound,
@@ -114,10 +124,15 @@ class Plan:
         lines[0] += f"{len(self.dropped)} dropped"
         lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
         lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
-        if any(c.strategy is not None and c.strategy.placement == "host" for c in self.ranked):
+        if any(c.roofline.host_bytes and not c.roofline.host_known for c in self.ranked):
             lines.append(
-                "state in host memory: moving the state between host and device each step is "
-                "not in the estimate"
+                "host/device: state kept in host memory; no host link figure for this chip, so "
+                "moving it each step is not in the estimate"
+            )
+        elif any(c.roofline.host_bytes for c in self.ranked):
+            lines.append(
+                "host/device: state kept in host memory, moved in and back out each step over "
+                "the host link (in the estimate)"
             )
         if self.dropped:
             lines.append("dropped:")
@@ -148,7 +163,9 @@ def measured_chip(device: Any) -> Chip:
     array copy, both on `device`; the link between devices is taken to be the
     memory bandwidth (simulated CPU devices and one host's GPUs copy through
     memory or NVLink). Simulated CPU devices share the host's cores, which
-    the roofline accounts for (`Roofline.devices_per_chip`).
+    the roofline accounts for (`Roofline.devices_per_chip`). Where the device
+    has `pinned_host` memory, the host link's bandwidth is measured too, from
+    the same array moved there and back.
     """
     key = f"{device.platform}:{device.device_kind}"
     if key not in _MEASURED:
@@ -169,6 +186,7 @@ def measured_chip(device: Any) -> Chip:
         for _ in range(reps):
             copy(big).block_until_ready()
         bandwidth = 2 * big.nbytes * reps / (time.perf_counter() - start)
+        host = _host_link(big, device, reps)
         _MEASURED[key] = Chip(
             name=device.platform,
             device_kind=str(device.device_kind),
@@ -179,9 +197,24 @@ def measured_chip(device: Any) -> Chip:
             dcn_bandwidth=None,
             cores_per_chip=1,
             dims=1,
-            source="measured on this machine (a 1024x1024 float32 product; a 64 MiB copy)",
+            source="measured on this machine (a 1024x1024 float32 product; a 64 MiB copy; "
+            "the same moved to pinned_host and back)",
+            host_bandwidth=host,
         )
     return _MEASURED[key]
+
+
+def _host_link(array: jax.Array, device: Any, reps: int) -> float | None:
+    """Bytes/s each way between `device` and its `pinned_host` memory; None without one."""
+    if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+        return None
+    there = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    back = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    jax.device_put(jax.device_put(array, there), back).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(reps):
+        jax.device_put(jax.device_put(array, there), back).block_until_ready()
+    return 2 * array.nbytes * reps / (time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------ the target and the options
@@ -383,13 +416,11 @@ def auto_strategy(
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
     _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
-    host = any(m.kind == "pinned_host" for m in devices[0].addressable_memories())
-    host = host and devices[0].platform == "tpu"
     built = candidates(
         model.leaves,
         devices,
         n_slices,
-        host_memory=host,
+        host_memory=_offers_host_memory(devices[0]) and bool(model.optimizer),
         annotated=model.annotated,
         model_axes=model.axes,
         rules=rules,
@@ -404,6 +435,13 @@ def auto_strategy(
     if plan.best is None:
         raise _nothing_fits(target, plan)
     return plan.best.strategy, plan
+
+
+def _offers_host_memory(device: Any) -> bool:
+    """Whether to try the optimizer state in host memory: an accelerator (TPU, real or
+    an `spmd.topology`; GPU) with `pinned_host` memory. On CPU devices it is the same RAM."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    return device.platform != "cpu" and "pinned_host" in kinds
 
 
 _ONE_DEVICE_NOTE = (
@@ -495,8 +533,31 @@ def _try(name, build, create_fn, step, batch, args, chip, n_devices) -> Candidat
         from spmd.roofline import traffic
 
         flows = traffic(e.hlo, n_devices)
-        roofline = estimate(measured_chip(device), flops, _accessed(e), flows, sharing)
+        chip = measured_chip(device)
+        roofline = estimate(chip, flops, _accessed(e), flows, sharing, e.state_host_bytes)
+        limit = _device_limit(device)
+        need = Candidate(name, strategy, e).memory_bytes
+        if limit is not None and need > limit:
+            return Candidate(
+                name,
+                strategy,
+                e,
+                dropped=f"does not fit: needs {_human(need)} of {_human(limit)} device memory "
+                f"(over by {_human(need - limit)})",
+            )
     return Candidate(name, strategy, e, roofline)
+
+
+def _device_limit(device: Any) -> int | None:
+    """A GPU's memory for programs (`memory_stats()["bytes_limit"]`); None elsewhere."""
+    if device.platform == "cpu":
+        return None
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
 
 
 def _accessed(e: Explanation) -> float:

@@ -4,10 +4,14 @@ The roofline (per device, one step):
 
     compute = FLOPs / peak FLOP/s            memory = HBM bytes accessed / HBM bandwidth
     ici     = ICI wire bytes / ICI bandwidth  dcn    = DCN wire bytes / DCN bandwidth
-    step    = max(compute, memory) + ici + dcn
+    host    = host bytes each way / host link bandwidth (PCIe; full duplex)
+    step    = max(compute, memory) + ici + dcn + host
 
-Compute and HBM traffic overlap; collectives are counted as not overlapping
-them, so the estimate leans long where XLA hides a collective behind compute.
+Compute and HBM traffic overlap; collectives and host transfers are counted
+as not overlapping them, so the estimate leans long where XLA hides one behind
+compute. The host bytes are the state a placement keeps in `pinned_host`
+(`placement="host"`: all of it; `"offload_optimizer"`: the optimizer's),
+moved to the device and back each step.
 FLOPs are the larger of XLA's estimate and the step's matrix-product FLOPs
 (`spmd.flops`, which counts a scanned layer once per iteration; XLA's estimate
 counts a loop body once). Wire bytes are what a ring algorithm sends per
@@ -130,6 +134,11 @@ class Roofline:
       compute_s, memory_s, ici_s, dcn_s: each over its bandwidth.
       dcn_known: False where the chip has no published DCN figure (then
         `dcn_s` is 0 and the estimate leaves DCN out).
+      host_bytes: bytes each device moves between host and device memory
+        each way per step (the state kept in `pinned_host`).
+      host_s: `host_bytes` over the chip's host link (its share of it).
+      host_known: False where the chip has no host link figure and
+        `host_bytes` is not 0 (then `host_s` is 0: left out).
     """
 
     chip: Chip
@@ -143,17 +152,20 @@ class Roofline:
     ici_s: float
     dcn_s: float
     dcn_known: bool = True
+    host_bytes: float = 0.0
+    host_s: float = 0.0
+    host_known: bool = True
 
     @property
     def step_s(self) -> float:
-        """max(compute, memory) + ici + dcn, in seconds."""
-        return max(self.compute_s, self.memory_s) + self.ici_s + self.dcn_s
+        """max(compute, memory) + ici + dcn + host, in seconds."""
+        return max(self.compute_s, self.memory_s) + self.ici_s + self.dcn_s + self.host_s
 
     @property
     def bound(self) -> str:
-        """The largest term: "compute", "memory", "ICI" or "DCN"."""
+        """The largest term: "compute", "memory", "ICI", "DCN" or "host"."""
         terms = {"compute": self.compute_s, "memory": self.memory_s}
-        terms |= {"ICI": self.ici_s, "DCN": self.dcn_s}
+        terms |= {"ICI": self.ici_s, "DCN": self.dcn_s, "host": self.host_s}
         return max(terms, key=terms.get)
 
 
@@ -396,12 +408,18 @@ def estimate(
     hbm_bytes: float,
     flows: tuple[Traffic, ...],
     devices_per_chip: int = 1,
+    host_bytes: float = 0.0,
 ) -> Roofline:
-    """The roofline's step time for one device's work on `chip` (see the module's docstring)."""
+    """The roofline's step time for one device's work on `chip` (see the module's docstring).
+
+    `host_bytes` is what the device moves between host and device memory each
+    way per step; the devices of one chip share its host link.
+    """
     share = max(1, devices_per_chip)
     ici = sum(t.wire_bytes for t in flows if t.link == "ICI")
     dcn = sum(t.wire_bytes for t in flows if t.link == "DCN")
     dcn_known = chip.dcn_bandwidth is not None
+    host_known = chip.host_bandwidth is not None
     return Roofline(
         chip=chip,
         devices_per_chip=share,
@@ -414,6 +432,9 @@ def estimate(
         ici_s=ici / chip.ici_bandwidth,
         dcn_s=dcn / chip.dcn_bandwidth if dcn_known else 0.0,
         dcn_known=dcn_known or dcn == 0,
+        host_bytes=host_bytes,
+        host_s=host_bytes / (chip.host_bandwidth / share) if host_known else 0.0,
+        host_known=host_known or host_bytes == 0,
     )
 
 

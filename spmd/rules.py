@@ -26,6 +26,7 @@ __all__ = [
     "Partitioner",
     "Rule",
     "is_key",
+    "matches",
     "path_str",
     "resolve_sources",
     "resolve_specs",
@@ -327,7 +328,8 @@ class LayoutConflictWarning(UserWarning):
     """A state rule overrides a flax annotation that would lay the leaf out differently."""
 
 
-def _matches(regex: re.Pattern, path: str) -> bool:
+def matches(regex: re.Pattern, path: str) -> bool:
+    """Whether a rule's regex matches the '/'-joined `path` whole, or any '/'-suffix of it."""
     if regex.fullmatch(path):
         return True
     return any(regex.fullmatch(path[i + 1 :]) for i, c in enumerate(path) if c == "/")
@@ -350,7 +352,7 @@ def _resolve(
     specs, sources = [], []
     for path, (_, leaf), note in zip(paths, leaves, notes, strict=True):
         pattern, rule = next(
-            ((p, spec) for regex, p, spec in compiled if _matches(regex, path)), (None, _UNMATCHED)
+            ((p, spec) for regex, p, spec in compiled if matches(regex, path)), (None, _UNMATCHED)
         )
         annotated = noted = None
         if note is not None:

@@ -23,6 +23,7 @@ from spmd.errors import ConfigurationError, message, received
 
 __all__ = [
     "CHIPS",
+    "HOST_LINK_SOURCE",
     "Chip",
     "Topology",
     "check_placeable",
@@ -61,6 +62,10 @@ class Chip:
       source: where the figures are published.
       max_slice_chips: the most chips one slice (one ICI domain) has; larger
         jobs are several slices joined over DCN.
+      host_bandwidth: bytes/s between one chip's HBM and its host's memory
+        (PCIe), each way, or None where no figure is known. Cloud TPU's pages
+        publish none: the figures are those of the JAX team's "How to Scale
+        Your Model" (`HOST_LINK_SOURCE`).
     """
 
     name: str
@@ -74,6 +79,13 @@ class Chip:
     dims: int
     source: str
     max_slice_chips: int = 1
+    host_bandwidth: float | None = None
+
+
+# Cloud TPU's system-architecture pages give no host (PCIe) bandwidth; the JAX team's
+# book does: "PCIe bandwidth for TPU v4 is 16GB / second each way", "PCIe bandwidth is
+# typically around 1.5e10 bytes / second per chip", "Trillium (TPU v6e) has 32GB/s".
+HOST_LINK_SOURCE = "https://jax-ml.github.io/scaling-book/tpus/ (PCIe: per chip, each way)"
 
 
 # Figures from Cloud TPU's public system-architecture pages (see docs/planning.md).
@@ -92,6 +104,7 @@ CHIPS: dict[str, Chip] = {
         source="https://cloud.google.com/tpu/docs/v4 (ICI: the pod's all-reduce bandwidth "
         "over its 4096 chips)",
         max_slice_chips=4096,  # the v4 pod
+        host_bandwidth=16 * _GB,  # HOST_LINK_SOURCE: "16GB / second each way"
     ),
     "v5e": Chip(
         name="v5e",
@@ -106,6 +119,7 @@ CHIPS: dict[str, Chip] = {
         source="https://cloud.google.com/tpu/docs/v5e and https://cloud.google.com/tpu/docs/v6e "
         "(its v5e column: NICs per host, over 8 chips)",
         max_slice_chips=256,  # the v5e pod
+        host_bandwidth=15 * _GB,  # HOST_LINK_SOURCE: "typically around 1.5e10 bytes / second"
     ),
     "v5p": Chip(
         name="v5p",
@@ -119,6 +133,7 @@ CHIPS: dict[str, Chip] = {
         dims=3,
         source="https://cloud.google.com/tpu/docs/v5p",
         max_slice_chips=6144,  # "The maximum v5p shape is 16x16x24 (6144 chips)"
+        host_bandwidth=15 * _GB,  # HOST_LINK_SOURCE: no v5p figure; its "typical" one
     ),
     "v6e": Chip(
         name="v6e",
@@ -132,6 +147,7 @@ CHIPS: dict[str, Chip] = {
         dims=2,
         source="https://cloud.google.com/tpu/docs/v6e (DCN: NICs per host, over 8 chips)",
         max_slice_chips=256,  # the v6e pod
+        host_bandwidth=32 * _GB,  # HOST_LINK_SOURCE: "Trillium (TPU v6e) has 32GB/s"
     ),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p", "trillium": "v6e"}

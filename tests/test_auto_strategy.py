@@ -72,7 +72,7 @@ def test_on_a_topology_what_does_not_fit_is_dropped_with_the_reason():
     dp = next(c for c in plan.candidates if c.name == "data parallel")
     assert dp.dropped.startswith("does not fit: needs") and "over by" in dp.dropped
     ranked = {c.name: c for c in plan.ranked}
-    assert set(ranked) == {"FSDP over 16", "FSDP over 16, state in host memory"}
+    assert set(ranked) == {"FSDP over 16", "FSDP over 16, optimizer state in host memory"}
     assert all(c.explanation.fits for c in plan.ranked)
     assert dict(best.mesh.shape) == {"data": 1, "fsdp": 16}
     assert "dropped:" in str(plan) and "does not fit" in str(plan)
@@ -86,9 +86,51 @@ def test_two_slices_offer_hsdp_and_host_offload():
     across = next(c for c in plan.candidates if c.name == "FSDP over 8")
     assert across.dropped is None  # the FSDP axis itself crosses slices (data=1 is too small)
     assert {d.slice_index for d in across.strategy.mesh.devices[0, :4]} == {0}
-    assert "FSDP over 4, state in host memory" in names
+    assert "FSDP over 4, optimizer state in host memory" in names
     hsdp = next(c for c in plan.candidates if c.name.startswith("FSDP over 4 (HSDP"))
     assert hsdp.dropped is None and hsdp.roofline.dcn_bytes > 0
+
+
+def _deep(layers, width):
+    """A deep MLP of `layers` square float32 matrices, trained with Adam."""
+
+    def create(key):
+        keys = jax.random.split(key, layers)
+        params = {f"w{i}": jax.random.normal(k, (width, width)) * 0.01 for i, k in enumerate(keys)}
+        return {"params": params, "opt": optax.adam(1e-3).init(params)}
+
+    def step(state, x):
+        def loss(p):
+            h = x
+            for i in range(layers):
+                h = jnp.tanh(h @ p[f"w{i}"])
+            return (h**2).mean()
+
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt = optax.adam(1e-3).update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, value
+
+    return create, step
+
+
+def test_a_model_plain_fsdp_cannot_hold_is_kept_with_its_optimizer_in_host_memory():
+    # 24 GiB of float32 weights and 48 GiB of Adam's moments on 4 v5e chips (15.75 GiB
+    # each): FSDP holds 18 GiB of state per chip; with the moments in host memory, 6 GiB.
+    create, step = _deep(layers=24, width=16384)
+    x = jax.ShapeDtypeStruct((64, 16384), jnp.float32)
+    best, plan = spmd.auto_strategy(create, step, x, "v5e:2x2", only="FSDP over 4")
+    fsdp, offload = (
+        next(c for c in plan.candidates if c.name == name)
+        for name in ("FSDP over 4", "FSDP over 4, optimizer state in host memory")
+    )
+    assert fsdp.dropped.startswith("does not fit: needs") and "of 15.75 GiB HBM" in fsdp.dropped
+    assert offload.dropped is None and offload.explanation.fits
+    assert best is offload.strategy and best.placement == "offload_optimizer"
+    assert offload.explanation.state_host_bytes == 12 << 30  # the moments, a quarter per chip
+    assert offload.roofline.host_s == pytest.approx((12 << 30) / 15e9)  # v5e's PCIe, each way
+    table = str(plan)
+    assert "host/device" in table and "12.00 GiB" in table and "(in the estimate)" in table
+    assert "FSDP over 4 (data=1 x fsdp=4): does not fit" in table
 
 
 def test_a_small_model_on_a_small_slice_is_ranked_in_seconds():
@@ -393,7 +435,10 @@ def test_a_batch_some_layouts_cannot_split_drops_them_with_the_reason():
 
 def test_only_is_a_name_or_a_list_of_names():
     _, plan = spmd.auto_strategy(_create, _step, X, "v5e:2x2", only="FSDP over 4")
-    assert [c.name for c in plan.candidates] == ["FSDP over 4", "FSDP over 4, state in host memory"]
+    assert [c.name for c in plan.candidates] == [
+        "FSDP over 4",
+        "FSDP over 4, optimizer state in host memory",
+    ]
     with pytest.raises(spmd.ConfigurationError, match="only is a string, or a list of strings"):
         spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=[8])
 

@@ -110,3 +110,20 @@ def test_bench_diloco_quick_writes_its_table(tmp_path, task):
     table = table.split(f"<!-- bench_diloco {task} table: end -->", 1)[0]
     assert "| synchronous (MirroredStrategy) | - | - |" in table
     assert "| DiLoCo | 2 | 10 |" in table
+
+
+@pytest.mark.bench
+def test_bench_quick_plans_on_cpu_devices_and_for_a_tpu_slice(tmp_path):
+    # bench_plan (estimate against measured step, CPU) and plan_maxtext (a 1.9 B decoder
+    # for a v5e:2x2, compiled with the TPU compiler) in their quick modes.
+    pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
+    out = tmp_path / "performance.md"
+    args = ["-m", "bench", "--quick", "--output", str(out), "--only", "bench_plan", "plan_maxtext"]
+    run_bench(args, timeout=900)
+    text = out.read_text()
+    ranking = text.split("## auto_strategy's estimate against the measured step", 1)[1]
+    ranking = ranking.split("\n## ", 1)[0]
+    assert "| data parallel |" in ranking and "| FSDP over 8 |" in ranking
+    assert "| yes |" in ranking  # the layout auto_strategy chose
+    decoder = text.split("## planning a MaxText-shaped decoder for a TPU slice (no TPU)", 1)[1]
+    assert "| v5e:2x2 | 1.88 B | does not fit |" in decoder and "| pass |" in decoder

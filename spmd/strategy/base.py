@@ -32,6 +32,7 @@ from spmd.strategy.checks import (
     static_names,
     warn_if_one_process_of_many,
 )
+from spmd.strategy.offload import check_offload, offloaded
 from spmd.strategy.replica import (
     ReduceOp,
     current_strategy,
@@ -56,10 +57,12 @@ __all__ = [
     "in_cross_replica_context",
 ]
 
-Placement = Literal["device", "host"]
+Placement = Literal["device", "host", "offload_optimizer"]
 
 
-_MEMORY_KIND = {"device": "device", "host": "pinned_host"}
+# The memory kind of the state between steps; with "offload_optimizer", that of the
+# leaves it keeps on the devices (the optimizer's are in pinned_host).
+_MEMORY_KIND = {"device": "device", "host": "pinned_host", "offload_optimizer": "device"}
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,16 @@ class Strategy:
         are replicated. (The named strategies lay every leaf out their own way.)
       batch_axes: the mesh axes the leading axis of every batch is split over;
         their devices are the data-parallel replicas. The first axis by default.
-      placement: where the state lives between steps: "device" memory, or
-        "host" memory (`pinned_host`), moved to the devices inside the step.
-        Typed PRNG key arrays (e.g. an `nnx.Rngs` or Dropout's key in the
-        state), which jax cannot keep in `pinned_host`, stay in device memory.
+      placement: where the state lives between steps: "device" memory;
+        "host" memory (`pinned_host`), the whole state moved to the devices
+        at the start of each step; or "offload_optimizer": the optimizer's
+        leaves in `pinned_host` and the rest on the devices, each optimizer
+        leaf moved in where the update needs it and back out as soon as it is
+        updated, so that the device holds a slice of the optimizer state at a
+        time (see docs/guide.md). Typed PRNG key arrays (e.g. an `nnx.Rngs`
+        or Dropout's key in the state), which jax cannot keep in
+        `pinned_host`, stay in device memory, as do scalars with
+        "offload_optimizer".
       strict: if True, a state leaf that no rule or annotation covers is an error.
       name: shown in reprs and by `spmd env`.
       logical_axis_rules: (logical name, mesh axes or None) pairs that map the
@@ -92,12 +101,21 @@ class Strategy:
         mesh axis maps to it. Names neither mapped nor mesh axes are an error
         listing them all (the named strategies replicate them instead); a rule
         `(spmd.logical.REST, None)` replicates every name the others do not map.
+      offload: with placement="offload_optimizer", the leaves to keep in host
+        memory: a regex or a list of regexes over '/'-joined state paths,
+        matched as a rule's regex (the whole path or a '/'-suffix of it), e.g.
+        `r"opt/.*"`, or `r"opt/.*/nu/.*"` for Adam's second moment alone. None: the optimizer state, found as the
+        leaves under an `opt_state` entry (spmd.Trainer's state, flax's
+        TrainState, `nnx.Optimizer`) or inside an optax state (`tx.init(...)`
+        anywhere in a pytree state).
 
     Example:
       >>> strategy = spmd.Strategy(
       ...     mesh=spmd.make_mesh({"data": -1, "model": 2}),
       ...     rules=[(r".*/kernel", P(None, "model"))],
       ...     batch_axes=("data",))
+      >>> offloaded = spmd.Strategy(spmd.make_mesh({"fsdp": -1}), rules=fsdp_rules,
+      ...     placement="offload_optimizer")  # Adam's moments in host memory
     """
 
     mesh: Mesh
@@ -107,6 +125,7 @@ class Strategy:
     strict: bool = False
     name: str = "Strategy"
     logical_axis_rules: LogicalRules = ()
+    offload: str | Sequence[str] | None = None
     _replicate_unmapped: bool = field(default=False, repr=False)
 
     def __post_init__(self):
@@ -142,11 +161,12 @@ class Strategy:
                 message(
                     f"placement is one of {tuple(_MEMORY_KIND)}.",
                     received(placement=self.placement),
-                    'pass placement="device" or placement="host".',
+                    'pass placement="device", "host" or "offload_optimizer".',
                 )
             )
-        if self.placement == "host":
-            check_host_memory(self.mesh)
+        object.__setattr__(self, "offload", check_offload(self.offload, self.placement) or None)
+        if self.placement != "device":
+            check_host_memory(self.mesh, self.placement)
         warn_if_one_process_of_many(self.mesh, self.name)
 
     # -- what the strategy is -------------------------------------------------
@@ -163,7 +183,11 @@ class Strategy:
 
     @property
     def memory_kind(self) -> str:
-        """The memory kind the state lives in between steps."""
+        """The memory kind the state lives in between steps ("device" or "pinned_host").
+
+        With placement="offload_optimizer", that of the leaves kept on the
+        devices; `state_sharding` gives each leaf's own.
+        """
         return _MEMORY_KIND[self.placement]
 
     def __repr__(self) -> str:
@@ -245,13 +269,11 @@ class Strategy:
           A pytree of `NamedSharding`.
         """
         pure = nnx_state.pure(tree)
-        return jax.tree.map(
-            lambda spec, leaf: NamedSharding(
-                self.mesh, spec, memory_kind=self._memory_kind_of(leaf)
-            ),
-            self.state_spec(pure),
-            pure,
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        leaves, treedef = jax.tree.flatten(pure)
+        specs = treedef.flatten_up_to(self.state_spec(pure))
+        kinds = self._memory_kinds(pure, leaves)
+        return treedef.unflatten(
+            [NamedSharding(self.mesh, s, memory_kind=k) for s, k in zip(specs, kinds, strict=True)]
         )
 
     @property
@@ -263,9 +285,15 @@ class Strategy:
         """
         return not self._replicate_unmapped
 
-    def _memory_kind_of(self, leaf: Any) -> str:
-        """The placement's memory kind; PRNG keys (refused by `pinned_host`) stay on device."""
-        return "device" if self.placement == "host" and is_key(leaf) else self.memory_kind
+    def _memory_kinds(self, pure: Any, leaves: list) -> list[str]:
+        """Each leaf's memory kind: the placement's; PRNG keys (refused by `pinned_host`)
+        stay on device; with "offload_optimizer", the offloaded leaves are in `pinned_host`."""
+        if self.placement == "offload_optimizer":
+            host = offloaded(pure, self.offload or ())
+            return ["pinned_host" if h else "device" for h in host]
+        if self.placement == "host":
+            return ["device" if is_key(leaf) else "pinned_host" for leaf in leaves]
+        return ["device"] * len(leaves)
 
     def put(self, tree: Any) -> Any:
         """Places an existing state per the rules. NNX objects are updated in place.

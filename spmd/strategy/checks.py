@@ -134,16 +134,19 @@ def check_rule(rule: tuple, mesh: Mesh) -> None:
         )
 
 
-def check_host_memory(mesh: Mesh) -> None:
+def check_host_memory(mesh: Mesh, placement: str = "host") -> None:
+    """Raises unless the mesh's devices offer `pinned_host` memory, which `placement` uses."""
     device = mesh.devices.flat[0]
     kinds = {m.kind for m in device.addressable_memories()}
     if "pinned_host" not in kinds:
+        what = "the state" if placement == "host" else "the optimizer state"
         raise ConfigurationError(
             message(
-                "Host placement keeps the state in `pinned_host` memory, which this backend "
-                "does not offer.",
-                received(platform=device.platform, memory_kinds=sorted(kinds)),
-                "use placement='device' (e.g. MirroredStrategy) on this backend.",
+                f"placement={placement!r} keeps {what} in `pinned_host` memory, which this "
+                "backend does not offer.",
+                received(platform=device.platform, memory_kinds=sorted(kinds), placement=placement),
+                "use placement='device' (e.g. MirroredStrategy, or a Strategy with FSDP rules "
+                "to spread the optimizer state over the devices) on this backend.",
             )
         )
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -12,7 +11,6 @@ from flax.nnx import graphlib
 
 __all__ = [
     "Binding",
-    "flat",
     "has_graph",
     "inner_merge",
     "inner_split",
@@ -120,21 +118,6 @@ def replace(tree: Any, pure_state: Any) -> Any:
         return pure_state
     update(tree, pure_state)
     return tree
-
-
-def flat(fn: Callable[..., Any], state_tree: Any) -> Callable[..., Any]:
-    """`fn(pure_state, *rest)` taking the state as its flat list of arrays instead.
-
-    A compiled step whose state is a list of arrays is called without building
-    or flattening `nnx.State`s and Variables: the cost per call of a pytree.
-    `state_tree` is any tree of the state's structure (its shardings, say).
-    """
-    state_def = jax.tree.structure(state_tree)
-
-    def over_leaves(leaves, *rest):
-        return fn(jax.tree.unflatten(state_def, leaves), *rest)
-
-    return over_leaves
 
 
 class Binding:

@@ -6,6 +6,7 @@ import collections
 import functools
 import operator
 import re
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +16,10 @@ import numpy as np
 
 from spmd.clusters.hang_watch import STEPS as _STEPS
 from spmd.errors import ConfigurationError, ContextError, message, received
+from spmd.rules import path_str
 from spmd.strategy import nnx_state
 from spmd.strategy import step_checks as checks
+from spmd.strategy.offload import streamed
 from spmd.strategy.replica import in_replica_context
 from spmd.strategy.state_placement import place_state
 from spmd.strategy.step_layout import (
@@ -345,7 +348,8 @@ class Step:
         state is never donated: its buffers are host memory (donating them
         frees no device memory), and on a GPU a host read of one (np.asarray,
         a metric, a checkpoint) leaves a zero-copy view that makes donating it
-        an XLA error.
+        an XLA error. With placement="offload_optimizer" this says whether the
+        leaves in device memory are donated; those in host memory never are.
         """
         if self.strategy.placement == "host":
             return False
@@ -360,21 +364,28 @@ class Step:
         (merging and splitting NNX objects around it), constrains the metrics
         replicated and the new state to its layout (and memory kind), and records
         in `_Outcome` what the trace found: what the function returns, the new
-        state's structure, and whether an NNX graph changed.
+        state's structure, and whether an NNX graph changed. With the optimizer
+        offloaded, its leaves stream through the device (`offload.streamed`) and
+        the program takes and returns the state as two lists (`_Split`).
         """
         strategy = self.strategy
         state_sharding = strategy.state_sharding(pure)
-        on_host = strategy.placement == "host"
+        host = [s.memory_kind == "pinned_host" for s in jax.tree.leaves(state_sharding)]
+        offloads = strategy.placement == "offload_optimizer" and any(host)
+        moves = strategy.placement == "host" or offloads
         axis = self.batch_axis
         data_sharding = jax.tree.map(lambda x: strategy.batch_sharding(np.ndim(x), axis), data)
         kwargs_sharding = jax.tree.map(lambda _: strategy.replicated, kwargs)
         traced = _Outcome()
         fn, tag, donate = self.fn, self._tag, self.donates(graphdef is not None)
+        if strategy.placement == "offload_optimizer" and not any(host) and donate:
+            warnings.warn(_nothing_offloaded(pure), stacklevel=4)
 
-        @strategy.context(traced=True)
-        def traced_step(pure_state, data, kwargs):
-            traced.traces += 1
-            if on_host:
+        in_def = jax.tree.structure(state_sharding)
+
+        def body(leaves, data, kwargs):
+            pure_state = in_def.unflatten(leaves)
+            if moves:
                 pure_state = to_memory(pure_state, state_sharding, "device")
             new_sharding, new_graphdef, same_graph = state_sharding, None, True
             if graphdef is None:
@@ -399,7 +410,7 @@ class Step:
                 traced.value = _Traced(returns, None)
                 return None, out, _done(out)
             new_state = jax.lax.with_sharding_constraint(new_state, on_device(new_sharding))
-            if on_host:
+            if moves:
                 new_state = to_memory(new_state, new_sharding, "pinned_host")
             # Flat leaves out: the caller rebuilds the tree once and keeps the
             # leaves for the next call's donation check, with no flatten.
@@ -407,16 +418,92 @@ class Step:
             traced.value = _Traced(returns, state_def, new_graphdef, same_graph)
             return new_leaves, out, _done(out)
 
-        # The state travels as its flat list of arrays: jit flattens a list in a
-        # fraction of a nested pytree's time, and the fast path has the leaves.
-        compiled = jax.jit(
-            nnx_state.flat(traced_step, state_sharding),
-            in_shardings=(jax.tree.leaves(state_sharding), data_sharding, kwargs_sharding),
+        @strategy.context(traced=True)
+        def traced_step(leaves, data, kwargs):
+            traced.traces += 1
+            # Offloaded, the optimizer's leaves stream through the device, group by group.
+            return (streamed(body, host) if offloads else body)(leaves, data, kwargs)
+
+        flat_shardings = jax.tree.leaves(state_sharding)
+        if offloads:
+            compiled = _Split(
+                traced_step, flat_shardings, host, data_sharding, kwargs_sharding, donate
+            )
+        else:
+            # The state travels as its flat list of arrays: jit flattens a list in a
+            # fraction of a nested pytree's time, and the fast path has the leaves.
+            compiled = jax.jit(
+                traced_step,
+                in_shardings=(flat_shardings, data_sharding, kwargs_sharding),
+                donate_argnums=(0,) if donate else (),
+            )
+        return _Program(compiled, jax.tree.leaves(data_sharding), flat_shardings, traced)
+
+
+class _Split:
+    """A program whose state goes in and comes out as two lists: the leaves in device
+    memory (donated as the step says) and those in host memory (never donated).
+
+    The device leaves come out first, in their order, so that jax pairs each
+    donated buffer with the new value of its own leaf: with the outputs' memory
+    kinds unknown to jit, a donated device buffer paired with a host output of
+    the same shape (Adam's moment of that parameter) would be an XLA error.
+    """
+
+    def __init__(self, fn, shardings, host, data_sharding, kwargs_sharding, donate: bool):
+        self.device = [i for i, h in enumerate(host) if not h]
+        self.host = [i for i, h in enumerate(host) if h]
+        self.out_host: list[bool] = []  # each new leaf in host memory; set by the trace
+
+        def split(device, hosted, data, kwargs):
+            leaves = [None] * len(host)
+            for i, leaf in zip(self.device + self.host, [*device, *hosted], strict=True):
+                leaves[i] = leaf
+            new_leaves, out, done = fn(leaves, data, kwargs)
+            if new_leaves is None:
+                return None, None, out, done
+            self.out_host = [
+                jax.typeof(x).memory_space == jax.memory.Space.Host for x in new_leaves
+            ]
+            device_out = [x for x, h in zip(new_leaves, self.out_host, strict=True) if not h]
+            host_out = [x for x, h in zip(new_leaves, self.out_host, strict=True) if h]
+            return device_out, host_out, out, done
+
+        self.jitted = jax.jit(
+            split,
+            in_shardings=(
+                [shardings[i] for i in self.device],
+                [shardings[i] for i in self.host],
+                data_sharding,
+                kwargs_sharding,
+            ),
             donate_argnums=(0,) if donate else (),
         )
-        return _Program(
-            compiled, jax.tree.leaves(data_sharding), jax.tree.leaves(state_sharding), traced
-        )
+
+    def _args(self, leaves: list) -> tuple[list, list]:
+        return [leaves[i] for i in self.device], [leaves[i] for i in self.host]
+
+    def __call__(self, leaves: list, data: Any, kwargs: dict) -> tuple:
+        device_out, host_out, out, done = self.jitted(*self._args(leaves), data, kwargs)
+        if device_out is None:
+            return None, out, done
+        device, hosted = iter(device_out), iter(host_out)
+        return [next(hosted) if h else next(device) for h in self.out_host], out, done
+
+    def trace(self, leaves: list, data: Any, kwargs: dict) -> jax.stages.Traced:
+        return self.jitted.trace(*self._args(leaves), data, kwargs)
+
+
+def _nothing_offloaded(pure: Any) -> str:
+    paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
+    return message(
+        "placement='offload_optimizer' keeps the optimizer state in host memory: the leaves "
+        "under an 'opt_state' entry or inside an optax state, or those its offload= regexes "
+        "name. This training step's state has none, so every leaf stays in device memory.",
+        received(state_paths=paths[:6] + (["..."] if len(paths) > 6 else [])),
+        "name the optimizer's leaves, e.g. "
+        "spmd.Strategy(..., placement='offload_optimizer', offload=r'opt/.*').",
+    )
 
 
 def _call(strategy: Strategy, fn: Callable, state: Any, data: tuple, kwargs: dict, static: dict):
