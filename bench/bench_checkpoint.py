@@ -118,7 +118,7 @@ def _timed(run: Callable[[], None]) -> float:
 @contextlib.contextmanager
 def _checksum_clock() -> Iterator[list[float]]:
     """Seconds of each checksum dispatch meanwhile (the part of a save that starts them)."""
-    from spmd.checkpoint import integrity
+    from spmd._src.checkpoint import integrity
 
     seconds: list[float] = []
     dispatch = integrity.dispatch
@@ -142,7 +142,7 @@ def steady(case: str, size: int, repeats: int) -> tuple[str, dict[str, list[floa
     of the checksum dispatch in spmd's async saves), and how many checksum programs compiled."""
     from absl import logging as absl_logging
 
-    from spmd.checkpoint import integrity
+    from spmd._src.checkpoint import integrity
 
     state, description = _state(case, size)
     compiled = integrity.compile_count()

@@ -191,7 +191,7 @@ def model_flops(cfg, tokens) -> float:
     the model as written: attention as einsums (a cuDNN kernel's arithmetic is invisible to
     the count) and no recomputation (remat's extra work is not the model's). Only traced."""
     import spmd
-    from spmd.flops import matmul_flops
+    from spmd._src.flops import matmul_flops
 
     plain = dataclasses.replace(cfg, attention="xla", remat=False)
     create, step_fn = lm_pure(plain)

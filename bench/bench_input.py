@@ -200,7 +200,7 @@ def _fingerprint_rows(step_s: float) -> list[dict]:
 
     import numpy as np
 
-    from spmd.data.sources import fingerprint
+    from spmd._src.data.sources import fingerprint
 
     images = np.random.default_rng(0).integers(0, 255, (256, 224, 224, 3), dtype=np.uint8)
     rows = []

@@ -51,7 +51,7 @@ def _floor_runner(model: str, x, y, devices=None):
         for _ in range(steps):
             state, loss = step(state, x, y)
             # XLA:CPU aborts when too many collective steps are queued (see
-            # spmd.strategy.step.CPU_MAX_IN_FLIGHT): the floor keeps the same short queue.
+            # spmd._src.strategy.step.CPU_MAX_IN_FLIGHT): the floor keeps the same short queue.
             queued.append(loss)
             if len(queued) > 4:
                 queued.pop(0).block_until_ready()

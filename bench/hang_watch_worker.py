@@ -35,8 +35,8 @@ def join_alone() -> object:
     import jax
     from jax._src import distributed
 
-    from spmd.clusters import hang_watch
-    from spmd.clusters.launch import free_port
+    from spmd._src.clusters import hang_watch
+    from spmd._src.clusters.launch import free_port
 
     jax.config.update("jax_cpu_collectives_implementation", None)
     jax.distributed.initialize(f"127.0.0.1:{free_port()}", 1, 0)
@@ -49,7 +49,7 @@ def join_alone() -> object:
 
 def watch_beside(client: object) -> tuple[object, threading.Event]:
     """Process 0's watch and a daemon thread doing its work every INTERVAL while the event is set."""
-    from spmd.clusters import hang_watch
+    from spmd._src.clusters import hang_watch
 
     watch = hang_watch._Watch(0, PROCESSES, NEVER, NEVER, INTERVAL, client, lambda *_: os._exit(1))
     on = threading.Event()

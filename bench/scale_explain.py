@@ -124,7 +124,7 @@ def _iota(dims: str, perm: str | None) -> np.ndarray:
 
 def split_by_network(hlo: str, devices_per_host: int) -> dict[str, dict[str, int]]:
     """Bytes each device produces per step, by kind, for collectives inside one host or across hosts."""
-    from spmd.explain import parse_collectives
+    from spmd._src.explain import parse_collectives
 
     out: dict[str, dict[str, int]] = {"across hosts": {}, "inside a host": {}}
     for line in hlo.splitlines():

@@ -1,10 +1,11 @@
 """Draws docs/architecture.md's picture from the code: which part of spmd/ imports which.
 
-A part is a package of spmd/ (`strategy`, `data`, ...) or a top-level module
-(`mesh`, `rules`, ...); `spmd` itself is the public API (`spmd/__init__.py`).
+A part is a package of the implementation, spmd/_src/ (`strategy`, `data`, ...), or
+one of its top-level modules (`mesh`, `rules`, ...); `spmd` is the public API
+(`spmd/__init__.py` and the public submodules: `spmd.callbacks`, `spmd.losses`, ...).
 An arrow A --> B says some module of A imports some module of B when it runs
 (imports inside functions count, `if TYPE_CHECKING:` ones do not). Every part
-imports `spmd.errors`; those arrows are left out so the picture stays readable.
+imports `spmd._src.errors`; those arrows are left out so the picture stays readable.
 
     python docs/architecture_graph.py          # rewrites the picture in docs/architecture.md
     python docs/architecture_graph.py --check  # exits 1 if the picture is stale
@@ -38,10 +39,18 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def part(module: str) -> str:
-    """The part a module belongs to: `spmd.strategy.step` -> `strategy`, `spmd` -> `spmd`."""
+def _inner(module: str) -> list[str] | None:
+    """A module's dotted names below spmd/_src (`spmd._src.strategy.step` -> [strategy, step]),
+    or None for the public API (`spmd`, `spmd.callbacks`, ...) and `spmd._src` itself."""
     names = module.split(".")
-    return names[1] if len(names) > 1 else "spmd"
+    return names[2:] or None if names[1:2] == ["_src"] else None
+
+
+def part(module: str) -> str:
+    """The part a module belongs to: `spmd._src.strategy.step` -> `strategy`, `spmd.losses` ->
+    `spmd`."""
+    inner = _inner(module)
+    return inner[0] if inner else "spmd"
 
 
 def _type_checking(node: ast.If) -> bool:
@@ -95,7 +104,7 @@ def edges() -> set[tuple[str, str]]:
 
 def _label(name: str, members: list[str]) -> str:
     if name == "spmd":
-        return "spmd: the public API<br/>__init__.py"
+        return f"spmd: the public API<br/>__init__ · {' · '.join(sorted(members))}"
     if members == [None]:  # a top-level module
         return f"{name}.py"
     return f"{name}/<br/>{' · '.join(sorted(members))}"
@@ -109,11 +118,15 @@ def mermaid() -> str:
         if name == LEFT_OUT:
             continue
         names = members.setdefault(name, [])
-        if module in ("spmd", f"spmd.{name}"):
-            if path.name != "__init__.py":
+        inner = _inner(module)
+        if inner is None:  # the public API: spmd/__init__.py and the public submodules
+            if module != "spmd" and module != "spmd._src":
+                names.append(module.split(".")[1])
+        elif len(inner) == 1:
+            if path.name != "__init__.py":  # a top-level module of _src
                 names.append(None)
         elif path.name != "__init__.py":  # a package's __init__ only gathers its modules
-            names.append("/".join(module.split(".")[2:]))
+            names.append("/".join(inner[1:]))
     lines = ["```mermaid", "flowchart TD"]
     for name in sorted(members):
         lines.append(f'    {_id(name)}["{_label(name, members[name])}"]')

@@ -163,7 +163,7 @@ def compare(runs, two_d, cfg: LMConfig) -> bool:
     model, losses = runs["Strategy"]
     for path, layout in jax.tree_util.tree_flatten_with_path(
         two_d.state_spec(model, sources=True),
-        is_leaf=lambda x: isinstance(x, spmd.rules.LeafLayout),
+        is_leaf=lambda x: isinstance(x, spmd.LeafLayout),
     )[0]:
         name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
         print(f"  {name:<12} {str(layout.spec):<24} from {layout.source}")

@@ -13,7 +13,6 @@ parser.add_argument("--steps", type=int, default=50)
 args = parser.parse_args()
 
 import spmd  # noqa: E402
-from spmd.strategy.strategies import by_name  # noqa: E402
 
 # Every process, before any JAX computation: joins the cluster under `spmd launch`
 # or TF_CONFIG; on CPU it also sets the simulated device count.
@@ -74,7 +73,20 @@ def train(strategy):
     return jax.device_get(state["params"]), {k: float(v) for k, v in metrics.items()}
 
 
-strategy = by_name(args.strategy)
+STRATEGIES = {  # --strategy: each tf.distribute strategy with its defaults
+    "default": spmd.get_strategy,
+    "mirrored": spmd.MirroredStrategy,
+    "multi_worker_mirrored": spmd.MultiWorkerMirroredStrategy,
+    "tpu": spmd.TPUStrategy,
+    "central_storage": spmd.CentralStorageStrategy,
+    "one_device": spmd.OneDeviceStrategy,
+    "parameter_server": lambda: spmd.ParameterServerStrategy(
+        spmd.partitioners.MinSizePartitioner()
+    ),
+}
+if args.strategy not in STRATEGIES:
+    sys.exit(f"--strategy is one of {sorted(STRATEGIES)}; received {args.strategy!r}")
+strategy = STRATEGIES[args.strategy]()
 if info.is_chief:
     print(f"{strategy} with {strategy.num_replicas_in_sync} replicas")
 params, metrics = train(strategy)

@@ -3,7 +3,7 @@
 The public names are imported when first used (PEP 562), so that `import spmd` and the
 `spmd` command's `--help` do not import jax; `spmd.X` and `from spmd import X` work as usual.
 Once jax is imported, JAX's TPU backend is kept from starting on a host with no TPU chip
-(spmd/clusters/tpu_backend.py: libtpu's noise on every CPU program).
+(spmd/_src/clusters/tpu_backend.py: libtpu's noise on every CPU program).
 """
 
 from __future__ import annotations
@@ -13,190 +13,157 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+# fmt: off
+if TYPE_CHECKING:  # generated from _WHERE by `python -m spmd._src.exports`; do not edit
     from spmd import callbacks as callbacks
+    from spmd import logical as logical
     from spmd import losses as losses
     from spmd import partitioners as partitioners
-    from spmd.checkpoint.manager import CheckpointManager as CheckpointManager
-    from spmd.checkpoint.preemption import Preempted as Preempted
-    from spmd.clusters.initialize import cluster as cluster
-    from spmd.clusters.initialize import initialize as initialize
-    from spmd.clusters.spec import ClusterInfo as ClusterInfo
-    from spmd.data.grain_source import grain_shard_options as grain_shard_options
-    from spmd.data.input_context import AutoShardPolicy as AutoShardPolicy
-    from spmd.data.input_context import InputContext as InputContext
-    from spmd.data.input_context import InputOptions as InputOptions
-    from spmd.data.iterator import DistributedDataset as DistributedDataset
-    from spmd.data.iterator import DistributedIterator as DistributedIterator
-    from spmd.data.sources import FileDataset as FileDataset
-    from spmd.data.sources import NumpyDataset as NumpyDataset
-    from spmd.data.sources import PaddedBatch as PaddedBatch
-    from spmd.errors import ArgumentTypeError as ArgumentTypeError
-    from spmd.errors import BatchError as BatchError
-    from spmd.errors import CheckpointError as CheckpointError
-    from spmd.errors import ClusterError as ClusterError
-    from spmd.errors import ConfigurationError as ConfigurationError
-    from spmd.errors import ContextError as ContextError
-    from spmd.errors import InitializationError as InitializationError
-    from spmd.errors import LaunchError as LaunchError
-    from spmd.errors import ScopeError as ScopeError
-    from spmd.errors import SpmdError as SpmdError
-    from spmd.explain import Collective as Collective
-    from spmd.explain import Explanation as Explanation
-    from spmd.mesh import make_mesh as make_mesh
-    from spmd.planning import auto_strategy as auto_strategy
-    from spmd.strategy.base import Strategy as Strategy
-    from spmd.strategy.base import get_strategy as get_strategy
-    from spmd.strategy.base import has_strategy as has_strategy
-    from spmd.strategy.coordinator import ClusterCoordinator as ClusterCoordinator
-    from spmd.strategy.coordinator import RemoteValue as RemoteValue
-    from spmd.strategy.diloco import DiLoCo as DiLoCo
-    from spmd.strategy.replica import PerReplica as PerReplica
-    from spmd.strategy.replica import ReduceOp as ReduceOp
-    from spmd.strategy.replica import ReplicaContext as ReplicaContext
-    from spmd.strategy.replica import compute_average_loss as compute_average_loss
-    from spmd.strategy.replica import get_replica_context as get_replica_context
-    from spmd.strategy.replica import in_cross_replica_context as in_cross_replica_context
-    from spmd.strategy.replica import scale_regularization_loss as scale_regularization_loss
-    from spmd.strategy.step import Step as Step
-    from spmd.strategy.strategies import CentralStorageStrategy as CentralStorageStrategy
-    from spmd.strategy.strategies import CommunicationImplementation as CommunicationImplementation
-    from spmd.strategy.strategies import CommunicationOptions as CommunicationOptions
-    from spmd.strategy.strategies import MirroredStrategy as MirroredStrategy
-    from spmd.strategy.strategies import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
-    from spmd.strategy.strategies import OneDeviceStrategy as OneDeviceStrategy
-    from spmd.strategy.strategies import ParameterServerStrategy as ParameterServerStrategy
-    from spmd.strategy.strategies import TPUStrategy as TPUStrategy
-    from spmd.topologies import Topology as Topology
-    from spmd.topologies import topology as topology
-    from spmd.trainer.sidecar import SidecarEvaluator as SidecarEvaluator
-    from spmd.trainer.trainer import NonFiniteLossError as NonFiniteLossError
-    from spmd.trainer.trainer import Trainer as Trainer
+    from spmd import testing as testing
+    from spmd._src.checkpoint.manager import CheckpointManager as CheckpointManager
+    from spmd._src.checkpoint.preemption import Preempted as Preempted
+    from spmd._src.clusters.initialize import cluster as cluster
+    from spmd._src.clusters.initialize import initialize as initialize
+    from spmd._src.clusters.launch import restart_count as restart_count
+    from spmd._src.clusters.spec import ClusterInfo as ClusterInfo
+    from spmd._src.data.grain_source import grain_shard_options as grain_shard_options
+    from spmd._src.data.input_context import AutoShardPolicy as AutoShardPolicy
+    from spmd._src.data.input_context import InputContext as InputContext
+    from spmd._src.data.input_context import InputOptions as InputOptions
+    from spmd._src.data.iterator import DistributedDataset as DistributedDataset
+    from spmd._src.data.iterator import DistributedIterator as DistributedIterator
+    from spmd._src.data.sources import FileDataset as FileDataset
+    from spmd._src.data.sources import NumpyDataset as NumpyDataset
+    from spmd._src.data.sources import PaddedBatch as PaddedBatch
+    from spmd._src.errors import ArgumentTypeError as ArgumentTypeError
+    from spmd._src.errors import BatchError as BatchError
+    from spmd._src.errors import CheckpointError as CheckpointError
+    from spmd._src.errors import ClusterError as ClusterError
+    from spmd._src.errors import ConfigurationError as ConfigurationError
+    from spmd._src.errors import ContextError as ContextError
+    from spmd._src.errors import InitializationError as InitializationError
+    from spmd._src.errors import LaunchError as LaunchError
+    from spmd._src.errors import ScopeError as ScopeError
+    from spmd._src.errors import SpmdError as SpmdError
+    from spmd._src.explain import Collective as Collective
+    from spmd._src.explain import Explanation as Explanation
+    from spmd._src.mesh import make_mesh as make_mesh
+    from spmd._src.planning import Plan as Plan
+    from spmd._src.planning import auto_strategy as auto_strategy
+    from spmd._src.roofline import Roofline as Roofline
+    from spmd._src.roofline import Traffic as Traffic
+    from spmd._src.rules import LayoutConflictWarning as LayoutConflictWarning
+    from spmd._src.rules import LeafLayout as LeafLayout
+    from spmd._src.strategy.base import Strategy as Strategy
+    from spmd._src.strategy.base import get_strategy as get_strategy
+    from spmd._src.strategy.base import has_strategy as has_strategy
+    from spmd._src.strategy.coordinator import ClusterCoordinator as ClusterCoordinator
+    from spmd._src.strategy.coordinator import RemoteValue as RemoteValue
+    from spmd._src.strategy.diloco import DiLoCo as DiLoCo
+    from spmd._src.strategy.replica import PerReplica as PerReplica
+    from spmd._src.strategy.replica import ReduceOp as ReduceOp
+    from spmd._src.strategy.replica import ReplicaContext as ReplicaContext
+    from spmd._src.strategy.replica import compute_average_loss as compute_average_loss
+    from spmd._src.strategy.replica import get_replica_context as get_replica_context
+    from spmd._src.strategy.replica import in_cross_replica_context as in_cross_replica_context
+    from spmd._src.strategy.replica import scale_regularization_loss as scale_regularization_loss
+    from spmd._src.strategy.step import Step as Step
+    from spmd._src.strategy.strategies import CentralStorageStrategy as CentralStorageStrategy
+    from spmd._src.strategy.strategies import (
+        CommunicationImplementation as CommunicationImplementation,
+    )
+    from spmd._src.strategy.strategies import CommunicationOptions as CommunicationOptions
+    from spmd._src.strategy.strategies import MirroredStrategy as MirroredStrategy
+    from spmd._src.strategy.strategies import (
+        MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+    )
+    from spmd._src.strategy.strategies import OneDeviceStrategy as OneDeviceStrategy
+    from spmd._src.strategy.strategies import ParameterServerStrategy as ParameterServerStrategy
+    from spmd._src.strategy.strategies import TPUStrategy as TPUStrategy
+    from spmd._src.topologies import Topology as Topology
+    from spmd._src.topologies import topology as topology
+    from spmd._src.trainer.sidecar import SidecarEvaluator as SidecarEvaluator
+    from spmd._src.trainer.trainer import NonFiniteLossError as NonFiniteLossError
+    from spmd._src.trainer.trainer import Trainer as Trainer
+# fmt: on
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ArgumentTypeError",
-    "AutoShardPolicy",
-    "BatchError",
-    "CentralStorageStrategy",
-    "CheckpointError",
-    "CheckpointManager",
-    "ClusterCoordinator",
-    "ClusterError",
-    "ClusterInfo",
-    "Collective",
-    "CommunicationImplementation",
-    "CommunicationOptions",
-    "ConfigurationError",
-    "ContextError",
-    "DiLoCo",
-    "DistributedDataset",
-    "DistributedIterator",
-    "Explanation",
-    "FileDataset",
-    "InitializationError",
-    "InputContext",
-    "InputOptions",
-    "LaunchError",
-    "MirroredStrategy",
-    "MultiWorkerMirroredStrategy",
-    "NonFiniteLossError",
-    "NumpyDataset",
-    "OneDeviceStrategy",
-    "PaddedBatch",
-    "ParameterServerStrategy",
-    "PerReplica",
-    "Preempted",
-    "ReduceOp",
-    "RemoteValue",
-    "ReplicaContext",
-    "ScopeError",
-    "SidecarEvaluator",
-    "SpmdError",
-    "Step",
-    "Strategy",
-    "TPUStrategy",
-    "Topology",
-    "Trainer",
-    "auto_strategy",
-    "callbacks",
-    "cluster",
-    "compute_average_loss",
-    "get_replica_context",
-    "get_strategy",
-    "grain_shard_options",
-    "has_strategy",
-    "in_cross_replica_context",
-    "initialize",
-    "losses",
-    "make_mesh",
-    "partitioners",
-    "scale_regularization_loss",
-    "topology",
-]
 
-# Where each public name lives: the module `spmd.X` imports on first use.
+# The public API, one entry a name: the module `spmd.X` imports it from on first use (the
+# module that defines it), or the name itself for a public submodule. `__all__` and the
+# TYPE_CHECKING imports above come from it.
 _WHERE = {
-    "AutoShardPolicy": "spmd.data.input_context",
-    "auto_strategy": "spmd.planning",
-    "BatchError": "spmd.errors",
+    "AutoShardPolicy": "spmd._src.data.input_context",
+    "auto_strategy": "spmd._src.planning",
+    "BatchError": "spmd._src.errors",
     "callbacks": "spmd.callbacks",
-    "CentralStorageStrategy": "spmd.strategy.strategies",
-    "ArgumentTypeError": "spmd.errors",
-    "CheckpointError": "spmd.errors",
-    "CheckpointManager": "spmd.checkpoint.manager",
-    "cluster": "spmd.clusters.initialize",
-    "ClusterCoordinator": "spmd.strategy.coordinator",
-    "ClusterError": "spmd.errors",
-    "ClusterInfo": "spmd.clusters.spec",
-    "Collective": "spmd.explain",
-    "CommunicationImplementation": "spmd.strategy.strategies",
-    "CommunicationOptions": "spmd.strategy.strategies",
-    "compute_average_loss": "spmd.strategy.replica",
-    "ConfigurationError": "spmd.errors",
-    "ContextError": "spmd.errors",
-    "DiLoCo": "spmd.strategy.diloco",
-    "DistributedDataset": "spmd.data.iterator",
-    "DistributedIterator": "spmd.data.iterator",
-    "Explanation": "spmd.explain",
-    "FileDataset": "spmd.data.sources",
-    "get_replica_context": "spmd.strategy.replica",
-    "get_strategy": "spmd.strategy.base",
-    "grain_shard_options": "spmd.data.grain_source",
-    "has_strategy": "spmd.strategy.base",
-    "in_cross_replica_context": "spmd.strategy.replica",
-    "InitializationError": "spmd.errors",
-    "initialize": "spmd.clusters.initialize",
-    "InputContext": "spmd.data.input_context",
-    "InputOptions": "spmd.data.input_context",
-    "LaunchError": "spmd.errors",
+    "CentralStorageStrategy": "spmd._src.strategy.strategies",
+    "ArgumentTypeError": "spmd._src.errors",
+    "CheckpointError": "spmd._src.errors",
+    "CheckpointManager": "spmd._src.checkpoint.manager",
+    "cluster": "spmd._src.clusters.initialize",
+    "ClusterCoordinator": "spmd._src.strategy.coordinator",
+    "ClusterError": "spmd._src.errors",
+    "ClusterInfo": "spmd._src.clusters.spec",
+    "Collective": "spmd._src.explain",
+    "CommunicationImplementation": "spmd._src.strategy.strategies",
+    "CommunicationOptions": "spmd._src.strategy.strategies",
+    "compute_average_loss": "spmd._src.strategy.replica",
+    "ConfigurationError": "spmd._src.errors",
+    "ContextError": "spmd._src.errors",
+    "DiLoCo": "spmd._src.strategy.diloco",
+    "DistributedDataset": "spmd._src.data.iterator",
+    "DistributedIterator": "spmd._src.data.iterator",
+    "Explanation": "spmd._src.explain",
+    "FileDataset": "spmd._src.data.sources",
+    "get_replica_context": "spmd._src.strategy.replica",
+    "get_strategy": "spmd._src.strategy.base",
+    "grain_shard_options": "spmd._src.data.grain_source",
+    "has_strategy": "spmd._src.strategy.base",
+    "in_cross_replica_context": "spmd._src.strategy.replica",
+    "InitializationError": "spmd._src.errors",
+    "initialize": "spmd._src.clusters.initialize",
+    "InputContext": "spmd._src.data.input_context",
+    "InputOptions": "spmd._src.data.input_context",
+    "LaunchError": "spmd._src.errors",
+    "LayoutConflictWarning": "spmd._src.rules",
+    "LeafLayout": "spmd._src.rules",
+    "logical": "spmd.logical",
     "losses": "spmd.losses",
-    "make_mesh": "spmd.mesh",
-    "MirroredStrategy": "spmd.strategy.strategies",
-    "MultiWorkerMirroredStrategy": "spmd.strategy.strategies",
-    "NonFiniteLossError": "spmd.trainer.trainer",
-    "NumpyDataset": "spmd.data.sources",
-    "OneDeviceStrategy": "spmd.strategy.strategies",
-    "PaddedBatch": "spmd.data.sources",
-    "ParameterServerStrategy": "spmd.strategy.strategies",
+    "make_mesh": "spmd._src.mesh",
+    "MirroredStrategy": "spmd._src.strategy.strategies",
+    "MultiWorkerMirroredStrategy": "spmd._src.strategy.strategies",
+    "NonFiniteLossError": "spmd._src.trainer.trainer",
+    "NumpyDataset": "spmd._src.data.sources",
+    "OneDeviceStrategy": "spmd._src.strategy.strategies",
+    "PaddedBatch": "spmd._src.data.sources",
+    "ParameterServerStrategy": "spmd._src.strategy.strategies",
     "partitioners": "spmd.partitioners",
-    "PerReplica": "spmd.strategy.replica",
-    "Preempted": "spmd.checkpoint.preemption",
-    "ReduceOp": "spmd.strategy.replica",
-    "RemoteValue": "spmd.strategy.coordinator",
-    "ReplicaContext": "spmd.strategy.replica",
-    "scale_regularization_loss": "spmd.strategy.replica",
-    "ScopeError": "spmd.errors",
-    "SidecarEvaluator": "spmd.trainer.sidecar",
-    "SpmdError": "spmd.errors",
-    "Step": "spmd.strategy.step",
-    "Strategy": "spmd.strategy.base",
-    "TPUStrategy": "spmd.strategy.strategies",
-    "topology": "spmd.topologies",
-    "Topology": "spmd.topologies",
-    "Trainer": "spmd.trainer.trainer",
+    "PerReplica": "spmd._src.strategy.replica",
+    "Plan": "spmd._src.planning",
+    "Preempted": "spmd._src.checkpoint.preemption",
+    "ReduceOp": "spmd._src.strategy.replica",
+    "RemoteValue": "spmd._src.strategy.coordinator",
+    "ReplicaContext": "spmd._src.strategy.replica",
+    "restart_count": "spmd._src.clusters.launch",
+    "Roofline": "spmd._src.roofline",
+    "scale_regularization_loss": "spmd._src.strategy.replica",
+    "ScopeError": "spmd._src.errors",
+    "SidecarEvaluator": "spmd._src.trainer.sidecar",
+    "SpmdError": "spmd._src.errors",
+    "Step": "spmd._src.strategy.step",
+    "Strategy": "spmd._src.strategy.base",
+    "testing": "spmd.testing",
+    "TPUStrategy": "spmd._src.strategy.strategies",
+    "topology": "spmd._src.topologies",
+    "Topology": "spmd._src.topologies",
+    "Trainer": "spmd._src.trainer.trainer",
+    "Traffic": "spmd._src.roofline",
 }
+
+
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
@@ -219,7 +186,7 @@ def __getattr__(name: str) -> Any:
 def _no_tpu_backend_without_chips() -> None:
     """Once jax is imported: JAX's TPU backend does not start where no TPU chip is."""
     if "jax" in sys.modules:
-        from spmd.clusters.tpu_backend import skip_without_chips
+        from spmd._src.clusters.tpu_backend import skip_without_chips
 
         skip_without_chips()
 

@@ -1,6 +1,6 @@
 """`python -m spmd`: the `spmd` command line."""
 
-from spmd.cli.main import main
+from spmd._src.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,14 +1,14 @@
-"""`spmd.callbacks`: the Trainer's callbacks (public name; they live in spmd/trainer/)."""
+"""`spmd.callbacks`: the Trainer's callbacks (public name; they live in spmd/_src/trainer/)."""
 
-from spmd.trainer.callbacks import BackupAndRestore as BackupAndRestore
-from spmd.trainer.callbacks import Callback as Callback
-from spmd.trainer.callbacks import CallbackList as CallbackList
-from spmd.trainer.callbacks import EarlyStopping as EarlyStopping
-from spmd.trainer.callbacks import EpochLogger as EpochLogger
-from spmd.trainer.callbacks import History as History
-from spmd.trainer.callbacks import ModelCheckpoint as ModelCheckpoint
-from spmd.trainer.callbacks import ProgressBar as ProgressBar
-from spmd.trainer.tensorboard import TensorBoard as TensorBoard
+from spmd._src.trainer.callbacks import BackupAndRestore as BackupAndRestore
+from spmd._src.trainer.callbacks import Callback as Callback
+from spmd._src.trainer.callbacks import CallbackList as CallbackList
+from spmd._src.trainer.callbacks import EarlyStopping as EarlyStopping
+from spmd._src.trainer.callbacks import EpochLogger as EpochLogger
+from spmd._src.trainer.callbacks import History as History
+from spmd._src.trainer.callbacks import ModelCheckpoint as ModelCheckpoint
+from spmd._src.trainer.callbacks import ProgressBar as ProgressBar
+from spmd._src.trainer.tensorboard import TensorBoard as TensorBoard
 
 __all__ = [
     "BackupAndRestore",

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from spmd.clusters.launch import GroupResult, ProcessResult, run_group
-from spmd.errors import LaunchError, message, received
+from spmd._src.clusters.launch import GroupResult, ProcessResult, run_group
+from spmd._src.errors import LaunchError, message, received
 
 __all__ = [
     "ProcessResult",
@@ -120,8 +120,8 @@ def assert_trees_allclose(
     """
     import jax
 
-    from spmd.rules import path_str
-    from spmd.strategy.nnx_state import pure
+    from spmd._src.rules import path_str
+    from spmd._src.strategy.nnx_state import pure
 
     got, got_def = jax.tree_util.tree_flatten_with_path(pure(actual))
     want, want_def = jax.tree_util.tree_flatten_with_path(pure(expected))
@@ -142,8 +142,8 @@ def assert_layout(tree: Any, shardings: Any) -> None:
     """Asserts every leaf of `tree` is laid out (and in the memory kind) as `shardings` says."""
     import jax
 
-    from spmd.rules import path_str
-    from spmd.strategy.nnx_state import pure
+    from spmd._src.rules import path_str
+    from spmd._src.strategy.nnx_state import pure
 
     leaves = jax.tree_util.tree_flatten_with_path(pure(tree))[0]
     for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):

@@ -39,10 +39,13 @@ def test_a_stale_picture_is_caught():
 
 
 def test_the_picture_reads_imports_as_they_run():
-    """Imports in functions count, `TYPE_CHECKING` ones don't, `spmd.errors` is left out."""
+    """Imports in functions count, `TYPE_CHECKING` ones don't, `spmd._src.errors` is left out."""
     edges = _graph().edges()
-    assert ("strategy", "data") in edges  # spmd/strategy/base.py imports spmd.data.dataset
-    assert ("cli", "trainer") in edges  # spmd/cli/demo.py
+    assert (
+        "strategy",
+        "data",
+    ) in edges  # spmd/_src/strategy/base.py imports spmd._src.data.dataset
+    assert ("cli", "trainer") in edges  # spmd/_src/cli/demo.py
     assert ("data", "strategy") not in edges  # only for type hints
     assert not [e for e in edges if "errors" in e]
 
@@ -57,7 +60,7 @@ def _mentioned_paths() -> list[tuple[str, str]]:
 
 def test_the_docs_name_paths():
     names = {path for _, path in _mentioned_paths()}
-    assert "spmd/strategy/step.py" in names and "spmd/clusters/initialize.py" in names
+    assert "spmd/_src/strategy/step.py" in names and "spmd/_src/clusters/initialize.py" in names
 
 
 @pytest.mark.parametrize(("doc", "path"), _mentioned_paths())

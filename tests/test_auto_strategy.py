@@ -496,7 +496,7 @@ if __name__ == "__main__":
 
 
 def _plan(argv, capsys):
-    from spmd.cli.main import main
+    from spmd._src.cli.main import main
 
     code = main(["plan", *argv])
     out, err = capsys.readouterr()

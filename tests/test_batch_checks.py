@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.data.host_batches import _check_numeric, leading_size
+from spmd._src.data.host_batches import _check_numeric, leading_size
 
 N, FEATURES = 16, 4  # rows a batch, features a row
 

@@ -15,8 +15,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.checkpoint.tree import is_key
-from spmd.clusters.launch import PREEMPTED_EXIT_CODE
+from spmd._src.checkpoint.tree import is_key
+from spmd._src.clusters.launch import PREEMPTED_EXIT_CODE
 
 TX = optax.adam(1e-2)
 

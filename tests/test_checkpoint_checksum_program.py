@@ -12,8 +12,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.checkpoint import integrity, store
-from spmd.checkpoint.integrity import checksums, compile_count, dispatch
+from spmd._src.checkpoint import integrity, store
+from spmd._src.checkpoint.integrity import checksums, compile_count, dispatch
 
 
 def many_leaves(count: int, seed: int = 0) -> dict:

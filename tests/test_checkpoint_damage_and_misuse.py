@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd.checkpoint.integrity import Damaged, checksums, json_checksum
-from spmd.checkpoint.store import SharedStore
+from spmd._src.checkpoint.integrity import Damaged, checksums, json_checksum
+from spmd._src.checkpoint.store import SharedStore
 from tests.multiprocess.procs import without_dac_override
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.checkpoint.integrity import checksums
+from spmd._src.checkpoint.integrity import checksums
 
 ROOT = Path(__file__).resolve().parents[1]
 

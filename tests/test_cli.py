@@ -8,7 +8,7 @@ import sys
 import pytest
 from commands import ROOT, child_env, run_spmd
 
-from spmd.cli import main as cli
+from spmd._src.cli import main as cli
 
 
 @pytest.mark.slow
@@ -41,7 +41,7 @@ def test_env_prints_cluster_devices_and_strategies():
 
 def test_env_strategy_filter_and_malformed_tf_config_is_a_clean_error(monkeypatch, capsys):
     # As in a fresh process: an earlier test's spmd.initialize() is not this one's.
-    monkeypatch.setattr(importlib.import_module("spmd.clusters.initialize"), "_INFO", None)
+    monkeypatch.setattr(importlib.import_module("spmd._src.clusters.initialize"), "_INFO", None)
     monkeypatch.setenv(
         "TF_CONFIG", '{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 4}}'
     )
@@ -106,7 +106,7 @@ def test_launch_without_dashes_takes_the_rest_as_the_program():
 
 _NO_JAX = """
 import sys
-from spmd.cli import main as cli
+from spmd._src.cli import main as cli
 parser = cli.build_parser()
 for argv in ({argvs}):
     try:
@@ -165,7 +165,7 @@ def test_version(capsys):
     [(30, 8, 32), (32, 8, 32), (None, 8, 64), (None, 3, 66), (1, 4, 4)],
 )
 def test_demo_batch_size_rounds_up_to_the_replicas_as_its_help_says(requested, replicas, batch):
-    from spmd.cli.demo_command import global_batch
+    from spmd._src.cli.demo_command import global_batch
 
     assert global_batch(requested, replicas) == batch
 
@@ -178,7 +178,7 @@ def test_demo_help_says_the_batch_is_rounded(capsys):
 
 
 def test_strategy_names_are_read_as_by_name_reads_them():
-    from spmd.cli.demo_command import strategy_name
+    from spmd._src.cli.demo_command import strategy_name
 
     args = cli.build_parser().parse_args(["env", "--strategy", "MirroredStrategy"])
     assert args.strategy == ["mirrored"]
@@ -186,14 +186,14 @@ def test_strategy_names_are_read_as_by_name_reads_them():
 
 
 def test_demo_strategy_names_are_the_strategies_names():
-    from spmd.cli.demo_command import STRATEGY_NAMES
-    from spmd.strategy import strategies
+    from spmd._src.cli.demo_command import STRATEGY_NAMES
+    from spmd._src.strategy import strategies
 
     assert STRATEGY_NAMES == strategies.NAMES
 
 
 def test_a_nested_error_prints_real_newlines_once(monkeypatch, capsys):
-    from spmd.errors import ConfigurationError, message, received
+    from spmd._src.errors import ConfigurationError, message, received
 
     inner = message("inner expected.", received(x=2), "fix the inner thing.")
 

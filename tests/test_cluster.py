@@ -1,4 +1,4 @@
-"""Tests of spmd.clusters: TF_CONFIG, explicit and launcher resolution, initialize()."""
+"""Tests of spmd._src.clusters: TF_CONFIG, explicit and launcher resolution, initialize()."""
 
 import json
 import os
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from spmd.clusters.initialize import (
+from spmd._src.clusters.initialize import (
     ClusterInfo,
     parse_tf_config,
     resolve,
 )
-from spmd.errors import ClusterError
+from spmd._src.errors import ClusterError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multiprocess" / "psum_worker.py"
@@ -447,7 +447,7 @@ def test_cluster_before_initialize_is_the_tf_config_task(monkeypatch, task_type,
 
     import spmd
 
-    monkeypatch.setattr(importlib.import_module("spmd.clusters.initialize"), "_INFO", None)
+    monkeypatch.setattr(importlib.import_module("spmd._src.clusters.initialize"), "_INFO", None)
     cluster = {"worker": ["localhost:2222", "localhost:2223"], "evaluator": ["localhost:2224"]}
     monkeypatch.setenv("TF_CONFIG", tf_config(cluster, task_type, index))
     info = spmd.cluster()
@@ -461,9 +461,9 @@ def test_a_strategy_under_spmd_launch_without_initialize_is_an_error(monkeypatch
     import importlib
 
     import spmd
-    from spmd.errors import InitializationError
+    from spmd._src.errors import InitializationError
 
-    monkeypatch.setattr(importlib.import_module("spmd.clusters.initialize"), "_INFO", None)
+    monkeypatch.setattr(importlib.import_module("spmd._src.clusters.initialize"), "_INFO", None)
     monkeypatch.setenv("SPMD_NUM_PROCESSES", "2")
     monkeypatch.setenv("SPMD_PROCESS_ID", "1")
     with pytest.raises(InitializationError, match=r"spmd.initialize\(\) was not called"):
@@ -483,7 +483,7 @@ def test_a_strategy_under_spmd_launch_without_initialize_is_an_error(monkeypatch
     ],
 )
 def test_coordinator_binds_only_where_it_is_reached(coordinator, bind, monkeypatch):
-    from spmd.clusters.distributed import bind_address
+    from spmd._src.clusters.distributed import bind_address
 
     monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
     assert bind_address(coordinator) == bind
@@ -492,7 +492,7 @@ def test_coordinator_binds_only_where_it_is_reached(coordinator, bind, monkeypat
 
 
 def test_a_local_address_binds_there():
-    from spmd.clusters.distributed import bind_address
+    from spmd._src.clusters.distributed import bind_address
 
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(("192.0.2.1", 9))  # no packet is sent: this picks the outgoing interface

@@ -23,8 +23,8 @@ from jax._src.clusters import cloud_tpu_cluster
 from jax._src.clusters import cluster as jax_cluster
 from jax._src.clusters.k8s_cluster import K8sCluster
 
-from spmd.clusters.initialize import resolve
-from spmd.errors import ClusterError
+from spmd._src.clusters.initialize import resolve
+from spmd._src.errors import ClusterError
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "multihost.md"
 INDEX_ANNOTATION = "metadata.annotations['batch.kubernetes.io/job-completion-index']"

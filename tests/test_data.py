@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd.data.input_context import input_context
-from spmd.data.prefetch import INLINE_S
+from spmd._src.data.input_context import input_context
+from spmd._src.data.prefetch import INLINE_S
 
 N, BATCH, FEATURES, CLASSES = 1001, 64, 5, 3
 
@@ -390,7 +390,7 @@ def test_producer_error_surfaces_in_consumer(strategy):
 
 
 def test_prefetch_runs_ahead_by_its_depth_and_stops(strategy, monkeypatch):
-    monkeypatch.setattr(spmd.data.iterator, "INLINE_S", 0.01)
+    monkeypatch.setattr(spmd._src.data.iterator, "INLINE_S", 0.01)
     produced = []
 
     def counting():  # slow: each batch takes longer than the consumer's thread is given
@@ -418,7 +418,7 @@ def test_a_cheap_pipeline_is_placed_without_a_thread(strategy, monkeypatch):
     """A batch that comes in under INLINE_S is placed by the consumer's own next():
     a second Python thread would only compete with the step's dispatch for the GIL."""
     assert 0 < INLINE_S < 0.001
-    monkeypatch.setattr(spmd.data.iterator, "INLINE_S", 10.0)  # cheap whatever the load
+    monkeypatch.setattr(spmd._src.data.iterator, "INLINE_S", 10.0)  # cheap whatever the load
     data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
     it = iter(strategy.distribute_dataset(strategy.make_numpy_dataset(data, 16)))
     seen = [np.asarray(next(it)) for _ in range(3)]
@@ -428,7 +428,7 @@ def test_a_cheap_pipeline_is_placed_without_a_thread(strategy, monkeypatch):
 
 
 def test_a_pipeline_that_turns_slow_starts_the_thread_and_keeps_every_batch(strategy, monkeypatch):
-    monkeypatch.setattr(spmd.data.iterator, "INLINE_S", 0.5)
+    monkeypatch.setattr(spmd._src.data.iterator, "INLINE_S", 0.5)
 
     def turning(n=40):
         for i in range(n):
@@ -491,7 +491,7 @@ def test_num_batches_is_the_number_of_batches_yielded(
     dist = strategy.distribute_dataset(ds, options)
     yielded = list(dist)
     assert dist.num_batches == len(yielded)
-    padded = isinstance(yielded[-1], spmd.data.PaddedBatch) if yielded else False
+    padded = isinstance(yielded[-1], spmd._src.data.PaddedBatch) if yielded else False
     real = sum(int(np.asarray(b.mask).sum()) for b in yielded) if padded else len(yielded) * batch
     assert padded == ((remainder or ("drop" if drop else "pad")) == "pad")
     assert real == (examples if padded else examples // batch * batch)
@@ -523,7 +523,7 @@ def test_host_put_places_as_device_put_does(strategy):
     """The input pipeline's batched transfer gives device_put's arrays: dtypes
     canonicalized (float64 -> float32), the same sharding, committed, and a copy
     (the host buffer changed afterwards leaves the placed batch as it was)."""
-    from spmd.data.transfer import host_put
+    from spmd._src.data.transfer import host_put
 
     x = np.arange(64 * 3, dtype=np.float64).reshape(64, 3)
     y = np.arange(64, dtype=np.int64)
@@ -551,7 +551,7 @@ def test_host_put_types_a_batch_as_device_put_does_on_any_mesh(axis_type):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from spmd.data.transfer import host_put
+    from spmd._src.data.transfer import host_put
 
     mesh = jax.make_mesh((8,), ("d",), axis_types=(getattr(AxisType, axis_type),))
     sharding = NamedSharding(mesh, P("d"))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from commands import child_env, run_spmd
 
-from spmd.cli import main as cli
+from spmd._src.cli import main as cli
 
 ACCURACY = re.compile(r"accuracy +(\d+\.\d)% on (\d+) held-out examples \(target 95%: met\)")
 

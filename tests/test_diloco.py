@@ -351,7 +351,7 @@ def _module(*lines):
 
 
 def test_crossing_reads_every_replica_group_format():
-    from spmd.strategy.islands import crossing
+    from spmd._src.strategy.islands import crossing
 
     lines = {
         "inside": "%a = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={{0,1},{2,3}}",
@@ -380,7 +380,7 @@ def test_crossing_reads_the_slices_of_dcn_transfers():
     """A megascale send joins slices: its target names them, or every slice."""
     from types import SimpleNamespace
 
-    from spmd.strategy.islands import crossing
+    from spmd._src.strategy.islands import crossing
 
     attrs = '_xla_host_transfer_rendezvous="{}",_xla_megascale_transfer_type="ALL_REDUCE"'
     pairs = "{{100000,200000},{300000,400000}}"

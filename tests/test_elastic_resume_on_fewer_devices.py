@@ -104,7 +104,7 @@ def test_the_requeue_recipe_survives_a_lost_node_and_numbers_its_attempts():
     without `--nodes`, each `srun` asks for every node of the allocation, never
     fewer; without `--kill-on-bad-exit=1` a task that raised leaves the others
     running up to heartbeat_timeout (unless the cluster's KillOnBadExit says
-    otherwise); and without SPMD_RESTART_COUNT `spmd.clusters.launch.restart_count()` is 0 on
+    otherwise); and without SPMD_RESTART_COUNT `spmd._src.clusters.launch.restart_count()` is 0 on
     each attempt.
     """
     recipe = _requeue_recipe()

@@ -10,7 +10,7 @@ from flax import nnx
 from models import MLP
 
 import spmd
-from spmd.trainer import trainer as trainer_module
+from spmd._src.trainer import trainer as trainer_module
 
 
 def _data(n=100):

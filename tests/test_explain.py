@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import spmd
-from spmd.explain import parse_collectives
+from spmd._src.explain import parse_collectives
 from spmd.partitioners import FixedShardsPartitioner
 
 IN, OUT, BATCH = 256, 128, 64

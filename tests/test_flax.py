@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 from models import LogicalMLP, mse, nnx_update
 
 import spmd
+from spmd._src.rules import LayoutConflictWarning, LeafLayout
 from spmd.partitioners import FixedShardsPartitioner
-from spmd.rules import LayoutConflictWarning, LeafLayout
 
 RULES = [("mlp", "model"), ("embed", None), ("batch", "data")]
 
@@ -149,7 +149,7 @@ def test_every_unmapped_name_of_an_nnx_model_is_listed_in_one_error_when_it_is_l
             assert f"'{name}' (at '{path}')" in text, (name, text)
         assert "'mlp' (at" not in text  # mapped
         assert "unmapped=('vocab', 'embed', 'heads')" in text, text
-        assert "(spmd.logical.REST, None)" in text
+        assert "(spmd._src.logical.REST, None)" in text
 
 
 @pytest.mark.slow

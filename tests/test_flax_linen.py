@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.logical import REST
+from spmd._src.logical import REST
 
 pytestmark = pytest.mark.cpu_mesh
 

@@ -1,4 +1,4 @@
-"""spmd.flops and Explanation.matmul_flops against XLA's own count and the textbook formula.
+"""spmd._src.flops and Explanation.matmul_flops against XLA's own count and the textbook formula.
 
 XLA's cost analysis on CPU is the oracle for loop-free programs of products
 and convolutions (on CPU no library call hides them); a scan is checked
@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.flops import matmul_flops
+from spmd._src.flops import matmul_flops
 
 NHWC = {"dimension_numbers": ("NHWC", "HWIO", "NHWC")}
 

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import pytest
 
 import spmd
-import spmd.strategy.per_replica
-import spmd.strategy.step
-from spmd.clusters import hang_watch
-from spmd.clusters.hang_watch import Record, behind, check_hang_timeout, interval_for
-from spmd.clusters.roll_call import Verdict
+import spmd._src.strategy.per_replica
+import spmd._src.strategy.step
+from spmd._src.clusters import hang_watch
+from spmd._src.clusters.hang_watch import Record, behind, check_hang_timeout, interval_for
+from spmd._src.clusters.roll_call import Verdict
 
 
 def rec(step, stalled, *, waiting=False, limit=10.0, done=False, waited=0.0, in_spmd=True):
@@ -163,8 +163,8 @@ def test_the_default_limit_is_ten_times_the_slowest_recent_step(monkeypatch):
 def test_strategy_run_is_progress_unless_traced_in_a_step(monkeypatch):
     steps = [0]
     monkeypatch.setattr(hang_watch, "STEPS", steps)
-    monkeypatch.setattr(spmd.strategy.step, "_STEPS", steps)
-    monkeypatch.setattr(spmd.strategy.per_replica, "_STEPS", steps)
+    monkeypatch.setattr(spmd._src.strategy.step, "_STEPS", steps)
+    monkeypatch.setattr(spmd._src.strategy.per_replica, "_STEPS", steps)
     strategy = spmd.MirroredStrategy()
     batch = jnp.ones((strategy.num_replicas_in_sync, 2))
     strategy.run(jnp.sum, args=(batch,))

@@ -1,4 +1,4 @@
-"""The per-batch host agreement of the input pipeline (spmd/data/prefetch.py HostCheck),
+"""The per-batch host agreement of the input pipeline (spmd/_src/data/prefetch.py HostCheck),
 over simulated processes sharing an in-memory key-value store: the requests it costs
 grow with the processes, not their square, and a disagreement is an error on each."""
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from spmd.data.prefetch import HostCheck
-from spmd.errors import BatchError
+from spmd._src.data.prefetch import HostCheck
+from spmd._src.errors import BatchError
 
 
 class Store:

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.data.host_batches import HostBatch
-from spmd.data.iterator import _describe
-from spmd.trainer.data import as_dataset
+from spmd._src.data.host_batches import HostBatch
+from spmd._src.data.iterator import _describe
+from spmd._src.trainer.data import as_dataset
 
 N, FEATURES = 16, 4  # rows a batch, features a row
 ALIASABLE = 1024  # 128 rows a device: shards whose views of the host buffer can be aliased

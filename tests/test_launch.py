@@ -1,4 +1,4 @@
-"""Tests of spmd.clusters.launch and spmd.testing: real local processes, loopback only, bounded."""
+"""Tests of spmd._src.clusters.launch and spmd.testing: real local processes, loopback only, bounded."""
 
 import json
 import re
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from commands import child_env
 
-from spmd.cli import main as cli
-from spmd.clusters.launch import PREEMPTED_EXIT_CODE, TIMEOUT_EXIT_CODE, launch, process_env
-from spmd.errors import ConfigurationError, LaunchError
+from spmd._src.cli import main as cli
+from spmd._src.clusters.launch import PREEMPTED_EXIT_CODE, TIMEOUT_EXIT_CODE, launch, process_env
+from spmd._src.errors import ConfigurationError, LaunchError
 from spmd.testing import run_processes
 
 ROOT = Path(__file__).resolve().parents[1]

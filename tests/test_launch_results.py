@@ -6,8 +6,8 @@ the same results from real processes.
 
 import signal
 
-from spmd.clusters.launch_printer import Printer, not_worth_restarting, summary
-from spmd.clusters.launch_results import (
+from spmd._src.clusters.launch_printer import Printer, not_worth_restarting, summary
+from spmd._src.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     TIMEOUT_EXIT_CODE,
@@ -75,12 +75,15 @@ def test_the_first_failure_is_the_process_that_raised(capsys):
 
 def test_processes_that_never_reached_a_collective_are_named_not_the_one_that_waited(capsys):
     """Process 0 waited in save(step=5) for process 1, which hung: process 1 is at fault."""
-    error = f"spmd.errors.CheckpointError: {not_arrived([2, 1], 'save(step=5)', 30.0)}: ..."
+    error = f"spmd._src.errors.CheckpointError: {not_arrived([2, 1], 'save(step=5)', 30.0)}: ..."
     printer = _printer_with(0, "Traceback (most recent call last):", "  File x", error)
     text = summary(_group(1, 1, 1, failed=(0, 1, 2)), printer)
     assert text.startswith("first failure: processes [1, 2], alive but hung or slow"), text
     assert "they never reached save(step=5), where process 0 waited" in text, text
-    assert "process 0 then raised spmd.errors.CheckpointError: process(es) [1, 2] did not " in text
+    assert (
+        "process 0 then raised spmd._src.errors.CheckpointError: process(es) [1, 2] did not "
+        in text
+    )
     one = _printer_with(0, "Traceback (most recent call last):", error.replace("[1, 2]", "[1]"))
     assert summary(_group(1, 1, failed=(0, 1)), one).startswith("first failure: process 1, ")
 
@@ -103,7 +106,7 @@ def test_only_configuration_errors_of_their_own_stop_the_restarts():
 
 def test_a_hung_process_is_the_first_failure_with_what_it_said():
     """Process 1 ended itself as hung; process 0 ended because of it."""
-    from spmd.clusters.launch_results import HANG_EXIT_CODE
+    from spmd._src.clusters.launch_results import HANG_EXIT_CODE
 
     hung = "spmd: process 1 hung: no progress for 6 s after 4 steps (hang_timeout=5 s) while "
     printer = _printer_with(1, hung + "its peers waited for it; its main thread:", "  File x")

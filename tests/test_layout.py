@@ -13,6 +13,8 @@ import pytest
 
 import spmd
 
+SPMD = Path(spmd.__file__).resolve().parent
+
 PUBLIC = [
     "ArgumentTypeError",
     "AutoShardPolicy",
@@ -37,6 +39,8 @@ PUBLIC = [
     "InputContext",
     "InputOptions",
     "LaunchError",
+    "LayoutConflictWarning",
+    "LeafLayout",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NonFiniteLossError",
@@ -45,10 +49,12 @@ PUBLIC = [
     "PaddedBatch",
     "ParameterServerStrategy",
     "PerReplica",
+    "Plan",
     "Preempted",
     "ReduceOp",
     "RemoteValue",
     "ReplicaContext",
+    "Roofline",
     "ScopeError",
     "SidecarEvaluator",
     "SpmdError",
@@ -56,6 +62,7 @@ PUBLIC = [
     "Strategy",
     "TPUStrategy",
     "Topology",
+    "Traffic",
     "Trainer",
     "auto_strategy",
     "callbacks",
@@ -67,10 +74,13 @@ PUBLIC = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize",
+    "logical",
     "losses",
     "make_mesh",
     "partitioners",
+    "restart_count",
     "scale_regularization_loss",
+    "testing",
     "topology",
 ]
 
@@ -82,23 +92,22 @@ def test_the_public_names_are_pinned():
 
 
 def test_the_public_modules_keep_their_names():
-    """The modules the docs name: `spmd.callbacks`, `spmd.losses`, `spmd.partitioners`, ..."""
-    assert spmd.callbacks.BackupAndRestore.__module__ == "spmd.trainer.callbacks"
-    assert spmd.losses.Metric.__module__ == "spmd.trainer.losses"
+    """The modules the docs name: `spmd.callbacks`, `spmd.losses`, `spmd.partitioners`,
+    `spmd.logical`, `spmd.testing`; everything else lives under spmd._src."""
+    assert spmd.callbacks.BackupAndRestore.__module__ == "spmd._src.trainer.callbacks"
+    assert spmd.losses.Metric.__module__ == "spmd._src.trainer.losses"
     assert spmd.partitioners.MinSizePartitioner.__name__ == "MinSizePartitioner"
-    assert importlib.import_module("spmd.errors").ConfigurationError is spmd.ConfigurationError
-    assert callable(importlib.import_module("spmd.testing").run_processes)
-    assert importlib.import_module("spmd.data").PaddedBatch is spmd.PaddedBatch
-    assert importlib.import_module("spmd.rules").LeafLayout.__name__ == "LeafLayout"
+    assert spmd.logical.REST == importlib.import_module("spmd._src.logical").REST
+    assert callable(spmd.testing.run_processes)
+    public = {"__init__", "__main__", "callbacks", "logical", "losses", "partitioners", "testing"}
+    top = {p.stem for p in SPMD.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert top == public | {"_src"}, top ^ (public | {"_src"})
 
 
 def test_cluster_is_the_function_not_the_package():
-    """The cluster family is `spmd.clusters`, so `spmd.cluster` stays the public function."""
-    importlib.import_module("spmd.clusters.initialize")
-    assert callable(spmd.cluster) and spmd.cluster.__module__ == "spmd.clusters.initialize"
-
-
-SPMD = Path(spmd.__file__).resolve().parent
+    """The cluster family is `spmd._src.clusters`, so `spmd.cluster` stays the public function."""
+    importlib.import_module("spmd._src.clusters.initialize")
+    assert callable(spmd.cluster) and spmd.cluster.__module__ == "spmd._src.clusters.initialize"
 
 
 def _modules() -> dict[str, Path]:
@@ -226,9 +235,9 @@ def test_the_cycle_finder_sees_relative_dynamic_and_lazy_root_imports():
     `__import__`, and `spmd.Trainer` read off the lazy root are arrows too."""
     modules = {
         name: Path(f"{name.replace('.', '/')}.py")
-        for name in ("spmd", "spmd.a", "spmd.a.b", "spmd.a.c", "spmd.x", "spmd.trainer")
+        for name in ("spmd", "spmd.a", "spmd.a.b", "spmd.a.c", "spmd.x", "spmd._src.trainer")
     }
-    modules["spmd.trainer.trainer"] = Path("spmd/trainer/trainer.py")
+    modules["spmd._src.trainer.trainer"] = Path("spmd/_src/trainer/trainer.py")
     cases = {
         "from . import c\n": {"spmd.a.c"},
         "from .. import x\n": {"spmd.x"},
@@ -238,8 +247,8 @@ def test_the_cycle_finder_sees_relative_dynamic_and_lazy_root_imports():
         "__import__('spmd.x')\n": {"spmd.x"},
         "import importlib\nimportlib.import_module('numpy')\n": set(),
         "import spmd\ndef f():\n    return spmd.Trainer\n": {
-            "spmd.trainer",
-            "spmd.trainer.trainer",
+            "spmd._src.trainer",
+            "spmd._src.trainer.trainer",
         },
         "import spmd\nv = spmd.__version__\n": set(),
     }
@@ -279,6 +288,14 @@ def test_all_where_and_type_checking_imports_agree():
     assert set(spmd.__all__) == set(spmd._WHERE), set(spmd.__all__) ^ set(spmd._WHERE)
     assert _type_checking_names() == spmd._WHERE
     assert sorted(spmd.__all__) == sorted(set(spmd.__all__)), "a name twice in __all__"
+
+
+def test_the_type_checking_imports_are_written_from_where():
+    """`python -m spmd._src.exports` writes them from `_WHERE`; a stale block fails here."""
+    exports = importlib.import_module("spmd._src.exports")
+    text = exports.INIT.read_text()
+    assert exports.render(text, spmd._WHERE) == text, "run: python -m spmd._src.exports"
+    assert spmd.__all__ == sorted(spmd._WHERE)
 
 
 def test_every_public_name_lives_where_the_map_says():
@@ -332,6 +349,8 @@ ROOT = SPMD.parent
 _DOTTED = re.compile(r"(?<![\w./-])spmd(?:\.[A-Za-z_]\w*)+")
 _PATH = re.compile(r"(?<![\w./-])spmd/[\w/]+\.py\b")
 _PLACEHOLDERS = {"spmd.X"}  # spmd/__init__.py's docstring: "`spmd.X` works as usual"
+# Logger names (logging.getLogger): public names of spmd's logs, not modules.
+_LOGGERS = {"spmd.checkpoint", "spmd.data", "spmd.evaluator", "spmd.strategy"}
 
 
 def _resolves(dotted: str) -> bool:
@@ -365,7 +384,7 @@ def test_every_spmd_module_and_file_the_repository_names_exists():
         text = path.read_text()
         where = path.relative_to(ROOT).as_posix()
         stale |= {
-            (where, m) for m in set(_DOTTED.findall(text)) - _PLACEHOLDERS if not _resolves(m)
+            (where, m) for m in set(_DOTTED.findall(text)) - _PLACEHOLDERS - _LOGGERS if not _resolves(m)
         }
         stale |= {(where, m) for m in set(_PATH.findall(text)) if not (ROOT / m).exists()}
     assert not stale, sorted(stale)

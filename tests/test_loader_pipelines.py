@@ -22,7 +22,7 @@ import tensorflow as tf
 from flax import nnx
 
 import spmd
-from spmd.checkpoint.integrity import Damaged
+from spmd._src.checkpoint.integrity import Damaged
 
 N, BATCH, FEATURES = 96, 16, 4
 

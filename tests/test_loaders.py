@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 import spmd
-from spmd.data.grain_source import GrainPositions
-from spmd.data.tf_source import plan_tf
+from spmd._src.data.grain_source import GrainPositions
+from spmd._src.data.tf_source import plan_tf
 
 N, BATCH = 96, 16
 
@@ -263,7 +263,7 @@ def test_tf_data_file_without_a_final_batch_is_an_error(strategy, tfrecords):
 
 
 def _votes(monkeypatch, votes):
-    from spmd.checkpoint import guard as checkpoint_guard
+    from spmd._src.checkpoint import guard as checkpoint_guard
 
     monkeypatch.setattr(checkpoint_guard, "agree", lambda what, value, timeout: votes)
     return checkpoint_guard.every_pipeline

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.clusters import lost_peer
+from spmd._src.clusters import lost_peer
 
 ROOT = Path(__file__).resolve().parents[1]
 # A process that installs the handler (as process INDEX, process 0 at ADDRESS, QUIET the
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # flight, as JAX's error callback does on a C++ thread, or with none ("plain").
 TERMINATE = """
 import ctypes, os, sys
-from spmd.clusters import lost_peer
+from spmd._src.clusters import lost_peer
 address, index, quiet, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def end(culprit, reason):
     print("END", culprit, reason, flush=True)

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import AxisType
 
 import spmd
-from spmd.mesh import _tpu_device_array, order_devices, prime_factors
+from spmd._src.mesh import _tpu_device_array, order_devices, prime_factors
 
 
 @pytest.mark.cpu_mesh

@@ -59,7 +59,7 @@ def _run(strategy, step=_step):
 
 def _kinds(state):
     flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    return {spmd.rules.path_str(p): leaf.sharding.memory_kind for p, leaf in flat}
+    return {spmd._src.rules.path_str(p): leaf.sharding.memory_kind for p, leaf in flat}
 
 
 def _one_device(**options):

@@ -257,7 +257,7 @@ def test_inside_run_the_running_strategy_is_current():
 
 @pytest.mark.slow
 def test_run_of_a_new_lambda_each_call_compiles_once():
-    from spmd.strategy import per_replica
+    from spmd._src.strategy import per_replica
 
     strategy = spmd.MirroredStrategy()
     per_replica._BY_FUNCTION.clear()
@@ -297,7 +297,7 @@ def test_run_traces_one_function_object_once_per_signature_as_jax_jit():
 
 @pytest.mark.slow
 def test_a_step_keeps_a_bounded_number_of_programs():
-    from spmd.strategy import step as step_module
+    from spmd._src.strategy import step as step_module
 
     strategy = spmd.MirroredStrategy()
     step = strategy.step(static_argnames=("k",))(lambda s, x, k: (s + k, x.sum()))

@@ -1,9 +1,9 @@
-"""spmd.roofline: collectives read from HLO text by link, per loop iteration, and the step-time model."""
+"""spmd._src.roofline: collectives read from HLO text by link, per loop iteration, and the step-time model."""
 
 import pytest
 
-from spmd.roofline import estimate, traffic
-from spmd.topologies import CHIPS
+from spmd._src.roofline import estimate, traffic
+from spmd._src.topologies import CHIPS
 
 HLO = """HloModule step, num_partitions=4
 

@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd._src.rules import path_str, resolve_specs
 from spmd.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
-from spmd.rules import path_str, resolve_specs
 
 pytestmark = pytest.mark.cpu_mesh  # every test here uses the eight CPU devices
 

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
-from spmd.strategy import per_replica
+from spmd._src.strategy import per_replica
 
 # The oracles are N = 8 replicas' values: the eight CPU devices.
 pytestmark = pytest.mark.cpu_mesh

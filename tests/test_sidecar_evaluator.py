@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import spmd
-from spmd.trainer import sidecar, sidecar_watch
+from spmd._src.trainer import sidecar, sidecar_watch
 from tests.multiprocess.procs import child_env, without_dac_override
 from tests.test_callbacks import MLP, _read_events
 
@@ -147,7 +147,7 @@ def _evaluate_copy(trained, tmp_path, caplog, damage, callbacks=()):
     copy = tmp_path / "ckpt"
     shutil.copytree(directory, copy)
     damage(copy)
-    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+    with caplog.at_level(logging.INFO, logger="spmd.evaluator"):
         return _sidecar(
             _trainer(_one_device()), VAL, str(copy), callbacks=callbacks, batch_size=32
         ).start()
@@ -297,7 +297,7 @@ def test_an_incomplete_step_folder_is_logged_as_what_the_next_look_finds(
     evaluator = _sidecar(
         _trainer(_one_device()), VAL, str(copy), batch_size=32, poll_interval=0.05, timeout=0.5
     )
-    with caplog.at_level(logging.WARNING, logger="spmd.trainer.sidecar"):
+    with caplog.at_level(logging.WARNING, logger="spmd.evaluator"):
         assert list(evaluator.start()) == [3, 9]
     if removed:
         want = "removed by the writer's max_to_keep before it could be read"
@@ -325,7 +325,7 @@ def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):
         timeout=0.3,
         poll_interval=0.05,
     )
-    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+    with caplog.at_level(logging.INFO, logger="spmd.evaluator"):
         assert list(evaluator.start()) == [1, 2]
     assert "(timeout)" in caplog.text
     missing = _sidecar(
@@ -406,7 +406,7 @@ def test_it_says_where_it_waits_when_a_wait_begins_and_while_it_lasts(
     evaluator = _sidecar(
         _trainer(_one_device()), VAL, directory, batch_size=32, timeout=0.7, poll_interval=0.05
     )
-    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+    with caplog.at_level(logging.INFO, logger="spmd.evaluator"):
         assert evaluator.start() == {}
     assert caplog.text.count(f"Waiting for new checkpoint at {directory}") == 1
     assert caplog.text.count(f"still waiting for a new checkpoint at {directory}") >= 2
@@ -454,7 +454,7 @@ def test_a_directory_removed_and_recreated_by_a_new_run_is_followed_from_its_sta
     evaluator = _sidecar(
         _trainer(_one_device()), VAL, str(copy), batch_size=32, poll_interval=0.05, timeout=60
     )
-    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+    with caplog.at_level(logging.INFO, logger="spmd.evaluator"):
         history = evaluator.start()
     assert list(history) == [1, 2]
     for step, metrics in history.items():
@@ -479,7 +479,7 @@ def test_a_run_whose_newest_steps_go_is_the_same_run(trained, tmp_path, caplog, 
     evaluator = _sidecar(
         _trainer(_one_device()), VAL, str(copy), batch_size=32, poll_interval=0.05, timeout=0.5
     )
-    with caplog.at_level(logging.INFO, logger="spmd.trainer.sidecar"):
+    with caplog.at_level(logging.INFO, logger="spmd.evaluator"):
         assert list(evaluator.start()) == [3, 6, 9]
     assert "new run" not in caplog.text
 

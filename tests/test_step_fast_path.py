@@ -18,8 +18,8 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import spmd
-from spmd.strategy import step as step_module
-from spmd.strategy.step import CPU_MAX_IN_FLIGHT
+from spmd._src.strategy import step as step_module
+from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT
 
 STEPS = 12  # past CPU_MAX_IN_FLIGHT, so the queue bound fires
 X = np.arange(16, dtype=np.float32).reshape(8, 2)  # one batch, fed again every call

@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT
 from spmd.partitioners import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
-from spmd.strategy.step import CPU_MAX_IN_FLIGHT
 from spmd.testing import assert_compiles_once, assert_layout, assert_trees_allclose
 
 STRATEGIES = {

@@ -171,9 +171,9 @@ def test_the_recorder_writes_each_tests_modules_cpu_and_wall(tmp_path):
     """A pytest run under SPMD_TEST_RECORD writes a record tiers.py reads."""
     probe = tmp_path / "test_probe.py"
     probe.write_text(
-        "import spmd.errors\n\n"
+        "import spmd._src.errors\n\n"
         "def test_spins():\n"
-        "    spmd.errors.received(x=sum(i * i for i in range(3_000_000)))\n\n"
+        "    spmd._src.errors.received(x=sum(i * i for i in range(3_000_000)))\n\n"
         "def test_idles():\n"
         "    __import__('time').sleep(0.3)\n"
     )

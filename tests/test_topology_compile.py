@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.explain import _human
-from spmd.topologies import CHIPS, parse
+from spmd._src.explain import _human
+from spmd._src.topologies import CHIPS, parse
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -96,7 +96,7 @@ def test_chip_table_cites_its_source():
 def test_without_the_tpu_compiler_the_error_says_what_to_install(monkeypatch):
     import sys
 
-    from spmd import topologies
+    from spmd._src import topologies
 
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
     monkeypatch.setattr(topologies, "_CACHE", {})
@@ -525,7 +525,7 @@ def test_explain_on_cpu_devices_has_no_chip_fields():
 
 
 def test_the_compilers_out_of_hbm_messages_are_read():
-    from spmd.topologies import hbm_refusal
+    from spmd._src.topologies import hbm_refusal
 
     assert (
         hbm_refusal(

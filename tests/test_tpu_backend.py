@@ -10,7 +10,7 @@ import sys
 import pytest
 from jax._src import hardware_utils, xla_bridge
 
-from spmd.clusters import tpu_backend
+from spmd._src.clusters import tpu_backend
 from tests.commands import child_env
 
 # What libtpu prints on the first jax.devices() of a host with no TPU chip.

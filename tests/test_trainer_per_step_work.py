@@ -12,8 +12,8 @@ from flax import nnx
 from models import MLP, labelled
 
 import spmd
-from spmd.trainer import batch_checks
-from spmd.trainer import trainer as trainer_module
+from spmd._src.trainer import batch_checks
+from spmd._src.trainer import trainer as trainer_module
 
 
 def _data(n=160):
@@ -112,7 +112,7 @@ def test_batch_form_is_checked_once_per_signature(monkeypatch):
 def test_a_new_batch_shape_is_still_checked():
     x, y = _data()
     batches = [(x[:16], y[:16]), (x[16:32], y[16:32]), (x[32:32], y[32:32])]  # last has no rows
-    with pytest.raises(spmd.errors.BatchError, match="has rows"):
+    with pytest.raises(spmd._src.errors.BatchError, match="has rows"):
         _trainer().fit(batches, verbose=0)
 
 

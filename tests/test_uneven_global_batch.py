@@ -20,10 +20,10 @@ import pytest
 from flax import nnx
 
 import spmd
-from spmd.data.host_batches import pipeline_rows
-from spmd.data.input_context import BlockContext, Padding, rows_of
-from spmd.mesh import dividing_devices
-from spmd.trainer.batch_checks import written_state
+from spmd._src.data.host_batches import pipeline_rows
+from spmd._src.data.input_context import BlockContext, Padding, rows_of
+from spmd._src.mesh import dividing_devices
+from spmd._src.trainer.batch_checks import written_state
 
 pytestmark = pytest.mark.cpu_mesh
 

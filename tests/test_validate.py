@@ -1,4 +1,4 @@
-"""spmd.validate: one check per kind of number, used by every module, with errors that teach."""
+"""spmd._src.validate: one check per kind of number, used by every module, with errors that teach."""
 
 import math
 
@@ -7,8 +7,8 @@ import pytest
 
 import spmd
 import spmd.partitioners
-from spmd.errors import ClusterError, ConfigurationError
-from spmd.validate import integer, non_negative_int, positive_int, positive_number
+from spmd._src.errors import ClusterError, ConfigurationError
+from spmd._src.validate import integer, non_negative_int, positive_int, positive_number
 
 
 @pytest.mark.parametrize("value", [1, 7, np.int32(3), np.int64(2)])

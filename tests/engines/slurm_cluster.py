@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from spmd.clusters.launch import free_port
+from spmd._src.clusters.launch import free_port
 
 from .support import clean_env
 

@@ -10,9 +10,14 @@ import time
 import pytest
 
 import spmd
-from spmd.clusters import gloo as cluster_gloo
-from spmd.clusters.gloo import ENV_GLOO_INTERFACE, check_interface, gloo_address, use_gloo_address
-from spmd.errors import ConfigurationError, InitializationError
+from spmd._src.clusters import gloo as cluster_gloo
+from spmd._src.clusters.gloo import (
+    ENV_GLOO_INTERFACE,
+    check_interface,
+    gloo_address,
+    use_gloo_address,
+)
+from spmd._src.errors import ConfigurationError, InitializationError
 
 from .support import clean_env
 
@@ -85,7 +90,7 @@ def test_use_gloo_address_binds_jaxs_own_function_once(restore_gloo):
 
 @pytest.mark.engines
 def test_no_route_to_the_coordinator_fails_within_seconds(two_hosts):
-    code = "from spmd.clusters.gloo import gloo_address; gloo_address('10.99.0.1:2222')"
+    code = "from spmd._src.clusters.gloo import gloo_address; gloo_address('10.99.0.1:2222')"
     start = time.monotonic()
     done = subprocess.run(
         ["ip", "netns", "exec", two_hosts[0], sys.executable, "-c", code],

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import spmd
-from spmd.strategy import step_checks
+from spmd._src.strategy import step_checks
 
 scenario, out = sys.argv[1], sys.argv[2]
 if "AGREE_DEFAULT_S" in os.environ:  # a shorter default bound than the hang timeout
@@ -95,7 +95,7 @@ if scenario == "absent":
     sys.exit(1)
 
 if scenario == "steady":
-    from spmd.strategy import step_checks
+    from spmd._src.strategy import step_checks
 
     client = _Counting(step_checks.coordination_client())
     step_checks.coordination_client = lambda: client

@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from spmd.clusters.launch import restart_count  # noqa: E402
+from spmd._src.clusters.launch import restart_count  # noqa: E402
 
 if os.environ.get("CKPT_WORKER_JAX_CACHE"):  # the tests' cache, one folder per process
     cache = f"{os.environ['CKPT_WORKER_JAX_CACHE']}/process{info.process_index}"

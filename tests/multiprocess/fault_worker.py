@@ -22,7 +22,7 @@ import sys
 import time
 
 import spmd
-from spmd.errors import InitializationError
+from spmd._src.errors import InitializationError
 
 SCENARIO = sys.argv[1]
 INDEX = os.environ.get("SPMD_PROCESS_ID", os.environ.get("SLURM_PROCID"))
@@ -96,7 +96,7 @@ elif SCENARIO in ("collective", "collective1", "idle", "train"):
     steps()
 elif SCENARIO.startswith("block") or SCENARIO == "dead":
     if SCENARIO == "block_save":
-        from spmd.checkpoint.preemption import PreemptionWatcher
+        from spmd._src.checkpoint.preemption import PreemptionWatcher
 
         watcher = PreemptionWatcher(grace_period=2)
     print("READY", flush=True)

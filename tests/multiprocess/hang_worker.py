@@ -86,7 +86,7 @@ def fit_on_a_stalling_loader() -> None:
 
 def restore_with_a_hung_read(directory: str, fifo: str) -> None:
     """Saves step 1 on every process, then restores it; process 1's read never returns."""
-    from spmd.checkpoint import store
+    from spmd._src.checkpoint import store
 
     ckpt = spmd.CheckpointManager(directory)
     state = strategy.init(lambda: jnp.zeros((4,)))

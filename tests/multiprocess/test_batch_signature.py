@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.clusters import hang_watch
-from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE, HANG_EXIT_CODE
-from spmd.clusters.spec import ENV_HANG_TIMEOUT
-from spmd.strategy import step_checks
+from spmd._src.clusters import hang_watch
+from spmd._src.clusters.launch_results import CONFIGURATION_EXIT_CODE, HANG_EXIT_CODE
+from spmd._src.clusters.spec import ENV_HANG_TIMEOUT
+from spmd._src.strategy import step_checks
 from spmd.testing import run_processes
 
 WORKER = Path(__file__).with_name("batch_signature_worker.py")

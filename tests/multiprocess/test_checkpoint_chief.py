@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.clusters.launch import free_port, process_env
+from spmd._src.clusters.launch import free_port, process_env
 
 from .procs import child_env as _env
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.cli.main import main
-from spmd.clusters.launch import launch
+from spmd._src.cli.main import main
+from spmd._src.clusters.launch import launch
 from spmd.testing import run_processes
 
 from .procs import child_env

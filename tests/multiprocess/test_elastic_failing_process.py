@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spmd.clusters.launch import launch
+from spmd._src.clusters.launch import launch
 
 from .procs import child_env
 from .resume_job import assert_same_trajectory

@@ -1,6 +1,6 @@
 """Kill a worker, relaunch, lose nothing: real processes, real signals, loopback only.
 
-Each run is `spmd launch -n 2 --devices-per-process 2` (through `spmd.clusters.launch.launch`)
+Each run is `spmd launch -n 2 --devices-per-process 2` (through `spmd._src.clusters.launch.launch`)
 of ckpt_worker.py: ParameterServerStrategy over both processes, a checkpoint
 every 2 steps, batches that are a function of their position. An uninterrupted
 run is the oracle: a run that was killed and relaunched must end bitwise equal.
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import spmd
-from spmd.clusters.launch import free_port, launch, process_env, run_group
-from spmd.clusters.launch_results import HANG_EXIT_CODE
+from spmd._src.clusters.launch import free_port, launch, process_env, run_group
+from spmd._src.clusters.launch_results import HANG_EXIT_CODE
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spmd.clusters.launch_results import HANG_EXIT_CODE
+from spmd._src.clusters.launch_results import HANG_EXIT_CODE
 
 from .procs import child_env
 

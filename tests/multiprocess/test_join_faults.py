@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from spmd.clusters.launch import free_port
-from spmd.clusters.launch_results import HANG_EXIT_CODE
+from spmd._src.clusters.launch import free_port
+from spmd._src.clusters.launch_results import HANG_EXIT_CODE
 from spmd.testing import run_processes
 
 HERE = Path(__file__).parent

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from spmd.cli import main as cli
-from spmd.clusters.launch import launch
-from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE
+from spmd._src.cli import main as cli
+from spmd._src.clusters.launch import launch
+from spmd._src.clusters.launch_results import CONFIGURATION_EXIT_CODE
 
 from .procs import alive, child_env, wait_gone
 
@@ -224,9 +224,9 @@ def test_a_worker_that_exits_0_early_fails_the_job_and_is_named(capsys):
 
 
 RAISES_A_CONFIGURATION_ERROR = """
-import spmd, spmd.clusters.launch
+import spmd, spmd._src.clusters.launch
 info = spmd.initialize()
-print("ATTEMPT", spmd.clusters.launch.restart_count(), "SIZE", info.process_count, flush=True)
+print("ATTEMPT", spmd._src.clusters.launch.restart_count(), "SIZE", info.process_count, flush=True)
 raise spmd.ConfigurationError("a batch of 7 rows cannot split over 2 replicas")
 """
 
@@ -247,7 +247,9 @@ def test_a_configuration_error_is_not_restarted_nor_shrunk(capfd):
     assert code == CONFIGURATION_EXIT_CODE, (code, out, err)
     assert out.count("ATTEMPT 0 SIZE 2") == 2 and "ATTEMPT 1" not in out, out
     assert "restarting all" not in err and "relaunching" not in err, err
-    assert "it raised spmd.errors.ConfigurationError: a batch of 7 rows cannot split" in err, err
+    assert "it raised spmd._src.errors.ConfigurationError: a batch of 7 rows cannot split" in err, (
+        err
+    )
     assert "spmd launch: not restarting: process " in err, err
     assert "raised a configuration error (spmd's ConfigurationError or BatchError" in err, err
     assert elapsed < 45, elapsed
@@ -287,7 +289,7 @@ def test_verbose_shows_gloo_lines(capsys):
 
 BLOCKED_WITH_A_WATCHER = """
 import time
-from spmd.checkpoint.preemption import PreemptionWatcher
+from spmd._src.checkpoint.preemption import PreemptionWatcher
 watcher = PreemptionWatcher(grace_period=1)
 print("READY", flush=True)
 time.sleep(60)  # the handler sets a flag; nothing would ever save or exit

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spmd.clusters.launch import free_port
+from spmd._src.clusters.launch import free_port
 from spmd.testing import run_processes
 
 WORKER = Path(__file__).with_name("train_worker.py")

@@ -1,0 +1,3 @@
+"""spmd's implementation: every module here is internal; the public API is `spmd`
+and its documented submodules (`spmd.callbacks`, `spmd.losses`, `spmd._src.logical`,
+`spmd.partitioners`, `spmd.testing`)."""

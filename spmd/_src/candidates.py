@@ -1,0 +1,267 @@
+"""The layouts `spmd.auto_strategy` tries: data parallel, FSDP, HSDP, TP, FSDP x TP, optimizer offload.
+
+Each candidate is a `Strategy` on the target's devices whose rules lay out
+every leaf of the state. A leaf with a flax annotation keeps it wherever it
+shards over the candidate's axes (every candidate's mesh has the axes the
+model's annotations and rules name, of size 1 where the candidate does not
+use them); the other leaves take the candidate's own layout.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import PartitionSpec
+
+from spmd._src.logical import REST, LogicalRules, annotations, to_spec
+from spmd._src.mesh import make_mesh
+from spmd._src.rules import Rule, path_str
+from spmd._src.strategy import nnx_state
+from spmd._src.strategy.base import Strategy
+from spmd._src.strategy.offload import offloaded
+
+__all__ = ["MIN_SHARDED_ELEMENTS", "ModelLayout", "candidates", "model_layout", "tensor_axis"]
+
+MIN_SHARDED_ELEMENTS = 1 << 14  # smaller leaves stay replicated: splitting them costs more
+TENSOR_AXIS = "model"
+FSDP_AXIS = "fsdp"
+DATA_AXIS = "data"
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(2, n + 1) if n % k == 0]
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one entry of a `PartitionSpec` (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _fsdp_spec(shape: Sequence[int], axis: str, size: int, taken: PartitionSpec | None = None):
+    """The leaf's spec with its largest free dimension that `size` divides split over `axis`."""
+    entries = list(taken or ()) + [None] * (len(shape) - len(taken or ()))
+    if math.prod(shape) < MIN_SHARDED_ELEMENTS:
+        return PartitionSpec(*entries)
+    free = [i for i, e in enumerate(entries) if e is None and shape[i] % size == 0]
+    if free:
+        dim = max(free, key=lambda i: shape[i])
+        entries[dim] = axis
+    return PartitionSpec(*entries)
+
+
+def _tp_spec(shape: Sequence[int], axis: str, size: int) -> PartitionSpec:
+    """A matrix's last dimension over `axis` (column-parallel), where `size` divides it."""
+    if len(shape) < 2 or math.prod(shape) < MIN_SHARDED_ELEMENTS or shape[-1] % size:
+        return PartitionSpec()
+    return PartitionSpec(*([None] * (len(shape) - 1)), axis)
+
+
+def _sharding(noted: PartitionSpec, sizes: Mapping[str, int]) -> PartitionSpec | None:
+    """An annotation's spec over the axes that split in this candidate; None if none does."""
+    entries = []
+    for entry in noted:
+        axes = tuple(a for a in _names(entry) if sizes.get(a, 1) > 1)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries) if any(e is not None for e in entries) else None
+
+
+def _leaf_spec(
+    shape: Sequence[int], noted: PartitionSpec | None, sizes: Mapping[str, int], tensor: str
+) -> PartitionSpec:
+    """One leaf's spec in a candidate: its annotation where it splits, else the candidate's
+    own (column-parallel over the tensor axis); then FSDP over a free dimension."""
+    spec = None if noted is None else _sharding(noted, sizes)
+    if spec is None:
+        tp = sizes.get(tensor, 1)
+        spec = _tp_spec(shape, tensor, tp) if tp > 1 else PartitionSpec()
+    fsdp = sizes.get(FSDP_AXIS, 1)
+    if fsdp > 1 and FSDP_AXIS not in {a for e in spec for a in _names(e)}:
+        spec = _fsdp_spec(shape, FSDP_AXIS, fsdp, spec)
+    return spec
+
+
+def _rules(leaves, sizes: Mapping[str, int], tensor: str, annotated: Mapping[str, PartitionSpec]):
+    rules = []
+    for path, leaf in leaves:
+        shape = tuple(getattr(leaf, "shape", ()))
+        spec = _leaf_spec(shape, annotated.get(path), sizes, tensor)
+        if any(e is not None for e in spec):
+            rules.append(("^" + re.escape(path) + "$", spec))
+    return rules
+
+
+class ModelLayout(NamedTuple):
+    """What a model asks of every candidate, read from its abstract state.
+
+    Attributes:
+      leaves: ('/'-joined path, `ShapeDtypeStruct`) of every leaf of the state.
+      annotated: path -> the `PartitionSpec` over mesh axes that a leaf's flax
+        annotation gives (its names mapped through the logical axis rules).
+      axes: the mesh axes the annotations and rules name.
+      optimizer: the paths of the leaves placement="offload_optimizer" keeps
+        in host memory (the optimizer state, found as `Strategy.offload`'s
+        default finds it); empty where the state holds none.
+    """
+
+    leaves: list[tuple[str, Any]]
+    annotated: dict[str, PartitionSpec]
+    axes: tuple[str, ...]
+    optimizer: tuple[str, ...] = ()
+
+
+def _rule_axes(rules: Sequence[Rule], logical_axis_rules: LogicalRules) -> list[str]:
+    """The mesh axes state rules' specs and logical axis rules' targets name."""
+    named = [
+        a for _, spec in rules if isinstance(spec, PartitionSpec) for e in spec for a in _names(e)
+    ]
+    named += [a for _, target in logical_axis_rules for a in _names(target)]
+    return list(dict.fromkeys(named))
+
+
+def _noted_axes(names: tuple, logical_axis_rules: LogicalRules) -> list[str]:
+    """The mesh axes an annotation's names stand for: a rule's targets, else the name itself."""
+    aliases = {alias for alias, _ in logical_axis_rules}
+    axes = []
+    for name in (n for entry in names for n in _names(entry)):
+        if name not in aliases and REST not in aliases:
+            axes.append(name)
+    return axes
+
+
+def model_layout(
+    create_fn: Callable[..., Any],
+    args: tuple,
+    devices: Sequence[Any],
+    rules: Sequence[Rule] = (),
+    logical_axis_rules: LogicalRules = (),
+) -> ModelLayout:
+    """Reads the state `create_fn` makes (abstractly, on one device): its leaves, the
+    layouts its flax annotations give, and the mesh axes the model names.
+
+    A name no logical axis rule maps is taken for a mesh axis (as the NNX GSPMD
+    guide's `("model", None)`); every candidate's mesh then has it.
+    """
+    axes = _rule_axes(rules, logical_axis_rules)
+
+    def one_device(named):
+        sizes = {DATA_AXIS: 1} | {a: 1 for a in named}
+        return make_mesh(sizes, devices[:1])
+
+    probe = Strategy(
+        one_device(axes),
+        rules=rules,
+        logical_axis_rules=logical_axis_rules,
+        _replicate_unmapped=True,
+    )
+    state = nnx_state.pure(probe.abstract_state(create_fn, *args))
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    leaves = [(path_str(p), leaf) for p, leaf in flat]
+    notes = annotations(state)
+    for note in notes:
+        if note is not None:
+            axes += [a for a in _noted_axes(note.names, logical_axis_rules) if a not in axes]
+    mesh = one_device(axes)
+    annotated = {
+        path: to_spec(note.names, logical_axis_rules, mesh, replicate_unmapped=True, path=path)
+        for (path, leaf), note in zip(leaves, notes, strict=True)
+        if note is not None and len(note.names) <= len(getattr(leaf, "shape", ()))
+    }
+    optimizer = tuple(
+        path for (path, _), host in zip(leaves, offloaded(state, ()), strict=True) if host
+    )
+    return ModelLayout(leaves, annotated, tuple(a for a in axes if a != DATA_AXIS), optimizer)
+
+
+def tensor_axis(model_axes: Sequence[str]) -> str:
+    """The tensor-parallel axis's name: the one axis the model names besides data and fsdp
+    (so that its annotations split over it), else "model"."""
+    others = [a for a in model_axes if a not in (DATA_AXIS, FSDP_AXIS)]
+    return others[0] if len(others) == 1 else TENSOR_AXIS
+
+
+def candidates(
+    state_leaves: Sequence[tuple[str, Any]],
+    devices: Sequence[Any],
+    slices: int = 1,
+    host_memory: bool = False,
+    *,
+    annotated: Mapping[str, PartitionSpec] | None = None,
+    model_axes: Sequence[str] = (),
+    rules: Sequence[Rule] = (),
+    logical_axis_rules: LogicalRules = (),
+) -> list[tuple[str, Callable[[], Strategy]]]:
+    """The layouts `auto_strategy` tries for these state leaves on these devices.
+
+    Data parallel; FSDP over every k dividing the devices (the rest data
+    parallel: HSDP when the data axis crosses slices); tensor parallel over
+    2, 4, 8 (each matrix's last dimension split: column-parallel, no
+    Megatron pairing inferred); FSDP x TP with FSDP over every device the
+    TP axis leaves inside a slice; and, where the devices have host memory,
+    the widest FSDP with the optimizer state in host memory
+    (placement="offload_optimizer"), for a model that almost fits.
+
+    Args:
+      state_leaves: ('/'-joined path, leaf) of every leaf of the state.
+      devices: the target's devices.
+      slices: how many slices they are.
+      host_memory: whether to try the optimizer state in host memory (an
+        accelerator with `pinned_host` memory, and a state holding one).
+      annotated: path -> the `PartitionSpec` (over mesh axes) a leaf's flax
+        annotation gives. Where it splits over a candidate's axes the leaf
+        keeps it (FSDP adds its axis on a free dimension); elsewhere the leaf
+        takes the candidate's layout.
+      model_axes: the mesh axes the model names (its annotations, sharding
+        constraints, rules): every candidate's mesh has them, of size 1 where
+        the candidate does not split over them. Tensor parallelism splits the
+        one of them that is not data or fsdp (`tensor_axis`).
+      rules, logical_axis_rules: given to every candidate, the rules ahead of
+        the candidate's own.
+
+    Returns:
+      (name, a function building the `Strategy`) pairs.
+    """
+    n = len(devices)
+    per_slice = n // slices
+    tensor = tensor_axis(model_axes)
+    notes = dict(annotated or {})
+    out: list[tuple[str, Callable[[], Strategy]]] = []
+
+    def strategy(name, axes, batch_axes, placement="device"):
+        sizes = axes | {a: 1 for a in model_axes if a not in axes}
+        own = _rules(state_leaves, sizes, tensor, notes)
+
+        def build():
+            mesh = make_mesh(sizes, devices)
+            return Strategy(
+                mesh,
+                rules=[*rules, *own],
+                batch_axes=batch_axes,
+                placement=placement,
+                logical_axis_rules=logical_axis_rules,
+            )
+
+        out.append((name, build))
+
+    strategy("data parallel", {DATA_AXIS: n}, (DATA_AXIS,))
+    for k in _divisors(per_slice) + ([n] if slices > 1 else []):
+        hsdp = f" (HSDP: data {n // k} over DCN)" if slices > 1 and k == per_slice else ""
+        strategy(f"FSDP over {k}{hsdp}", {DATA_AXIS: n // k, FSDP_AXIS: k}, (DATA_AXIS, FSDP_AXIS))
+    for m in (2, 4, 8):
+        if per_slice % m:
+            continue
+        strategy(f"TP over {m}", {DATA_AXIS: n // m, tensor: m}, (DATA_AXIS,))
+        k = per_slice // m
+        if k > 1:
+            axes = {DATA_AXIS: slices, FSDP_AXIS: k, tensor: m}
+            strategy(f"FSDP {k} x TP {m}", axes, (DATA_AXIS, FSDP_AXIS))
+    if host_memory:
+        axes = {DATA_AXIS: n // per_slice, FSDP_AXIS: per_slice}
+        name = f"FSDP over {per_slice}, optimizer state in host memory"
+        strategy(name, axes, (DATA_AXIS, FSDP_AXIS), placement="offload_optimizer")
+    return out

@@ -1,0 +1,496 @@
+"""The hang watch: each process publishes its step count; one that stops advancing is named.
+
+A step pays one list-item increment (`STEPS[0] += 1` in `Step.__call__`, and in
+`strategy.run` called outside a trace: a pmap port's step). A
+daemon thread of each process samples that count and, every few seconds,
+publishes it in the coordination service's key-value store with how long it
+has not moved and whether the process waits in JAX or spmd (for a peer, in a
+collective) or runs its own code. Process 0 reads every record; when some
+process has not advanced for its hang timeout, process 0 names the one behind
+(the lowest step; among equals the one not waiting, then the lowest index).
+Before its second step a process counts as stalled only while it waits inside
+one of spmd's calls (its first step, a checkpoint's restore) for that long:
+a process stuck before its first step (a loader's first batch, a hung read)
+is named once its peers have waited for it, never a job whose processes all
+work (load data, restore) for long. Time in JAX's tracing, lowering and
+compilation is progress. That process ends itself, printing its main
+thread's stack and its other threads' innermost frames, and tells the others,
+who end naming it. A peer whose record stops changing (killed without a word,
+its machine lost, or its Python threads frozen) is named by process 0 (process
+0 itself by the first other process to notice), before the coordination
+service's heartbeat timeout would abort everyone. Each interval costs the
+service N writes, 2N reads and one directory read, not N² reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from spmd._src.errors import ConfigurationError, message, received
+
+__all__ = [
+    "HUNG",
+    "MIN_HANG_TIMEOUT",
+    "STEPS",
+    "Record",
+    "behind",
+    "check_hang_timeout",
+    "progress",
+    "returned_from",
+    "start",
+]
+
+STEPS = [0]  # steps taken here: Step and IslandStep calls, strategy.run calls (untraced)
+MIN_HANG_TIMEOUT = 300.0  # the default hang timeout's floor, seconds
+SLOW_STEP_FACTOR = 10  # the default hang timeout: this many times the slowest recent step
+HUNG = "hung:"  # how a hang's failure reason starts (the peers exit with HANG_EXIT_CODE)
+GONE = "gone:"  # how the reason given for a process that stopped publishing starts
+_KEY = "spmd/progress/"  # key prefix: each process's Record, as JSON
+_VERDICT = "spmd/behind"  # the process that process 0 found behind, which then ends itself
+RUNNING = threading.Event()  # set once this process's hang watch has started
+_ARMED_AT = 2  # from the second step on, any time without a step is a stall
+_STACK_FRAMES = 12  # innermost frames of the main thread's stack that are shown
+_OTHER_FRAMES = 3  # innermost frames shown of each other thread
+_WATCHES = ("spmd-hang-watch", "spmd-peer-watch")  # threads that are not the program's
+_STDLIB = os.path.join(os.path.dirname(os.path.abspath(threading.__file__)), "")
+_SPMD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+# Modules whose frames wait for a computation or for peers: JAX, and Orbax's barriers.
+_WAITS = ("jax", "jaxlib", "orbax.checkpoint._src.multihost.multihost")
+# Where, under jax/_src, JAX traces, lowers and compiles: progress, however long it takes.
+_COMPILES = ("compiler.py", "interpreters/mlir.py", "interpreters/partial_eval.py")
+
+
+def _waiting_in() -> tuple[str, ...]:
+    """Where a thread's innermost frame is when it waits for a computation or for its
+    peers (JAX, Orbax's barriers, and spmd: its step, its checkpoints' and input
+    pipeline's agreements across processes) rather than running the program's own code."""
+    modules = [m for m in map(sys.modules.get, _WAITS) if m is not None]
+    return (_SPMD, *(os.path.join(os.path.dirname(m.__file__), "") for m in modules))
+
+
+def _compiling_in() -> tuple[str, ...]:
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return ()
+    return tuple(os.path.join(os.path.dirname(jax.__file__), "_src", p) for p in _COMPILES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What one process publishes about its progress.
+
+    Attributes:
+      seq: how many times it published (a record that stops changing is a dead publisher).
+      step: its steps so far (Step calls, and strategy.run calls outside a trace).
+      stalled: seconds since its step count last moved.
+      limit: its hang timeout, seconds.
+      armed: whether its second step came (from then on any stall counts).
+      waiting: whether its main thread waits in JAX (or spmd's step) rather than in its own code.
+      done: whether it reached the end of its program (it no longer steps).
+      waited: seconds its main thread has waited inside one of spmd's calls (a step, a
+        restore), without a step call since and compilation aside: before its second
+        step, only this counts.
+      in_spmd: whether its main thread was inside one of spmd's calls; a process out of
+        them has returned from its last step call (`returned_from`).
+    """
+
+    seq: int
+    step: int
+    stalled: float
+    limit: float
+    armed: bool
+    waiting: bool
+    done: bool = False
+    waited: float = 0.0
+    in_spmd: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class _Activity:
+    """What a process's main thread does, as one look at its stack tells."""
+
+    waiting: bool  # waits in JAX, Orbax's barriers or spmd (for a computation or its peers)
+    compiling: bool  # JAX traces, lowers or compiles
+    in_spmd: bool  # inside a call of spmd's (a step, a checkpoint's restore, Trainer.fit)
+
+
+def behind(records: Mapping[int, Record]) -> int | None:
+    """The process the job waits for, once some process has not advanced for its limit.
+
+    Of the processes not done: the lowest step; among equals the one not waiting
+    in JAX (the others wait for it in a collective), then the lowest index:
+    what every process reads alike from the records, so that all of them name
+    the same one. None while no process is past its limit (an armed one stalled
+    for it, one not yet armed waited in spmd's calls for it), while the one
+    behind has not been stalled for half of its own, or while it is not armed
+    and waits itself (before the first steps, a process in JAX is not the one
+    its peers wait for).
+    """
+    live = {i: r for i, r in records.items() if not r.done}
+    if not any((r.stalled if r.armed else r.waited) >= r.limit for r in live.values()):
+        return None
+    index = min(live, key=lambda i: (live[i].step, live[i].waiting, i))
+    r = live[index]
+    return index if r.stalled >= r.limit / 2 and (r.armed or not r.waiting) else None
+
+
+def progress(client: Any, index: int) -> Record | None:
+    """Process `index`'s last published Record; None before its first (or without a watch)."""
+    try:
+        return Record(**json.loads(client.key_value_try_get(f"{_KEY}{index}")))
+    except Exception:  # not published (yet), or the service is gone
+        return None
+
+
+def returned_from(record: Record, step: int) -> bool:
+    """Whether the process whose record this is had returned from its Step call number
+    `step` (`STEPS` counted in that call) when it published it.
+
+    True once it made a later step call, or reached the end of its program, or
+    has made `step` calls and its main thread is out of spmd's calls: each
+    call counts itself first, inside spmd. Like the watch itself, this takes
+    the main thread to be the one that calls the steps.
+    """
+    return record.step > step or (record.step == step and (record.done or not record.in_spmd))
+
+
+def check_hang_timeout(value: float | None, name: str = "hang_timeout") -> float | None:
+    """`value` as seconds (None: the default rule).
+
+    Raises:
+      ConfigurationError: it is not a positive number.
+    """
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if isinstance(value, bool) or not seconds > 0:
+        raise ConfigurationError(
+            message(
+                f"{name} is the seconds a process may go without a step before the job ends "
+                "naming it: a positive number, or None for the default (the larger of 300 s "
+                "and 10 times the slowest recent step).",
+                received(**{name: value}),
+                "pass e.g. hang_timeout=600 (spmd launch --hang-timeout 600), or leave it out.",
+            )
+        )
+    return seconds
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" + ("s" if count != 1 else "")
+
+
+def _when(count: int) -> str:
+    """E.g. "after 4 steps", or "before its first step"."""
+    return f"after {_steps(count)}" if count else "before its first step"
+
+
+def _no_progress(r: Record) -> str:
+    """The start of a hang's reason, e.g. "hung: no progress for 300 s after 4 steps ..."."""
+    return (
+        f"{HUNG} no progress for {r.stalled:.0f} s {_when(r.step)} (hang_timeout={r.limit:g} s) "
+        "while its peers waited for it"
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _path(filename: str) -> str:
+    return os.path.abspath(filename)
+
+
+def _kind(frame: Any) -> str:
+    """Where a thread's innermost frame is: "jax" (waiting for a computation, so in a
+    collective for its peers), "idle" (the standard library: waiting on a lock, a
+    queue, another thread) or "own" (the program's code, a C call from it included)."""
+    path = _path(frame.f_code.co_filename)
+    if path.startswith(_waiting_in()):
+        return "jax"
+    if path.startswith(_STDLIB) and "-packages" not in path:
+        return "idle"
+    return "own"
+
+
+def _helpers_kind() -> str:
+    """For a main thread that waits on another thread: "own" if one of the others runs
+    the program's code (a loader stuck in its source), "jax" if one waits in JAX,
+    else "own" (they wait on I/O or on threads of C++ code, such as a checkpoint's reads)."""
+    frames = sys._current_frames()
+    main = threading.main_thread()
+    kinds = {
+        _kind(frames[t.ident])
+        for t in threading.enumerate()
+        if t is not main and t.ident in frames and t.name not in _WATCHES
+    }
+    return "jax" if "jax" in kinds and "own" not in kinds else "own"
+
+
+def _activity() -> _Activity:
+    """One look at the main thread's stack (no source lines read: it runs every interval).
+
+    It waits when its main thread does, or when its main thread waits on
+    another thread (a prefetching loader's queue) and that thread waits in JAX.
+    """
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return _Activity(False, False, False)
+    kind = _kind(frame)
+    if kind == "idle":
+        kind = _helpers_kind()
+    compiles, compiling, in_spmd = _compiling_in(), False, False
+    outer = frame
+    while outer is not None:
+        path = _path(outer.f_code.co_filename)
+        compiling = compiling or path.startswith(compiles)
+        in_spmd = in_spmd or path.startswith(_SPMD)
+        outer = outer.f_back
+    return _Activity(kind == "jax" and not compiling, compiling, in_spmd)
+
+
+def _main_stack() -> str:
+    """The main thread's innermost frames, formatted."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return ""
+    return "".join(traceback.format_stack(frame)[-_STACK_FRAMES:]).rstrip()
+
+
+def _other_stacks() -> str:
+    """The innermost frames of this process's other threads (a loader's, say), spmd's own left out."""
+    frames = sys._current_frames()
+    parts = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or -1)
+        if thread is threading.main_thread() or frame is None or thread.name in _WATCHES:
+            continue
+        lines = "".join(traceback.format_stack(frame)[-_OTHER_FRAMES:]).rstrip()
+        parts.append(f"\nthread {thread.name!r}:\n{lines}")
+    return "".join(parts)
+
+
+@dataclasses.dataclass
+class _Watch:
+    """One process's view: its own progress, and when each peer's record last changed."""
+
+    index: int
+    count: int
+    hang_timeout: float | None
+    stale_after: float
+    interval: float
+    client: Any
+    end: Callable[[int, str, str], None]  # (culprit, reason, text): tell the others, then exit
+    seq: int = 0
+    seen: int = 0
+    moved_at: float = dataclasses.field(default_factory=time.monotonic)
+    waits_since: float | None = None  # since when its main thread waits in spmd's calls
+    steps: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=32)
+    )
+    peers: dict = dataclasses.field(default_factory=dict)  # index -> (seq, local time it changed)
+    last: dict = dataclasses.field(default_factory=dict)  # index -> its last Record read
+    named: tuple[int, float] | None = None  # (process 0) the one named behind, and when
+
+    def limit(self) -> float:
+        if self.hang_timeout is not None:
+            return self.hang_timeout
+        return max(MIN_HANG_TIMEOUT, SLOW_STEP_FACTOR * max(self.steps, default=0.0))
+
+    def sample(self, now: float, done: bool) -> Record:
+        """This process's Record now; notes how long the steps since the last sample took.
+
+        A look that finds it tracing or compiling counts as progress; one that
+        finds it waiting in spmd's calls adds to how long it has waited, which
+        any other look, or a step call, starts again.
+        """
+        count, act = STEPS[0], _activity()
+        if count != self.seen:
+            if self.seen >= _ARMED_AT:
+                self.steps.append((now - self.moved_at) / (count - self.seen))
+            self.seen, self.moved_at, self.waits_since = count, now, None
+        elif act.compiling:
+            self.moved_at = now
+        if not (act.waiting and act.in_spmd):
+            self.waits_since = None
+        elif self.waits_since is None:
+            self.waits_since = now
+        self.seq += 1
+        stalled, limit = now - self.moved_at, self.limit()
+        waited = 0.0 if self.waits_since is None else round(now - self.waits_since, 2)
+        armed = count >= _ARMED_AT
+        return Record(
+            self.seq, count, round(stalled, 2), limit, armed, act.waiting, done, waited, act.in_spmd
+        )
+
+    def publish(self, record: Record) -> None:
+        value = json.dumps(dataclasses.asdict(record))
+        self.client.key_value_set(f"{_KEY}{self.index}", value, allow_overwrite=True)
+
+    def read(self, now: float, only: int | None = None) -> dict[int, Record]:
+        """Every published record (or process `only`'s); a peer's that stopped changing
+        counts its silence as stall."""
+        records = {}
+        if only is None:
+            items = self.client.key_value_dir_get(_KEY)
+        else:
+            items = [(f"{_KEY}{only}", self.client.key_value_try_get(f"{_KEY}{only}"))]
+        for key, value in items:
+            index = int(key.rsplit("/", 1)[1])
+            record = Record(**json.loads(value))
+            seq, changed = self.peers.get(index, (None, now))
+            if seq != record.seq:
+                changed = now
+            self.peers[index], self.last[index] = (record.seq, changed), record
+            silent = now - changed if index != self.index else 0.0
+            records[index] = dataclasses.replace(record, stalled=record.stalled + silent)
+        expected = range(self.count) if only is None else (only,)
+        for index in set(expected) - set(records):  # killed before its first record
+            self.peers.setdefault(index, (None, now))
+            records[index] = Record(0, 0, now - self.peers[index][1], math.inf, False, False)
+        return records
+
+    def silent(self, now: float, records: Mapping[int, Record]) -> int | None:
+        """A peer whose record has not changed for `stale_after` seconds (and is not done)."""
+        for index, (_, changed) in sorted(self.peers.items()):
+            peer = index != self.index and not records[index].done
+            if peer and now - changed >= self.stale_after:
+                return index
+        return None
+
+    def judge(self, now: float, records: Mapping[int, Record]) -> None:
+        """On process 0: ends a silent peer's job, or names the process behind.
+
+        The one behind is told through the verdict key and ends itself with
+        its stack; one that does not within `stale_after` is ended for.
+        """
+        self.end_if_silent(now, records)
+        culprit = behind(records)
+        if culprit == self.index:
+            self.end_hung(records[self.index])
+        if culprit is None or culprit == self.index:
+            self.named = None
+            return
+        if self.named is None or self.named[0] != culprit:
+            self.client.key_value_set(_VERDICT, str(culprit), allow_overwrite=True)
+            self.named = (culprit, now)
+        elif now - self.named[1] >= self.stale_after:
+            reason = f"{_no_progress(records[culprit])}; named, it did not answer (no stack)"
+            self.end(culprit, reason, "")
+
+    def follow(self, now: float, own: Record) -> None:
+        """On the other processes: ends this one if process 0 named it, or fell silent."""
+        try:
+            named = int(self.client.key_value_try_get(_VERDICT))
+        except Exception:  # not named yet
+            named = None
+        if named == self.index:
+            self.end_hung(own)
+        self.end_if_silent(now, self.read(now, only=0))
+
+    def end_if_silent(self, now: float, records: Mapping[int, Record]) -> None:
+        gone = self.silent(now, records)
+        if gone is not None:
+            reason = _gone(now - self.peers[gone][1], records[gone].step)
+            self.end(gone, reason, f"process {gone} is gone: {reason[len(GONE) + 1 :]}.")
+
+    def quietest(self) -> tuple[int, str] | None:
+        """The peer silent longest (not done), and why, once silent for two intervals.
+
+        What a lost peer reported by JAX's client (which ends this process)
+        most likely is: process 0 reads every record, the others process 0's.
+        """
+        now = time.monotonic()
+        quiet = [
+            (changed, index)
+            for index, (_, changed) in self.peers.items()
+            if index != self.index and not getattr(self.last.get(index), "done", False)
+        ]
+        if not quiet or now - min(quiet)[0] < 2 * self.interval:
+            return None
+        changed, index = min(quiet)
+        return index, _gone(now - changed, getattr(self.last.get(index), "step", 0))
+
+    def end_hung(self, r: Record) -> None:
+        """Ends this process as the one behind, with its stacks."""
+        stack = (_main_stack() or "(no Python stack)") + _other_stacks()
+        reason = f"{_no_progress(r)}; its main thread:\n{stack}"
+        self.end(self.index, reason, f"process {self.index} {reason}")
+
+    def tick(self, now: float, done: bool) -> None:
+        """One interval's work: publish this process's record, then judge (on process 0),
+        or follow process 0's verdict and record (on the others)."""
+        own = self.sample(now, done)
+        self.publish(own)
+        if done:
+            return
+        if self.index == 0:
+            self.judge(now, self.read(now))
+        else:
+            self.follow(now, own)
+
+    def run(self, stopping: Callable[[], bool]) -> None:
+        first = True
+        while not stopping():
+            if not first:
+                time.sleep(self.interval)
+            first, now = False, time.monotonic()
+            done = stopping()
+            try:
+                self.tick(now, done)
+            except Exception:  # the service is gone: the peer watch or JAX ends this process
+                continue
+            if done:
+                return
+
+
+def _gone(silence: float, step: int) -> str:
+    """The reason given for a process that stopped publishing, e.g. "gone: it has ..."."""
+    return (
+        f"{GONE} it has published nothing for {silence:.0f} s ({_when(step)}): "
+        "it was killed, its machine was lost, or its Python threads are frozen"
+    )
+
+
+def interval_for(hang_timeout: float | None, heartbeat_timeout: float) -> float:
+    """Seconds between publications: a fifth of the shorter bound, 0.25 .. 5."""
+    bound = min(hang_timeout or MIN_HANG_TIMEOUT, heartbeat_timeout / 2)
+    return min(5.0, max(0.25, bound / 5))
+
+
+def start(
+    client: Any,
+    where: tuple[int, int],
+    timeouts: tuple[float | None, float],
+    end: Callable[[int, str, str], None],
+    stopping: Callable[[], bool],
+) -> Callable[[], tuple[int, str] | None]:
+    """Starts this process's hang watch in a daemon thread; returns its `quietest`.
+
+    Args:
+      client: the coordination service's client.
+      where: (this process's index, the process count).
+      timeouts: (hang_timeout or None for the default rule, heartbeat_timeout).
+      end: called with (culprit, reason, text) to tell the others and exit.
+      stopping: whether this process has reached its end (its last record says done).
+    """
+    hang_timeout, heartbeat_timeout = timeouts
+    interval = interval_for(hang_timeout, heartbeat_timeout)
+    stale_after = max(3 * interval, heartbeat_timeout / 2)
+    watch = _Watch(where[0], where[1], hang_timeout, stale_after, interval, client, end)
+    thread = threading.Thread(target=watch.run, args=(stopping,), name="spmd-hang-watch")
+    thread.daemon = True
+    thread.start()
+    RUNNING.set()
+    return watch.quietest

@@ -1,0 +1,565 @@
+"""`spmd.auto_strategy`: compile candidate layouts for a target, drop what does not fit, rank the rest.
+
+Every candidate is a `Strategy` over the target's devices (this process's, or
+an `spmd.topology` compiled for without a TPU). Each is compiled for the step
+and its abstract state (nothing is allocated), judged by the compiler's memory
+analysis against the device's HBM, and ranked by the roofline's estimated step
+time (`spmd._src.roofline`; on CPU and GPU devices with figures measured on this
+machine, see `measured_chip`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from spmd._src.candidates import candidates, model_layout
+from spmd._src.errors import ConfigurationError, SpmdError, message, received
+from spmd._src.explain import Explanation, _human
+from spmd._src.logical import LogicalRules
+from spmd._src.mesh import make_mesh
+from spmd._src.roofline import Roofline, estimate
+from spmd._src.rules import Rule
+from spmd._src.strategy.base import Step, Strategy
+from spmd._src.topologies import Chip, Topology, chip_of, topology
+from spmd._src.validate import positive_int
+
+__all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "measured_chip"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout `auto_strategy` tried.
+
+    Attributes:
+      name: what it is ("data parallel", "FSDP over 8", "FSDP 16 x TP 4", ...).
+      strategy: the `Strategy` (None where it could not be built).
+      explanation: the compiled program's `Explanation` (None where it did
+        not compile).
+      roofline: the estimated step time and its terms (None where dropped).
+      dropped: why it was dropped ("does not fit: ...", "does not compile:
+        ..."), or None for a ranked candidate.
+    """
+
+    name: str
+    strategy: Strategy | None
+    explanation: Explanation | None = field(default=None, repr=False)
+    roofline: Roofline | None = None
+    dropped: str | None = None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The estimated step time; None where dropped."""
+        return None if self.roofline is None else self.roofline.step_s
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """Per-device bytes the program needs (peak + code, or what the compiler asked for)."""
+        e = self.explanation
+        if e is None:
+            return None
+        if e.hbm_required is not None:
+            return e.hbm_required
+        return e.peak_bytes + e.code_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate, the ranked ones first (fastest estimate first), then the dropped.
+
+    `print()` it for a table; `plan.best` is the first ranked candidate.
+    """
+
+    target: str
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def ranked(self) -> tuple[Candidate, ...]:
+        """The candidates that fit, fastest estimated step first."""
+        return tuple(c for c in self.candidates if c.dropped is None)
+
+    @property
+    def dropped(self) -> tuple[Candidate, ...]:
+        """The candidates that do not fit or did not compile."""
+        return tuple(c for c in self.candidates if c.dropped is not None)
+
+    @property
+    def best(self) -> Candidate | None:
+        """The fastest candidate that fits, or None."""
+        return self.ranked[0] if self.ranked else None
+
+    def __str__(self) -> str:
+        header = (
+            "#",
+            "layout",
+            "mesh",
+            "memory/device",
+            "host/device",
+            "headroom",
+            "step (est.)",
+            "bound",
+        )
+        rows = []
+        for i, c in enumerate(self.ranked, 1):
+            e, r = c.explanation, c.roofline
+            rows.append(
+                (
+                    str(i),
+                    c.name,
+                    _mesh(c.strategy),
+                    _human(c.memory_bytes or 0),
+                    _human(e.state_host_bytes) if e.state_host_bytes else "-",
+                    "-" if e.hbm_headroom is None else _human(e.hbm_headroom),
+                    _seconds(r.step_s),
+                    r.bound,
+                )
+            )
+        widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=False)]
+        lines = [f"auto_strategy for {self.target}: {len(self.ranked)} ranked, "]
+        lines[0] += f"{len(self.dropped)} dropped"
+        lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
+        lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)) for row in rows]
+        if any(c.roofline.host_bytes and not c.roofline.host_known for c in self.ranked):
+            lines.append(
+                "host/device: state kept in host memory; no host link figure for this chip, so "
+                "moving it each step is not in the estimate"
+            )
+        elif any(c.roofline.host_bytes for c in self.ranked):
+            lines.append(
+                "host/device: state kept in host memory, moved in and back out each step over "
+                "the host link (in the estimate)"
+            )
+        if self.dropped:
+            lines.append("dropped:")
+            lines += [f"  {c.name} ({_mesh(c.strategy)}): {c.dropped}" for c in self.dropped]
+        return "\n".join(lines)
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:,.3f} ms" if t >= 1e-3 else f"{t * 1e6:,.2f} µs"
+
+
+def _mesh(strategy: Strategy | None) -> str:
+    if strategy is None:
+        return "-"
+    return " x ".join(f"{k}={v}" for k, v in strategy.mesh.shape.items())
+
+
+# ------------------------------------------------------------------ the figures of a CPU or GPU
+
+
+_MEASURED: dict[str, Chip] = {}
+
+
+def measured_chip(device: Any) -> Chip:
+    """A roofline `Chip` for a CPU or GPU device, measured once on this machine.
+
+    Peak FLOP/s from a float32 matrix product, HBM (memory) bandwidth from an
+    array copy, both on `device`; the link between devices is taken to be the
+    memory bandwidth (simulated CPU devices and one host's GPUs copy through
+    memory or NVLink). Simulated CPU devices share the host's cores, which
+    the roofline accounts for (`Roofline.devices_per_chip`). Where the device
+    has `pinned_host` memory, the host link's bandwidth is measured too, from
+    the same array moved there and back.
+    """
+    key = f"{device.platform}:{device.device_kind}"
+    if key not in _MEASURED:
+        import jax.numpy as jnp
+
+        n = 1024
+        a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+        matmul = jax.jit(lambda x: x @ x)
+        matmul(a).block_until_ready()
+        start, reps = time.perf_counter(), 5
+        for _ in range(reps):
+            matmul(a).block_until_ready()
+        flops = 2 * n**3 * reps / (time.perf_counter() - start)
+        big = jax.device_put(jnp.ones((1 << 24,), jnp.float32), device)
+        copy = jax.jit(lambda x: x + 1)
+        copy(big).block_until_ready()
+        start = time.perf_counter()
+        for _ in range(reps):
+            copy(big).block_until_ready()
+        bandwidth = 2 * big.nbytes * reps / (time.perf_counter() - start)
+        host = _host_link(big, device, reps)
+        _MEASURED[key] = Chip(
+            name=device.platform,
+            device_kind=str(device.device_kind),
+            peak_flops=flops,
+            hbm_bytes=0,
+            hbm_bandwidth=bandwidth,
+            ici_bandwidth=bandwidth,
+            dcn_bandwidth=None,
+            cores_per_chip=1,
+            dims=1,
+            source="measured on this machine (a 1024x1024 float32 product; a 64 MiB copy; "
+            "the same moved to pinned_host and back)",
+            host_bandwidth=host,
+        )
+    return _MEASURED[key]
+
+
+def _host_link(array: jax.Array, device: Any, reps: int) -> float | None:
+    """Bytes/s each way between `device` and its `pinned_host` memory; None without one."""
+    if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+        return None
+    there = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    back = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    jax.device_put(jax.device_put(array, there), back).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(reps):
+        jax.device_put(jax.device_put(array, there), back).block_until_ready()
+    return 2 * array.nbytes * reps / (time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------ the target and the options
+
+
+def _target(devices_or_topology: Any, slices: Any) -> tuple[list[Any], str, int]:
+    """The target's devices, its name in the table, and its slice count."""
+    positive_int(slices, "slices", fix="pass slices=2 with a topology name for two slices.")
+    if isinstance(devices_or_topology, str):
+        devices_or_topology = topology(devices_or_topology, slices=slices)
+    elif slices != 1:
+        raise ConfigurationError(
+            message(
+                "slices= goes with a topology name: an spmd.topology(...) or a device list "
+                "already holds its slices.",
+                received(target=devices_or_topology, slices=slices),
+                'pass the name ("v5e-256", slices=2) or spmd.topology("v5e-256", slices=2) '
+                "without slices=.",
+            )
+        )
+    if devices_or_topology is None:
+        devices = jax.devices()
+        return devices, f"this process's {len(devices)} {devices[0].platform} devices", 1
+    if isinstance(devices_or_topology, Topology):
+        t = devices_or_topology
+        name = t.name + (f" x {t.slices} slices" if t.slices > 1 else "")
+        return list(t.devices), f"{name} ({t.chips} {t.chip.name} chips)", t.slices
+    devices = list(devices_or_topology) if isinstance(devices_or_topology, Iterable) else []
+    if not devices or not all(hasattr(d, "platform") and hasattr(d, "id") for d in devices):
+        raise ConfigurationError(
+            message(
+                "auto_strategy's target is a topology name, an spmd.topology(...), a list of "
+                "jax.Devices, or None for this process's devices.",
+                received(target=devices_or_topology),
+                'pass e.g. "v5p-256", spmd.topology("v5e:16x16", slices=2) or jax.devices().',
+            )
+        )
+    n_slices = len({getattr(d, "slice_index", 0) for d in devices})
+    return devices, f"{len(devices)} {devices[0].platform} devices", n_slices
+
+
+def _args(args: Any) -> tuple:
+    if args is None:
+        return (jax.random.key(0),)
+    if not isinstance(args, tuple | list):
+        raise ConfigurationError(
+            message(
+                "args is the tuple of create_fn's arguments.",
+                received(args=args, type=type(args).__name__),
+                "pass args=(jax.random.key(0),), or args=() for a create_fn of no arguments.",
+            )
+        )
+    return tuple(args)
+
+
+def _only(only: Any) -> tuple[str, ...]:
+    """`only` as names to look for: a string is one name."""
+    if only is None:
+        return ()
+    names = (only,) if isinstance(only, str) else only
+    if not isinstance(names, Iterable) or not all(isinstance(o, str) for o in names):
+        raise ConfigurationError(
+            message(
+                "only is a string, or a list of strings, each kept candidate's name contains "
+                "one of.",
+                received(only=only),
+                'pass e.g. only=["FSDP"] or only="TP over 4".',
+            )
+        )
+    return tuple(names)
+
+
+def _extra(extra: Any, devices: Sequence[Any]) -> list[tuple[str, Strategy]]:
+    """`extra`'s layouts, each checked to be on the target's devices."""
+    if extra is None:
+        return []
+    fix = (
+        'pass extra={"name": strategy}, each strategy built on the target\'s devices, e.g. '
+        "spmd.Strategy(spmd.make_mesh({...}, devices=topo), ...) with topo = "
+        "spmd.topology(...) as given to auto_strategy."
+    )
+    if not isinstance(extra, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, Strategy) for k, v in extra.items()
+    ):
+        raise ConfigurationError(
+            message("extra maps names to Strategy values.", received(extra=extra), fix)
+        )
+    target = set(devices)
+    for name, strategy in extra.items():
+        own = list(strategy.mesh.devices.flat)
+        if set(own) != target:
+            raise ConfigurationError(
+                message(
+                    "auto_strategy compares layouts on the target's devices; "
+                    f"extra[{name!r}] is on other devices.",
+                    received(extra=name, its_devices=_devices(own), target=_devices(devices)),
+                    fix,
+                )
+            )
+    return list(extra.items())
+
+
+def _devices(devices: Sequence[Any]) -> str:
+    kinds = sorted({str(getattr(d, "device_kind", d.platform)) for d in devices})
+    return f"{len(devices)} devices ({', '.join(kinds)})"
+
+
+def _matching(built: list, only: tuple[str, ...]) -> list:
+    kept = [(name, b) for name, b in built if any(o in name for o in only)] if only else built
+    if not kept:
+        raise ConfigurationError(
+            message(
+                "only keeps the candidates whose names contain one of its strings; none does.",
+                received(only=list(only), candidates=[name for name, _ in built]),
+                'pass parts of the names above, e.g. only=["FSDP"] or only=["TP over 4"].',
+            )
+        )
+    return kept
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
+
+
+def auto_strategy(
+    create_fn: Callable[..., Any],
+    step: Callable[..., Any] | Step,
+    batch: Any,
+    devices_or_topology: Any = None,
+    *,
+    args: Sequence[Any] | None = None,
+    slices: int = 1,
+    only: str | Sequence[str] | None = None,
+    extra: Mapping[str, Strategy] | None = None,
+    rules: Sequence[Rule] = (),
+    logical_axis_rules: LogicalRules = (),
+) -> tuple[Strategy, Plan]:
+    """Compiles candidate layouts for a target, drops those that do not fit, ranks the rest.
+
+    Nothing is allocated or run: each candidate's state is abstract
+    (`strategy.abstract_state`) and its step is compiled with
+    `strategy.explain`. On TPU (a real slice or an `spmd.topology`) a
+    candidate the compiler refuses for want of HBM, or whose program needs
+    more than a device's HBM, is dropped, and the rest are ranked by the
+    roofline's step time from Cloud TPU's published figures. On CPU and GPU
+    devices every candidate that compiles is ranked, by the same roofline
+    with this machine's measured figures (`measured_chip`).
+
+    The step is first traced on one device of the target (every mesh axis of
+    size 1): an error there is a bug in `create_fn`, the step or the batch,
+    raised at once (with a note), not a layout that does not fit.
+
+    A flax model's annotations are kept: every candidate's mesh has the mesh
+    axes they name (through `logical_axis_rules`), tensor parallelism splits
+    the one that is not data or fsdp, and a leaf keeps its annotation wherever
+    it splits (see `spmd._src.planning.candidates`).
+
+    Args:
+      create_fn: builds the train state from `args` (as for `strategy.init`).
+      step: the train step `(state, *batch) -> (state, metrics)`, a function
+        or a `Step` (its options, such as static arguments, are kept).
+      batch: the step's data arguments after the state: a tuple of arrays or
+        `jax.ShapeDtypeStruct`s of the global batch (one array alone is a
+        tuple of one).
+      devices_or_topology: a topology name ("v5p-256"), an `spmd.topology`,
+        a list of devices, or None for this process's devices.
+      args: the tuple of `create_fn`'s arguments; `(jax.random.key(0),)` by
+        default.
+      slices: with a topology name, how many slices.
+      only: keep the candidates whose names contain this string, or one of
+        these strings (e.g. `["FSDP"]`); all of them by default.
+      extra: more candidates to compare, name -> `Strategy` on the target's
+        devices (e.g. a tuned tensor-parallel layout).
+      rules: state rules given to every candidate, ahead of its own.
+      logical_axis_rules: maps the model's flax annotation names to mesh axes,
+        in every candidate (as `spmd.Strategy(logical_axis_rules=)`).
+
+    Returns:
+      (the best `Strategy`, the `Plan`: every candidate with its estimate or
+      why it was dropped; `print()` it for a table).
+
+    Raises:
+      ConfigurationError: the target, `args`, `only`, `extra` or `slices` is
+        not understood, `only` keeps no candidate, or no candidate fits (the
+        message holds the table).
+      Exception: what `create_fn` or the step raises when traced on one
+        device, as raised, with a note that says so.
+
+    Example:
+      >>> best, plan = spmd.auto_strategy(create, train_step, (tokens,), "v5p-256")
+      >>> print(plan)
+    """
+    devices, target, n_slices = _target(devices_or_topology, slices)
+    args = _args(args)
+    batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+    wanted = _only(only)
+    extras = _extra(extra, devices)
+    rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
+    model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
+    _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
+    built = candidates(
+        model.leaves,
+        devices,
+        n_slices,
+        host_memory=_offers_host_memory(devices[0]) and bool(model.optimizer),
+        annotated=model.annotated,
+        model_axes=model.axes,
+        rules=rules,
+        logical_axis_rules=logical_axis_rules,
+    )
+    built += [(name, (lambda s=s: s)) for name, s in extras]
+    built = _matching(built, wanted)
+    chip = chip_of(devices[0])
+    results = [_try(name, b, create_fn, step, batch, args, chip, len(devices)) for name, b in built]
+    ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
+    plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
+    if plan.best is None:
+        raise _nothing_fits(target, plan)
+    return plan.best.strategy, plan
+
+
+def _offers_host_memory(device: Any) -> bool:
+    """Whether to try the optimizer state in host memory: an accelerator (TPU, real or
+    an `spmd.topology`; GPU) with `pinned_host` memory. On CPU devices it is the same RAM."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    return device.platform != "cpu" and "pinned_host" in kinds
+
+
+_ONE_DEVICE_NOTE = (
+    "spmd.auto_strategy: this was raised tracing {what} on one device of the target (every "
+    "mesh axis of size 1), before any layout was tried: a bug in create_fn, the step or the "
+    "batch, not a layout that does not fit."
+)
+
+
+def _traced(fn: Callable[[], Any], what: str = "create_fn") -> Any:
+    """`fn()`, with a note on what it raises: it ran on one device, before any layout."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn()
+    except Exception as e:
+        e.add_note(_ONE_DEVICE_NOTE.format(what=what))
+        raise
+
+
+def _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules):
+    """Traces the step on one device (every axis of size 1): what fails there fails anywhere."""
+    sizes = {"data": 1} | {a: 1 for a in model.axes}
+    one = Strategy(
+        make_mesh(sizes, devices[:1]), rules=rules, logical_axis_rules=logical_axis_rules
+    )
+    state = _traced(lambda: one.abstract_state(create_fn, *args))
+    _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
+
+
+def _bound(strategy: Strategy, step: Callable[..., Any] | Step) -> Step:
+    """The step on `strategy`, a `Step`'s options kept."""
+    if not isinstance(step, Step):
+        return strategy.step(step)
+    return strategy.step(
+        step.fn,
+        donate=step.donate,
+        static_argnames=step.static_argnames,
+        batch_axis=step.batch_axis,
+    )
+
+
+def _nothing_fits(target: str, plan: Plan) -> ConfigurationError:
+    unfit = any(c.dropped.startswith("does not fit") for c in plan.dropped)
+    fix = (
+        "use a larger slice (or more slices), a smaller batch, remat (jax.checkpoint) in the "
+        "model, or a smaller model."
+        if unfit
+        else "read each layout's reason above: a layout spmd cannot lay out on this target, or "
+        "one the compiler refuses; pass a layout of your own as extra=, or another target."
+    )
+    return ConfigurationError(
+        message(
+            "At least one layout fits the target.",
+            received(target=target, plan="\n" + str(plan)),
+            fix,
+        )
+    )
+
+
+def _try(name, build, create_fn, step, batch, args, chip, n_devices) -> Candidate:
+    try:
+        strategy = build()
+    except Exception as e:  # a layout this mesh cannot make
+        return Candidate(name, None, dropped=f"cannot be built: {_first_line(e)}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = strategy.abstract_state(create_fn, *args)
+            e = strategy.explain(step, state, *batch)
+    except SpmdError as err:  # spmd's checks of this layout: the batch, the rules
+        return Candidate(name, strategy, dropped=f"cannot be laid out: {_first_line(err)}")
+    except Exception as err:  # it traced on one device: the compiler, or this layout
+        return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
+    if e.fits is False:
+        over = _human(-(e.hbm_headroom or 0))
+        return Candidate(
+            name,
+            strategy,
+            e,
+            dropped=f"does not fit: needs {_human(Candidate(name, strategy, e).memory_bytes)} "
+            f"of {_human(e.hbm_capacity)} HBM (over by {over})",
+        )
+    roofline = e.roofline
+    if roofline is None:  # CPU or GPU: this machine's measured figures
+        device = strategy.mesh.devices.flat[0]
+        sharing = len(jax.local_devices()) if device.platform == "cpu" else 1
+        flops = max(e.flops, e.matmul_flops / n_devices)
+        from spmd._src.roofline import traffic
+
+        flows = traffic(e.hlo, n_devices)
+        chip = measured_chip(device)
+        roofline = estimate(chip, flops, _accessed(e), flows, sharing, e.state_host_bytes)
+        limit = _device_limit(device)
+        need = Candidate(name, strategy, e).memory_bytes
+        if limit is not None and need > limit:
+            return Candidate(
+                name,
+                strategy,
+                e,
+                dropped=f"does not fit: needs {_human(need)} of {_human(limit)} device memory "
+                f"(over by {_human(need - limit)})",
+            )
+    return Candidate(name, strategy, e, roofline)
+
+
+def _device_limit(device: Any) -> int | None:
+    """A GPU's memory for programs (`memory_stats()["bytes_limit"]`); None elsewhere."""
+    if device.platform == "cpu":
+        return None
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a backend without memory statistics
+        return None
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def _accessed(e: Explanation) -> float:
+    """HBM bytes a step reads and writes at least: its arguments, outputs and temporaries."""
+    return float(e.argument_bytes + e.output_bytes + e.temp_bytes)

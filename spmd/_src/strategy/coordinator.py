@@ -1,0 +1,227 @@
+"""ClusterCoordinator: tf.distribute's schedule / join / fetch loop, in a multi-controller world."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd._src.data.dataset import DistributedDataset
+from spmd._src.errors import ConfigurationError, ContextError, message, received
+from spmd._src.strategy.replica import in_replica_context
+
+__all__ = ["ClusterCoordinator", "RemoteValue"]
+
+
+class RemoteValue:
+    """The result of a scheduled function: returned at once, filled when the devices finish.
+
+    tf.distribute's `RemoteValue`: `fetch()` waits and gives the value as numpy
+    arrays, `get()` waits and gives the arrays as they are (jax.Arrays).
+    An error the function raised is raised by `fetch()` and `get()`.
+    """
+
+    def __init__(self, value: Any = None, error: BaseException | None = None):
+        self._value = value
+        self._error = error
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        """Whether the value is ready (or the function failed); never waits."""
+        if self._error is not None:
+            return True
+        return all(_ready(x) for x in jax.tree.leaves(self._value))
+
+    def get(self) -> Any:
+        """Waits for the value and returns it (jax.Arrays stay on the devices)."""
+        self._raise()
+        return jax.block_until_ready(self._value)
+
+    def fetch(self) -> Any:
+        """Waits for the value and returns it with every array as numpy (a float for a scalar
+        is `float(rv.fetch())`).
+
+        An array sharded over several processes (a DiLoCo step's metrics, one row
+        per island) is gathered from every process: a collective, which every
+        process must call, in the same order, as every process runs the loop.
+        """
+        return jax.tree.map(_to_numpy, self.get())
+
+
+def _ready(x: Any) -> bool:
+    is_ready = getattr(x, "is_ready", None)
+    return True if is_ready is None else bool(is_ready())
+
+
+def _to_numpy(x: Any) -> Any:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if not x.is_fully_replicated:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x.addressable_shards[0].data)
+    return np.asarray(x) if isinstance(x, jax.Array) else x
+
+
+class ClusterCoordinator:
+    """tf.distribute's `ClusterCoordinator` for ported programs: `schedule`, `join`, `fetch`.
+
+    In spmd every process runs the same program (multi-controller), so every
+    process runs the coordinator's loop: there is no coordinator task sending
+    functions to workers, and no `ps` task. `schedule(fn, args)` calls `fn` at
+    once, in this process, in program order; what `fn` computes with jax is
+    dispatched asynchronously, so `schedule` returns before the devices finish,
+    and a `RemoteValue` holds the result: `fetch()` blocks until it is ready.
+    `join()` waits for everything scheduled. Steps therefore run in order and
+    synchronously across processes (a scheduled step is one program over every
+    device) - no stale updates and no lost steps. For training that tolerates
+    slow links the way asynchronous parameter servers did, schedule the steps
+    of a `spmd.DiLoCo` strategy: islands that communicate every H steps.
+
+    Differences from TensorFlow, by design:
+      - `fn` runs in the calling thread and in order; it is a Python function
+        (typically calling a `@strategy.step`), not a `tf.function` sent away.
+      - `schedule` returns when `fn`'s Python has run (the next batch, the
+        first call's compile, the dispatch); only the device work is left to
+        run asynchronously. Each function runs once, in the order scheduled.
+      - An error in `fn` is kept and raised by `join()`, `done()`, the next
+        `schedule()` (which then does not call its own `fn`) and its
+        `RemoteValue`'s `fetch()`, as TF does; a failed process ends the job
+        (restart it with `spmd launch --max-restarts` and a
+        `CheckpointManager`) rather than having its steps rescheduled.
+      - A `RemoteValue` passed to `schedule` reaches `fn` as it is, not
+        resolved (TF does not support it either): pass `value.get()`.
+      - Every process must call `schedule` the same number of times with the
+        same functions (every process runs the loop), or the others wait.
+
+    Args:
+      strategy: a `spmd.Strategy` (any named strategy) or a `spmd.DiLoCo`.
+
+    Example:
+      >>> coordinator = spmd.ClusterCoordinator(strategy)
+      >>> iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+      >>> for _ in range(steps_per_epoch):
+      ...     coordinator.schedule(step_fn, args=(iterator,))
+      >>> coordinator.join()
+      >>> loss = coordinator.schedule(step_fn, args=(iterator,)).fetch()
+    """
+
+    def __init__(self, strategy: Any):
+        if not (hasattr(strategy, "step") and hasattr(strategy, "distribute_dataset")):
+            raise ConfigurationError(
+                message(
+                    "A ClusterCoordinator coordinates a spmd strategy.",
+                    received(strategy=strategy),
+                    "pass e.g. spmd.ParameterServerStrategy(...), spmd.MirroredStrategy() "
+                    "or spmd.DiLoCo(...).",
+                )
+            )
+        self.strategy = strategy
+        self._pending: list[RemoteValue] = []
+        self._errors: list[BaseException] = []
+
+    def schedule(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping | None = None
+    ) -> RemoteValue:
+        """Runs `fn(*args, **kwargs)` now (its device work asynchronously); returns a `RemoteValue`.
+
+        Raises:
+          An error an earlier scheduled function raised (then forgotten, as TF does);
+            `fn` is then not called.
+          ConfigurationError: `fn` is not callable, or `args` is not a sequence.
+          ContextError: called inside `strategy.run`.
+        """
+        self._raise_kept()
+        if in_replica_context():
+            raise ContextError(
+                message(
+                    "schedule is called from the program's main loop, not inside strategy.run.",
+                    received(fn=fn),
+                    "call coordinator.schedule(step_fn, args=...) from the training loop.",
+                )
+            )
+        if not callable(fn) or isinstance(args, str | bytes) or not isinstance(args, Sequence):
+            raise ConfigurationError(
+                message(
+                    "schedule takes a function and a sequence of arguments.",
+                    received(fn=fn, args=args),
+                    "pass e.g. coordinator.schedule(step_fn, args=(iterator,)).",
+                )
+            )
+        try:
+            value = RemoteValue(fn(*args, **(kwargs or {})))
+        except Exception as error:  # kept, raised by join / the next schedule / fetch
+            value = RemoteValue(error=error)
+            self._errors.append(error)
+        self._pending.append(value)
+        return value
+
+    def join(self) -> None:
+        """Waits until every scheduled function has finished.
+
+        Raises:
+          The first error a scheduled function raised since the last `join`.
+        """
+        pending, self._pending = self._pending, []
+        for value in pending:
+            if value._error is None:
+                jax.block_until_ready(value._value)
+        self._raise_kept()
+
+    def done(self) -> bool:
+        """Whether every scheduled function has finished; never waits.
+
+        Raises:
+          The first error a scheduled function raised, as `join` does.
+        """
+        self._raise_kept()
+        self._pending = [v for v in self._pending if not v.done()]
+        return not self._pending
+
+    def fetch(self, values: Any) -> Any:
+        """Waits for `RemoteValue`s (in any structure) and returns their values as numpy."""
+        return jax.tree.map(
+            lambda v: v.fetch() if isinstance(v, RemoteValue) else _to_numpy(v),
+            values,
+            is_leaf=lambda v: isinstance(v, RemoteValue),
+        )
+
+    def create_per_worker_dataset(self, dataset_fn: Any) -> Iterable[Any]:
+        """The dataset every worker (here: every process) iterates, as global batches.
+
+        Args:
+          dataset_fn: a dataset, or a function returning one; a function of one
+            argument is given the `spmd.InputContext` (and the result taken as
+            this process's share, as `distribute_datasets_from_function`). A
+            result that is already distributed (`strategy.distribute_dataset`,
+            `distribute_datasets_from_function`) is used as it is.
+
+        Returns:
+          An iterable; `iter()` of it is what scheduled functions call `next` on.
+        """
+        if not callable(dataset_fn):
+            return self._distributed(dataset_fn)
+        try:
+            takes_context = len(inspect.signature(dataset_fn).parameters) == 1
+        except (TypeError, ValueError):
+            takes_context = False
+        if takes_context:
+            return self.strategy.distribute_datasets_from_function(dataset_fn)
+        return self._distributed(dataset_fn())
+
+    def _distributed(self, dataset: Any) -> Iterable[Any]:
+        if isinstance(dataset, DistributedDataset):
+            return dataset
+        return self.strategy.distribute_dataset(dataset)
+
+    def _raise_kept(self) -> None:
+        if self._errors:
+            error = self._errors[0]
+            self._errors = []
+            raise error

@@ -1,0 +1,569 @@
+"""Callbacks of `Trainer.fit`, under Keras's hook names: the base, History, progress,
+EarlyStopping, checkpoints (TensorBoard is in spmd/_src/trainer/tensorboard.py)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from spmd._src.checkpoint.manager import CheckpointManager
+from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.validate import positive_int
+
+if TYPE_CHECKING:
+    from spmd._src.trainer.trainer import Trainer
+
+__all__ = [
+    "BackupAndRestore",
+    "Callback",
+    "CallbackList",
+    "EarlyStopping",
+    "EpochLogger",
+    "History",
+    "ModelCheckpoint",
+    "ProgressBar",
+    "check_freq",
+]
+
+
+class Callback:
+    """Base class of callbacks: override the hooks you need; `self.trainer` is set by fit.
+
+    Hooks, as in Keras: `on_train_begin/end`, `on_epoch_begin/end`,
+    `on_train_batch_begin/end`, `on_test_begin/end`, `on_test_batch_begin/end`,
+    `on_predict_begin/end`, `on_predict_batch_begin/end`. `logs` is a dict of
+    floats (epoch and test hooks), `{"outputs": ...}` (`on_predict_batch_end`)
+    or None.
+    Every process runs every callback; write files from the chief only
+    (`spmd.cluster().is_chief`), or through `spmd.CheckpointManager`, which
+    coordinates the processes itself.
+    """
+
+    trainer: Trainer | None = None
+    params: dict[str, Any] = {}
+
+    def set_trainer(self, trainer: Trainer) -> None:
+        """Called by fit before any hook."""
+        self.trainer = trainer
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        """Called by fit with `epochs`, `steps` (per epoch, or None) and `verbose`."""
+        self.params = params
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """At the start of fit."""
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """At the end of fit, with the last epoch's logs."""
+
+    def on_train_abort(self) -> None:
+        """When fit stops on an exception (on_train_end does not run): release what
+        on_train_begin took (open files, a checkpoint directory's lock), so that
+        a retry in the same process can take them again."""
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Before epoch `epoch` (0-based)."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """After epoch `epoch`, with its training and validation metrics."""
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Before a training call (of `steps_per_execution` batches)."""
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """After a training call; `batch` counts batches of the epoch, 0-based, the last one run."""
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        """At the start of evaluate (also fit's validation)."""
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        """At the end of evaluate, with its metrics."""
+
+    def on_test_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Before evaluation batch `batch` (0-based, counted from this evaluation's first)."""
+
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """After evaluation batch `batch`, with the metrics over the batches so far
+        (a read of the devices, made only when some callback overrides this hook)."""
+
+    def on_predict_begin(self, logs: dict | None = None) -> None:
+        """At the start of predict."""
+
+    def on_predict_end(self, logs: dict | None = None) -> None:
+        """At the end of predict."""
+
+    def on_predict_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Before predict batch `batch` (0-based)."""
+
+    def on_predict_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """After predict batch `batch`, with `{"outputs": ...}`: its rows' outputs (numpy)."""
+
+
+_HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
+_BATCH_HOOKS = [name for name in _HOOKS if "_batch_" in name]
+
+
+class CallbackList:
+    """Calls a hook on every callback, in order.
+
+    A batch hook's dispatch is built ahead: only the callbacks that override it
+    (in their class or on the instance) are called, and a hook none overrides
+    is a no-op, so a batch hook costs nothing when no callback reads batches.
+    The other hooks look each callback's hook up when called (as Keras does) and
+    then build the batch hooks' dispatch again, so a hook a callback sets on
+    itself (in `on_train_begin`, `on_epoch_begin`, ...) is called from then on.
+    """
+
+    def __init__(self, callbacks: Sequence[Callback], trainer: Trainer, params: dict[str, Any]):
+        for callback in callbacks:
+            if not isinstance(callback, Callback):
+                raise ConfigurationError(
+                    message(
+                        "callbacks must be spmd.callbacks.Callback instances.",
+                        received(callback=callback),
+                        "subclass spmd.callbacks.Callback and override its on_* hooks.",
+                    )
+                )
+            callback.set_trainer(trainer)
+            callback.set_params(params)
+        self.callbacks = list(callbacks)
+        for name in _HOOKS:
+            if name not in _BATCH_HOOKS:
+                setattr(self, name, functools.partial(self._call, name))
+        self._build()
+
+    def _build(self) -> None:
+        """Builds each batch hook's dispatch from the callbacks' hooks as they are now."""
+        for name in _BATCH_HOOKS:
+            setattr(self, name, _dispatch([m for c in self.callbacks if (m := _hook(c, name))]))
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Calls hook `name` on every callback that has it now, then rebuilds the batch hooks."""
+        for callback in self.callbacks:
+            method = _hook(callback, name)
+            if method is not None:
+                method(*args, **kwargs)
+        self._build()
+
+    def overrides(self, name: str) -> bool:
+        """Whether some callback overrides hook `name` (e.g. "on_train_batch_end")."""
+        return any(_hook(c, name) is not None for c in self.callbacks)
+
+
+def _hook(callback: Callback, name: str) -> Callable | None:
+    """`callback`'s bound hook `name`, or None where it is `Callback`'s no-op."""
+    method = getattr(callback, name)
+    return None if getattr(method, "__func__", None) is getattr(Callback, name) else method
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """The dispatch of a hook no callback overrides."""
+
+
+def _dispatch(methods: list[Callable]) -> Callable:
+    """One call of every method in `methods`, in order."""
+    if not methods:
+        return _nothing
+    if len(methods) == 1:
+        return methods[0]
+
+    def call(*args: Any, **kwargs: Any) -> None:
+        for method in methods:
+            method(*args, **kwargs)
+
+    return call
+
+
+class History(Callback):
+    """Records every epoch's logs; `fit` returns it.
+
+    Attributes:
+      history: metric name -> one value per epoch, e.g. `history["val_loss"]`.
+      epoch: the epochs run, 0-based.
+    """
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[float]] = {}
+        self.epoch: list[int] = []
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.epoch.append(epoch)
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(value)
+
+
+class ProgressBar(Callback):
+    """A progress bar per epoch on the chief (rich), with the running metrics.
+
+    Metrics are read from the devices at most every `refresh` seconds, so the
+    bar does not slow the steps down.
+
+    Args:
+      refresh: seconds between reads of the running metrics.
+    """
+
+    def __init__(self, refresh: float = 0.5) -> None:
+        self.refresh = refresh
+        self._progress = None
+        self._task = None
+        self._last = 0.0
+
+    def _active(self) -> bool:
+        return jax.process_index() == 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if not self._active():
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn(f"epoch {epoch + 1}/{self.params.get('epochs', '?')}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[metrics]}"),
+            transient=False,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=self.params.get("steps"), metrics="")
+        self._last = time.monotonic()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._progress is None:
+            return
+        fields = {}
+        if time.monotonic() - self._last > self.refresh:
+            fields["metrics"] = _format(self.trainer.running_metrics())
+            self._last = time.monotonic()
+        self._progress.update(self._task, completed=batch + 1, **fields)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._progress is None:
+            return
+        self._progress.update(self._task, metrics=_format(logs or {}))
+        self._progress.stop()
+        self._progress = None
+
+
+class EpochLogger(Callback):
+    """One line per epoch on the chief: for logs and terminals without a bar."""
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if jax.process_index() == 0:
+            print(
+                f"epoch {epoch + 1}/{self.params.get('epochs', '?')}: {_format(logs or {})}",
+                file=sys.stdout,
+                flush=True,
+            )
+
+
+def _format(logs: dict) -> str:
+    return "  ".join(f"{k} {v:.4f}" for k, v in logs.items())
+
+
+class EarlyStopping(Callback):
+    """Stops fit when a monitored metric has stopped improving.
+
+    Args:
+      monitor: the log key to watch, e.g. "val_loss" or "val_accuracy".
+      min_delta: a change smaller than this is no improvement.
+      patience: epochs without improvement before stopping.
+      mode: "min", "max", or "auto" (max for accuracy-like keys, else min).
+      baseline: a value the metric must beat, else training stops after `patience`.
+      restore_best_weights: put back the state of the best epoch when stopping.
+      start_from_epoch: epochs to wait before watching.
+
+    Raises:
+      ConfigurationError: an unknown mode, or (at the first epoch end) a
+        monitored key missing from the logs.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        baseline: float | None = None,
+        restore_best_weights: bool = False,
+        start_from_epoch: int = 0,
+    ) -> None:
+        if mode not in ("auto", "min", "max"):
+            raise ConfigurationError(
+                message(
+                    'EarlyStopping mode is "auto", "min" or "max".',
+                    received(mode=mode),
+                    'pass mode="min" for losses, "max" for accuracies.',
+                )
+            )
+        if mode == "auto":
+            mode = "max" if "acc" in monitor else "min"
+        self.monitor, self.patience, self.baseline = monitor, patience, baseline
+        self.min_delta = abs(min_delta) * (1 if mode == "max" else -1)
+        self.mode = mode
+        self.restore_best_weights, self.start_from_epoch = restore_best_weights, start_from_epoch
+        self.stopped_epoch = 0
+        self.best_epoch = 0
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        self.wait = 0
+        self.best = (
+            self.baseline
+            if self.baseline is not None
+            else (-math.inf if self.mode == "max" else math.inf)
+        )
+        self.best_state = None
+
+    def _better(self, value: float) -> bool:
+        if self.mode == "max":
+            return value - self.min_delta > self.best
+        return value - self.min_delta < self.best
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        logs = logs or {}
+        if self.monitor not in logs:
+            raise ConfigurationError(
+                message(
+                    f"EarlyStopping watches '{self.monitor}', which the logs do not have.",
+                    received(monitor=self.monitor, logs=sorted(logs)),
+                    "watch one of the log keys (pass validation_data for val_* keys).",
+                )
+            )
+        if epoch < self.start_from_epoch:
+            return
+        value = float(logs[self.monitor])
+        if self._better(value):
+            self.best, self.best_epoch, self.wait = value, epoch, 0
+            if self.restore_best_weights:
+                self.best_state = jax.tree.map(np.asarray, self.trainer.host_state())
+            return
+        self.wait += 1
+        if self.wait >= max(self.patience, 1):
+            self.stopped_epoch = epoch
+            self.trainer.stop_training = True
+            if self.restore_best_weights and self.best_state is not None:
+                self.trainer.load_state(self.best_state)
+
+
+def _better(mode: str, value: float, best: float) -> bool:
+    return value > best if mode == "max" else value < best
+
+
+class ModelCheckpoint(Callback):
+    """Saves the train state with `spmd.CheckpointManager` (Orbax) every epoch or N batches.
+
+    Every process calls the manager; Orbax decides who writes what. Each
+    checkpoint is named by the global step and carries `{"epoch", "logs"}`
+    as metadata. Restore one with `spmd.CheckpointManager(directory).restore(
+    target=trainer.state)` or `trainer.load_state(...)`. When fit ends (not
+    when it stops on an error), the latest checkpoint is marked as the run's
+    final step (`CheckpointManager.mark_final`), where a `spmd.SidecarEvaluator`
+    reading the directory stops.
+
+    Args:
+      directory: where the checkpoints go (shared by every process).
+      monitor: the log key `save_best_only` compares.
+      save_best_only: save an epoch only if `monitor` improved.
+      mode: "min", "max" or "auto" (max for accuracy-like keys).
+      save_freq: "epoch", or a number of batches.
+      max_to_keep: how many checkpoints to keep.
+      async_save: write in background threads.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        monitor: str = "val_loss",
+        save_best_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+    ) -> None:
+        check_freq(save_freq, "ModelCheckpoint")
+        self.directory, self.monitor, self.save_best_only = directory, monitor, save_best_only
+        self.mode = ("max" if "acc" in monitor else "min") if mode == "auto" else mode
+        self.save_freq, self.max_to_keep, self.async_save = save_freq, max_to_keep, async_save
+        self.manager = None
+        self.best = -math.inf if self.mode == "max" else math.inf
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+
+        self._saves = self.trainer.iterations // self.save_freq if self.save_freq != "epoch" else 0
+        self.manager = CheckpointManager(
+            self.directory,
+            max_to_keep=self.max_to_keep,
+            async_save=self.async_save,
+            preemption="off",
+        )
+
+    def _save(self, logs: dict | None) -> None:
+        meta = {"epoch": self.trainer.epoch, "logs": {k: float(v) for k, v in (logs or {}).items()}}
+        self.manager.save(self.trainer.iterations, self.trainer.state, metadata=meta, force=True)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # A hook may come once per steps_per_execution batches: save when the count
+        # crossed a multiple of save_freq, not only when it lands on one.
+        if not isinstance(self.save_freq, int):
+            return
+        done = self.trainer.iterations // self.save_freq
+        if done > self._saves:
+            self._saves = done
+            self._save(None)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.save_freq != "epoch":
+            return
+        if self.save_best_only:
+            if self.monitor not in (logs or {}):
+                raise ConfigurationError(
+                    message(
+                        f"ModelCheckpoint(save_best_only=True) watches '{self.monitor}', which the logs do not have.",
+                        received(monitor=self.monitor, logs=sorted(logs or {})),
+                        "watch one of the log keys (pass validation_data for val_* keys).",
+                    )
+                )
+            if not _better(self.mode, float(logs[self.monitor]), self.best):
+                return
+            self.best = float(logs[self.monitor])
+        self._save(logs)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.manager is not None:
+            self.manager.wait()  # the saves in flight commit before the latest is looked up
+            if self.manager.latest_step() is not None:
+                self.manager.mark_final()  # a SidecarEvaluator stops after this step
+            self.on_train_abort()
+
+    def on_train_abort(self) -> None:
+        if self.manager is not None:  # fit stopped on an exception: wait for saves, release
+            self.manager.close()
+            self.manager = None
+
+
+class BackupAndRestore(Callback):
+    """Resumes an interrupted fit where it stopped: same epoch, same batch, same weights.
+
+    At the start of fit it restores the latest backup (state, optimizer, RNGs,
+    running metrics and the data position); it backs up at every epoch end (or
+    every `save_freq` batches); a preemption notice (SIGTERM) makes every
+    process back up at the same step and exit with code 42, which
+    `spmd launch --max-restarts` relaunches. A fit that completes deletes the
+    backup, as Keras does. The last two backups are kept: a damaged newest one
+    (unreadable, or failing its checksums) is skipped with a warning and fit
+    resumes from the one before.
+
+    Args:
+      backup_dir: where the backup lives (shared by every process).
+      save_freq: "epoch", or a number of batches.
+      delete_checkpoint: delete the backup when fit completes.
+    """
+
+    def __init__(
+        self, backup_dir: str, save_freq: str | int = "epoch", delete_checkpoint: bool = True
+    ) -> None:
+        check_freq(save_freq, "BackupAndRestore")
+        self.backup_dir, self.save_freq, self.delete_checkpoint = (
+            backup_dir,
+            save_freq,
+            delete_checkpoint,
+        )
+        self.manager = None
+        self.restored_step: int | None = None
+        self._saves = 0  # multiples of save_freq crossed so far
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+
+        interval = (
+            self.save_freq if isinstance(self.save_freq, int) else 2**62
+        )  # epochs force their saves
+        # Two backups: if the newest is damaged, fit resumes from the one before (logged).
+        self.manager = CheckpointManager(
+            self.backup_dir, max_to_keep=2, save_interval_steps=interval
+        )
+        trainer = self.trainer
+        state, step = self.manager.restore_newest(trainer.state, data=trainer.dataset)
+        self.restored_step = step
+        if step is not None:
+            meta = self.manager.metadata(step)
+            trainer.state = state
+            trainer.epoch = int(meta["epoch"])
+            trainer.iterations = step
+            trainer._pass_ended = bool(meta.get("pass_ended", False))
+        self._saves = trainer.iterations // interval
+
+    def _save(self, epoch: int, force: bool, pass_ended: bool = False) -> None:
+        """Backs up at `epoch`; `pass_ended`: the epoch's data is read to its end, so the
+        saved position is the next pass's start and the resumed epoch reads no batch."""
+        trainer = self.trainer
+        self.manager.save(
+            trainer.iterations,
+            trainer.state,
+            data=trainer.dataset,
+            metadata={"epoch": epoch, "pass_ended": pass_ended},
+            force=force,
+        )
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        # A hook may come once per steps_per_execution batches: save when the count
+        # crossed a multiple of save_freq, not only when it lands on one.
+        crossed = False
+        if isinstance(self.save_freq, int):
+            done = self.trainer.iterations // self.save_freq
+            crossed, self._saves = done > self._saves, max(done, self._saves)
+        trainer = self.trainer
+        self._save(trainer.epoch, force=crossed, pass_ended=trainer._pass_ended)  # or preempted
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch + 1, force=True)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self.manager is None:
+            return
+        self.manager.wait()
+        if not self.delete_checkpoint and self.manager.latest_step() is not None:
+            self.manager.mark_final()  # the backups stay: a SidecarEvaluator stops here
+        self.manager.close()
+        self.manager = None
+        if self.delete_checkpoint:
+            _remove_everywhere(self.backup_dir)
+
+    def on_train_abort(self) -> None:
+        if self.manager is not None:  # the backups stay: the retry resumes from them
+            self.manager.close()
+            self.manager = None
+
+
+def _remove_everywhere(directory: str) -> None:
+    """The chief deletes a shared folder once every process is done with it."""
+    import shutil
+
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"spmd-remove:{directory}")
+    if jax.process_index() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"spmd-removed:{directory}")
+
+
+def check_freq(save_freq: Any, owner: str) -> None:
+    if isinstance(save_freq, str) and save_freq == "epoch":
+        return
+    fix = 'pass save_freq="epoch", or a number of batches, e.g. save_freq=100.'
+    positive_int(save_freq, f"{owner}.save_freq", fix=fix)

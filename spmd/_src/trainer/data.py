@@ -1,0 +1,399 @@
+"""What the Trainer accepts as data, and how it reads a batch: inputs, labels, weights, mask."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spmd._src.data.dataset import DistributedDataset, InputOptions
+from spmd._src.data.sources import PaddedBatch
+from spmd._src.errors import BatchError, ConfigurationError, message, received
+from spmd._src.validate import positive_int
+
+if TYPE_CHECKING:
+    from spmd._src.strategy.base import Strategy
+
+__all__ = [
+    "BatchSpecs",
+    "as_dataset",
+    "check_count",
+    "check_distributed",
+    "check_examples",
+    "check_label_range",
+    "check_microbatches",
+    "check_rows",
+    "host_first",
+    "is_arrays",
+    "is_bare_arrays",
+    "split_batch",
+    "train_args",
+]
+
+_ARRAY = (np.ndarray, jax.Array)
+
+
+def _is_inputs(x: Any) -> bool:
+    """An array, a dict of arrays (named inputs) or a list/tuple of arrays (Keras' inputs list)."""
+    if isinstance(x, _ARRAY):
+        return True
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, list | tuple) else ()
+    return bool(values) and all(isinstance(v, _ARRAY) for v in values)
+
+
+def is_bare_arrays(x: Any) -> bool:
+    """A list/tuple of arrays: several inputs, or several batches of one input."""
+    return isinstance(x, list | tuple) and bool(x) and all(isinstance(v, _ARRAY) for v in x)
+
+
+def is_arrays(data: Any) -> bool:
+    """Whether `data` is `(x,)`, `(x, y)` or `(x, y, sample_weight)` of in-memory arrays.
+
+    `x` may be a dict of arrays (named inputs) or a list of arrays (several
+    inputs, given to the model as a list, as Keras does); `y` and
+    `sample_weight` are arrays. Read as an iterable of batches, such data
+    would have a bare array `y` for a batch, which fit and evaluate never take.
+    """
+    return (
+        isinstance(data, tuple | list)
+        and 1 <= len(data) <= 3
+        and _is_inputs(data[0])
+        and (len(data) > 1 or not isinstance(data[0], list | tuple))  # [(x, y)]: one batch
+        and all(isinstance(a, _ARRAY) for a in data[1:])
+    )
+
+
+def as_dataset(
+    strategy: Strategy,
+    data: Any,
+    batch_size: int | None,
+    *,
+    shuffle: bool,
+    pad: bool,
+    seed: int,
+    what: str,
+    microbatches: int = 1,
+) -> DistributedDataset:
+    """The distributed dataset of `data`: arrays, an iterable of batches, or one already.
+
+    With `pad` (evaluate, predict) a last partial batch is padded and every
+    batch is a `PaddedBatch`, so nothing is dropped and padding never counts.
+    A global batch the replicas (times `microbatches`) do not split evenly is
+    padded at its end with masked rows (`uneven_batch="pad_if_uneven"`): the
+    steps weigh only the real rows, so the global batch, and the training,
+    are the same at any replica count.
+
+    Raises:
+      BatchError: arrays without a batch size, or without examples (or, for
+        training, fewer than one batch); a distributed dataset known to yield
+        nothing, or (with `pad`) to drop examples.
+      ConfigurationError: data of a kind the Trainer does not read (e.g. a dict).
+    """
+
+    if isinstance(data, DistributedDataset):
+        check_distributed(data, pad=pad, what=what)
+        return data
+    uneven = {"uneven_batch": "pad_if_uneven", "microbatches": microbatches}
+    if is_arrays(data):
+        check_examples(data, batch_size, pad=pad, what=what)
+        if batch_size is None:
+            raise BatchError(
+                message(
+                    f"{what} with arrays needs batch_size: the global batch size.",
+                    received(batch_size=None, examples=len(jax.tree.leaves(data[0])[0])),
+                    f"pass batch_size=, e.g. 64 (a multiple of the {strategy.num_replicas_in_sync} "
+                    "replicas is never padded).",
+                )
+            )
+        arrays = tuple(jax.tree.map(np.asarray, a) for a in data)
+        ds = strategy.make_numpy_dataset(
+            arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=not pad
+        )
+        return strategy.distribute_dataset(ds, InputOptions(**uneven))
+    if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
+        options = InputOptions(remainder="pad" if pad else None, **uneven)
+        return strategy.distribute_dataset(data, options)
+    raise ConfigurationError(
+        message(
+            f"{what} takes (x, y) arrays with batch_size (x may be a dict of named inputs), "
+            "an iterable of (x, y) batches, or a distributed dataset.",
+            received(data=_kind(data)),
+            "pass e.g. trainer.fit((x_train, y_train), batch_size=64); for a dict "
+            '{"x": ..., "y": ...} pass (d["x"], d["y"]); for named inputs '
+            '({"image": ..., "text": ...}, y).',
+        )
+    )
+
+
+def check_examples(data: tuple, batch_size: int | None, *, pad: bool, what: str) -> None:
+    """Raises if arrays have no example, or (training) fewer than one batch.
+
+    Raises:
+      BatchError: 0 examples; or, without padding, fewer examples than `batch_size`
+        (training drops a partial batch, so it would train on nothing).
+    """
+    examples = np.shape(jax.tree.leaves(data[0])[0])[0]
+    if examples == 0:
+        raise BatchError(
+            message(
+                f"The data given to {what} has examples: at least one row.",
+                received(**{f"{what}_examples": 0}),
+                "pass arrays with examples on the leading axis (check the slicing or "
+                "filtering that made them).",
+            )
+        )
+    if not pad and isinstance(batch_size, int) and 0 < examples < batch_size:
+        raise BatchError(
+            message(
+                f"{what} trains on whole batches of batch_size examples (a partial last "
+                "batch is dropped), so the data needs at least batch_size examples.",
+                received(batch_size=batch_size, examples=examples),
+                f"pass batch_size={examples} or less (a multiple of the replicas), or more "
+                "examples.",
+            )
+        )
+
+
+def check_distributed(data: DistributedDataset, *, pad: bool, what: str) -> None:
+    """Raises if a distributed dataset is known to give no batch, or to drop examples.
+
+    Raises:
+      BatchError: training data with 0 batches an epoch; or, for evaluate and
+        predict, a dataset that drops its last partial batch (they count every
+        example once).
+    """
+    if data.num_batches == 0:
+        raise BatchError(
+            message(
+                f"The dataset given to {what} yields at least one batch an epoch.",
+                received(num_batches=0, num_examples=data.num_examples),
+                "pass more examples than one global batch, or pad the last batch "
+                '(drop_remainder=False, or InputOptions(remainder="pad")).',
+            )
+        )
+    if pad and data.num_dropped:
+        raise BatchError(
+            message(
+                f"{what} counts every example exactly once, so its dataset must not drop "
+                "the last partial batch.",
+                received(
+                    num_examples=data.num_examples + data.num_dropped,
+                    dropped_examples=data.num_dropped,
+                ),
+                "build the dataset with drop_remainder=False (make_numpy_dataset, "
+                'FileDataset) or InputOptions(remainder="pad"): the last batch is then '
+                "padded and masked, or pass the arrays themselves with batch_size.",
+            )
+        )
+
+
+def check_endless(data: DistributedDataset, steps_per_epoch: int | None) -> None:
+    """Raises for an endless dataset without `steps_per_epoch`, as Keras does.
+
+    Raises:
+      ConfigurationError: the dataset never ends (`repeat()`), so an epoch
+        would never end either.
+    """
+    if data.infinite and steps_per_epoch is None:
+        raise ConfigurationError(
+            message(
+                "fit on a dataset that never ends (repeat() with no count) needs "
+                "steps_per_epoch: the number of batches that make an epoch.",
+                received(steps_per_epoch=None, dataset="infinite"),
+                "pass steps_per_epoch=N (e.g. examples // global_batch_size), or repeat the "
+                "dataset a finite number of times.",
+            )
+        )
+
+
+def check_rows(batch: tuple, what: str) -> None:
+    """Raises if a batch has no rows (it would give a NaN loss, or nothing).
+
+    Raises:
+      BatchError: a leaf of the batch with a leading size of 0.
+    """
+    sizes = [np.shape(v)[0] for v in jax.tree.leaves(batch) if np.ndim(v)]
+    if sizes and min(sizes) == 0:
+        raise BatchError(
+            message(
+                f"Every batch given to {what} has rows: a leading (batch) size of 1 or more.",
+                received(**{f"{what}_batch": _describe(batch)}),
+                "leave empty batches out of the data (check the slicing or filtering that "
+                "made them).",
+            )
+        )
+
+
+def _kind(data: Any) -> str:
+    if isinstance(data, dict):
+        return f"dict with keys {sorted(map(str, data))}"
+    return type(data).__name__
+
+
+def split_batch(batch: Any) -> tuple[tuple, Any]:
+    """(the batch's elements, its padding mask or None): the mask is known by type only.
+
+    A `PaddedBatch` ends with its mask; any other tuple is all data, so an
+    `(x, y)` batch is never mistaken for `(x, mask)`.
+    """
+    if type(batch) is tuple:  # the common case, first: the batch itself, not a copy
+        return batch, None
+    if isinstance(batch, PaddedBatch):
+        return batch.inputs, batch.mask
+    if isinstance(batch, tuple | list):
+        return tuple(batch), None
+    return (batch,), None
+
+
+def train_args(batch: Any, what: str) -> tuple:
+    """`(x, y, sample_weight, mask)` of a batch for the train/eval steps; absent ones None.
+
+    Raises:
+      BatchError: the batch is not `(x, y)` or `(x, y, sample_weight)`.
+    """
+    elements, mask = split_batch(batch)
+    if len(elements) not in (2, 3):
+        raise BatchError(
+            message(
+                f"{what} reads batches of (x, y) or (x, y, sample_weight).",
+                received(batch_elements=len(elements), batch=_describe(elements)),
+                "yield (x, y) tuples (a padded dataset's mask is added by spmd, as a "
+                "spmd.PaddedBatch).",
+            )
+        )
+    x, y, *weights = elements
+    return x, y, weights[0] if weights else None, mask
+
+
+def _describe(elements: tuple) -> str:
+    return ", ".join(str(jax.tree.map(lambda a: tuple(np.shape(a)), e)) for e in elements)
+
+
+def host_first(data: Any, batch_size: int | None, what: str) -> Any:
+    """The first batch of `data` on the host, if reading it changes nothing; else None.
+
+    Every batch of a list or tuple of batches is checked for rows.
+
+    Arrays give their first `batch_size` rows; a re-iterable (a list) its first
+    element; a distributed dataset or a one-shot iterator None (reading would
+    use up a batch or move the dataset to its next epoch).
+    """
+
+    if data is None or isinstance(data, DistributedDataset | Iterator):
+        return None
+    if is_arrays(data):
+        return tuple(jax.tree.map(lambda a: np.asarray(a)[:batch_size], part) for part in data)
+    if isinstance(data, list | tuple):  # in memory: every batch is checked for rows now
+        for batch in data:
+            check_rows(split_batch(batch)[0], what)
+    if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
+        return next(iter(getattr(data, "as_numpy_iterator", lambda: data)()), None)  # tf.data
+    return None
+
+
+def check_count(name: str, value: Any, *, allow_none: bool) -> None:
+    """Raises unless `value` is a positive int (or None where allowed)."""
+    if value is None and allow_none:
+        return
+    unit = "batches" if "steps" in name else "epochs"
+    or_none = ", or leave it None for the whole dataset" if allow_none else ""
+    positive_int(value, name, fix=f"pass {name}=1 or more {unit}{or_none}.")
+
+
+def check_microbatches(batch: tuple, steps: int, replicas: int) -> None:
+    """Raises unless each replica's rows split into `steps` equal microbatches."""
+    if steps == 1:
+        return
+    size = np.shape(jax.tree.leaves(batch[0])[0])[0]
+    per_replica = size // replicas
+    if per_replica % steps:
+        raise BatchError(
+            message(
+                f"grad_accum_steps={steps} splits each replica's rows into {steps} equal "
+                "microbatches.",
+                received(
+                    grad_accum_steps=steps,
+                    global_batch_size=size,
+                    per_replica_batch_size=per_replica,
+                    num_replicas_in_sync=replicas,
+                ),
+                f"use a global batch size that is a multiple of {steps * replicas} "
+                f"(grad_accum_steps x replicas), or a grad_accum_steps that divides "
+                f"{per_replica}, or let the dataset pad it: InputOptions(uneven_batch="
+                f'"pad_if_uneven", microbatches={steps}) (fit pads arrays so by itself).',
+            )
+        )
+
+
+_RANGE = jax.jit(lambda y: (jnp.min(y), jnp.max(y)))
+
+
+def check_label_range(loss_name: str, outputs: jax.ShapeDtypeStruct, y: Any, what: str) -> None:
+    """Checks a batch's labels lie in the loss's range (class ids, or 0..1 for binary).
+
+    One small reduction on the devices, the same answer on every process.
+
+    Raises:
+      BatchError: a label outside the range, which would give a NaN or a wrong loss.
+    """
+    if loss_name == "sparse_categorical_crossentropy":
+        low, high, want = 0, outputs.shape[-1] - 1, f"class ids in [0, {outputs.shape[-1] - 1}]"
+    elif loss_name == "binary_crossentropy":
+        low, high, want = 0, 1, "labels in [0, 1]"
+    else:
+        return
+    lo, hi = (float(v) for v in jax.device_get(_RANGE(y)))
+    if lo < low or hi > high:
+        raise BatchError(
+            message(
+                f"The loss {loss_name!r} needs {want} (the model has {outputs.shape[-1]} outputs).",
+                received(**{f"{what}_labels_min": lo, f"{what}_labels_max": hi}),
+                "map the labels into that range, or give the model as many outputs as classes.",
+            )
+        )
+
+
+class BatchSpecs:
+    """The training data's per-example shapes and label kind, that other data must match."""
+
+    def __init__(self) -> None:
+        self._train: tuple | None = None
+
+    def check(self, what: str, x: Any, y: jax.ShapeDtypeStruct) -> None:
+        """Records the spec for "fit"; for other data, raises if it differs from training's.
+
+        Raises:
+          BatchError: another per-example shape of x or y, or another label kind
+            (class ids against one-hot or float labels).
+        """
+        spec = _spec(x, y)
+        if what == "fit":
+            self._train = spec
+            return
+        if self._train is None or spec == self._train:
+            return
+        raise BatchError(
+            message(
+                f"{what} must look like the training data: the same per-example shapes and "
+                "label kind.",
+                received(**{what: _show(spec), "training_data": _show(self._train)}),
+                "give it the training data's encoding (e.g. class ids, not one-hot) and shapes.",
+            )
+        )
+
+
+def _spec(x: Any, y: jax.ShapeDtypeStruct) -> tuple:
+    inputs = tuple((tuple(v.shape[1:]), np.dtype(v.dtype).kind) for v in jax.tree.leaves(x))
+    return jax.tree.structure(x), inputs, tuple(y.shape[1:]), np.dtype(y.dtype).kind
+
+
+_KINDS = {"i": "int", "u": "uint", "f": "float", "b": "bool"}
+
+
+def _show(spec: tuple) -> str:
+    _, inputs, label_shape, label_kind = spec
+    shown = [f"{shape} {_KINDS.get(kind, kind)}" for shape, kind in inputs]
+    return f"x {', '.join(shown)}; y {label_shape} {_KINDS.get(label_kind, label_kind)}"

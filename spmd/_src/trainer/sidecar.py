@@ -1,0 +1,347 @@
+"""SidecarEvaluator: the `evaluator` task, evaluating each checkpoint a training job writes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from spmd._src.checkpoint.integrity import Damaged
+from spmd._src.checkpoint.manager import CheckpointManager
+from spmd._src.errors import CheckpointError
+from spmd._src.strategy.base import Strategy
+from spmd._src.trainer.callbacks import Callback, CallbackList
+from spmd._src.trainer.losses import Metric
+from spmd._src.trainer.sidecar_args import (
+    as_trainer,
+    check_callbacks,
+    check_data,
+    check_directory,
+    check_ends,
+    check_grace,
+    check_log_dir,
+    check_poll,
+    optional_count,
+)
+from spmd._src.trainer.sidecar_layout import Layout
+from spmd._src.trainer.sidecar_watch import (
+    REMOVED_BEFORE,
+    Ending,
+    Run,
+    Skips,
+    Wait,
+    agreed,
+    agreed_mark,
+    going,
+)
+from spmd._src.trainer.tensorboard import TensorBoard
+from spmd._src.trainer.trainer import Trainer
+from spmd._src.validate import positive_number
+
+__all__ = ["SidecarEvaluator"]
+
+_log = logging.getLogger("spmd.evaluator")
+
+
+class SidecarEvaluator:
+    """Evaluates the checkpoints a training job writes, while it writes them.
+
+    The `evaluator` task of tf.distribute (Keras' `SidecarEvaluator`): a job of
+    its own, beside the training job, that waits for each new checkpoint in
+    `checkpoint_dir`, restores it into its own strategy (any device count: a
+    one-device evaluator of an 8-device or multi-host run, the arrays are
+    resharded), evaluates it exactly with `Trainer.evaluate`'s step (every
+    example once, padding masked) and logs the metrics. It reads through a
+    `CheckpointManager(read_only=True)`: it takes no lock, writes nothing
+    into the directory, never sees a step being written, and works on a
+    read-only mount.
+
+    Every step is evaluated, oldest first. A directory removed and re-created
+    by a new run (or whose steps go back below the last evaluated one to
+    checkpoints it never read) is logged and followed from the new run's
+    first step. Every step it saw and does not evaluate gets a log line:
+    damaged (its checksums fail, its folder stays incomplete), or removed by
+    the writer's `max_to_keep` before or while it was read (steps saved and
+    removed between two looks are never seen). `start` ends after the step
+    the training run marked as its last (`ModelCheckpoint` marks it when
+    `fit` ends; a custom loop calls `CheckpointManager.mark_final()`), once
+    that mark has stayed for `final_grace` seconds; after `max_evaluations`
+    evaluations; or after `timeout` seconds without a new step. A run that
+    goes on (a second `fit` call, a resumed run) takes the mark away when it
+    opens the directory, before its first save: the grace is the time it has
+    to start.
+
+    Args:
+      model_or_trainer: the training job's model (the same module class and
+        config: its parameters and other model state are read from each
+        checkpoint, never the optimizer state), as Keras takes a compiled
+        model: a flax `nnx.Module` or an (init, apply) pair, with `loss` and
+        `metrics`; or a `spmd.Trainer` of it, which brings its own loss,
+        metrics and strategy. Each checkpoint is loaded into the model, in
+        place, before it is evaluated (as Keras does): give the evaluator a
+        model (or Trainer) of its own.
+      data: the evaluation data, as `Trainer.evaluate` takes it (arrays with
+        `batch_size`, or a re-iterable of batches): read anew for each step.
+      checkpoint_dir: the training job's checkpoint directory (e.g. its
+        `ModelCheckpoint` directory); it may not exist yet. While no new
+        step comes, "Waiting for new checkpoint at <dir>" is logged (INFO)
+        when the wait begins and every 5 minutes after.
+      steps: evaluate the first `steps` batches of `data` (None: all of it);
+        needed for a dataset that never ends (`repeat()`), as in Keras.
+      max_evaluations: stop after this many evaluations (None: no limit).
+        Keras stops after the checkpoint whose number (`ckpt-<k>`, one per
+        save or epoch) reaches it; spmd names checkpoints by train step and
+        evaluates each in turn, so this counts evaluations: with one
+        checkpoint per epoch, `max_evaluations=n` stops after the n-th, as
+        Keras does. Skipped (damaged or removed) steps do not count.
+      callbacks: a list of `spmd.callbacks.Callback`s (or one, as Keras
+        takes it); each evaluation calls their test hooks as
+        `Trainer.evaluate` does (`on_test_begin`, `on_test_batch_begin/end`
+        per batch, `on_test_end(logs)`), with `trainer.iterations` set to the
+        checkpoint's step, the train step it was saved at (Keras restores
+        `optimizer.iterations`). `spmd.callbacks.TensorBoard(log_dir)` here
+        writes what `log_dir` does. The arguments so far are Keras', in its
+        order; the others are keyword-only.
+      log_dir: write each step's metrics as TensorBoard scalars
+        `evaluation_<metric>_vs_iterations` at the step, under
+        `log_dir/validation` (as Keras' TensorBoard callback does), each on
+        disk when its evaluation ends; created at construction, which fails if
+        it cannot be written.
+      loss: with a bare model, the loss to evaluate, as `spmd.Trainer` takes
+        it (a name such as "sparse_categorical_crossentropy", or a callable
+        (outputs, labels) -> per-example loss): Keras' `model.compile(loss=)`.
+      metrics: with a bare model, the metrics, as `spmd.Trainer` takes them
+        (e.g. ("accuracy",)): Keras' `model.compile(metrics=)`.
+      strategy: with a bare model, where to evaluate (the current strategy
+        by default; any device count).
+      batch_size: the global batch size, with array data.
+      poll_interval: seconds between looks at the directory (at most 600).
+      timeout: stop after this many seconds without a new step (None: wait
+        for the run's final step). A training job that dies unmarked
+        (killed, a node lost) leaves nothing else that ends the wait: give
+        one of a few checkpoint intervals.
+      final_grace: seconds the run's final-step mark must stay, unchanged,
+        after the marked step was evaluated, before `start` ends: the time a
+        job that calls `fit` again, or a run resumed beside the evaluator,
+        has to open the directory (0: end at once, for a run that is never
+        resumed).
+      params_key: where the model's parameters are in the saved state, a
+        '/'-joined path: "params" for `Trainer.fit`'s checkpoints and for a
+        custom loop that saves `{"params": ..., "opt": ...}` (examples/06);
+        e.g. "model/params" for one nested deeper.
+      rest_key: where the model's other state is (BatchNorm statistics, RNG
+        counts; `Trainer.fit` saves it as "rest"), or None where the loop
+        saves none. Read only for a model that has such state.
+
+    Raises:
+      ConfigurationError: a bare model without `loss`, a Trainer with
+        `loss`, `metrics` or `strategy` (it has its own), an argument out
+        of range, a `checkpoint_dir` that is a file or one step's folder,
+        `callbacks` that are not Callbacks, or a `log_dir` that is not a
+        path or cannot be written.
+
+    Example:
+      >>> evaluator = spmd.SidecarEvaluator(
+      ...     Net(nnx.Rngs(0)), (x_val, y_val), "/ckpt/run", loss="sparse_categorical_crossentropy",
+      ...     metrics=("accuracy",), batch_size=256, log_dir="/logs/run",
+      ...     timeout=3600)  # doctest: +SKIP
+      >>> history = evaluator.start()  # {step: {"loss": ..., "accuracy": ...}}  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model_or_trainer: Any,
+        data: Any,
+        checkpoint_dir: str,
+        steps: int | None = None,
+        max_evaluations: int | None = None,
+        callbacks: Sequence[Callback] | Callback | None = None,
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        loss: str | Callable | None = None,
+        metrics: Sequence[str | Metric] = (),
+        strategy: Strategy | None = None,
+        batch_size: int | None = None,
+        poll_interval: float = 1.0,
+        timeout: float | None = None,
+        final_grace: float = 60.0,
+        params_key: str = "params",
+        rest_key: str | None = "rest",
+    ) -> None:
+        self.trainer = as_trainer(model_or_trainer, loss, metrics, strategy)
+        self.data, self.batch_size = check_data(data), batch_size
+        self.checkpoint_dir = check_directory(checkpoint_dir)
+        self.steps = optional_count(steps, "steps", "batches per evaluation")
+        self.max_evaluations = optional_count(max_evaluations, "max_evaluations", "evaluations")
+        self.poll_interval = check_poll(poll_interval)
+        self.timeout = None if timeout is None else positive_number(timeout, "timeout")
+        self.final_grace = check_grace(final_grace)
+        self.layout = Layout.checked(params_key, rest_key)
+        self.callbacks = check_callbacks(callbacks)
+        if (log_dir := check_log_dir(log_dir)) is not None:
+            self.callbacks.append(TensorBoard(log_dir))
+        self.history: dict[int, dict[str, float]] = {}
+        self._evaluations = 0  # over every run the directory held
+
+    @property
+    def model(self) -> Any:
+        """The model, holding the weights of the last checkpoint evaluated (Keras' `model`)."""
+        return self.trainer.model
+
+    def start(self) -> dict[int, dict[str, float]]:
+        """Evaluates each new checkpoint until the run's final step (see the class).
+
+        Returns:
+          {step: {"loss": ..., metric: ...}} for every step evaluated, oldest first,
+          of the run it ended with (a directory re-created by a new run starts it anew).
+
+        Raises:
+          CheckpointError: a checkpoint's model is not the evaluator's (the
+            message names the paths that differ), or holds nothing at
+            `params_key` / `rest_key` (the message lists its top-level keys),
+            or the directory or a step's files cannot be read (permissions:
+            the message names the path and the errno). Damaged and removed
+            steps are skipped.
+          BatchError: `data` has no batch.
+          ConfigurationError: `data` never ends (repeat()) and `steps` is None.
+        """
+        trainer = self.trainer
+        trainer.build()
+        dataset = trainer._dataset(
+            self.data, self.batch_size, shuffle=False, pad=True, what="SidecarEvaluator data"
+        )
+        check_ends(dataset, self.steps)
+        hooks = CallbackList(self.callbacks, trainer, {"steps": self.steps, "verbose": 0})
+        try:
+            self._loop(dataset, hooks)
+        finally:
+            for callback in self.callbacks:  # log_dir's, and any given as Keras users do
+                if isinstance(callback, TensorBoard):
+                    callback.on_train_end()  # closes its event files: the last events land
+        return self.history
+
+    def _loop(self, dataset: Any, hooks: CallbackList) -> None:
+        reader, skips = CheckpointManager(self.checkpoint_dir, read_only=True), Skips()
+        try:
+            while (why := self._follow(reader, dataset, hooks, skips)) is not None:
+                skips.end()
+                _log.warning(
+                    "the checkpoint directory %s holds a new run (%s): evaluating its steps "
+                    "from the start",
+                    reader.directory,
+                    why,
+                )
+                reader.close()  # its listings were of the old run's folders
+                reader = CheckpointManager(self.checkpoint_dir, read_only=True)
+                self.history = {}
+        finally:
+            skips.end()
+            reader.close()
+
+    def _follow(
+        self, reader: CheckpointManager, dataset: Any, hooks: CallbackList, skips: Skips
+    ) -> str | None:
+        """Evaluates the run in the directory to its end (None), or until another run replaces
+        it: then why the directory holds a new run."""
+        done, last_new = -1, time.monotonic()
+        ending, wait = Ending(self.final_grace), Wait(self.checkpoint_dir, self.timeout)
+        run = Run(reader.directory)
+        while True:
+            mark = agreed_mark(reader)  # before the listing: see below
+            steps = agreed(reader.all_steps(), "all_steps")
+            why = agreed(run.changed(steps, done), "new run")
+            if why is not None:
+                return why
+            new = [s for s in steps if s > done]
+            skips.look(reader, new, done)
+            for step in new:
+                run.evaluating(step)
+                metrics = self._evaluate(reader, dataset, hooks, step)
+                done = step
+                if metrics is not None:
+                    self.history[step] = metrics
+                    self._evaluations += 1
+                    if self.max_evaluations and self._evaluations >= self.max_evaluations:
+                        _log.info("evaluated %d steps (max_evaluations): done", self._evaluations)
+                        return None
+            if new:
+                last_new = time.monotonic()
+                wait.found()
+            # The run marks its final step after its last save committed, so a listing
+            # made after reading the mark holds every step the run wrote.
+            if agreed(ending.ended(mark, steps, done), "ended"):  # each process times the grace
+                _log.info("the training run ended at step %d: done", mark.step)
+                return None
+            waited = time.monotonic() - last_new
+            if self.timeout is not None and agreed(waited >= self.timeout, "timeout"):
+                _log.info("no new checkpoint in %.0f s (timeout): done", waited)
+                return None
+            pause = self.poll_interval
+            if self.timeout is not None:
+                pause = min(pause, self.timeout - waited)
+            wait.log()
+            time.sleep(pause)
+
+    def _evaluate(self, reader: CheckpointManager, dataset: Any, hooks, step: int) -> dict | None:
+        """The metrics of checkpoint `step`, or None if it is damaged or gone (logged)."""
+        trainer, layout = self.trainer, self.layout
+        if not agreed(step in reader.all_steps(), "listed"):
+            _log.warning("skipping checkpoint step %d: %s", step, REMOVED_BEFORE)
+            return None
+        try:
+            layout.check(list(reader.saved_arrays(step)), trainer.state, step)
+            target = layout.target(trainer.state)  # the model alone: no optimizer state
+            model = layout.read(reader.restore(step, target=target, partial=True), trainer.state)
+        except CheckpointError as error:
+            if agreed(going(reader.directory / str(step), step), "removed"):
+                _log.warning(
+                    "skipping checkpoint step %d: removed by the writer's max_to_keep while it "
+                    "was being read",
+                    step,
+                )
+                return None
+            if isinstance(error, Damaged):
+                _log.warning("skipping checkpoint step %d: damaged: %s", step, _why(error))
+                return None
+            raise
+        trainer.state = {**trainer.state, **model, "step": _placed(step, trainer.state["step"])}
+        trainer.iterations = step
+        _load_into_model(trainer)
+        batches = dataset if self.steps is None else _first(dataset, self.steps)
+        metrics = trainer._evaluate_dataset(batches, "SidecarEvaluator", hooks)
+        shown = "  ".join(f"{k} {v:.6g}" for k, v in metrics.items())
+        _log.info("checkpoint step %d: %s", step, shown)
+        return metrics
+
+
+def _placed(step: int, like: jax.Array) -> jax.Array:
+    """`step` as a scalar laid out as `like` (the train state's step counter)."""
+    value = np.asarray(step, like.dtype)
+    return jax.make_array_from_callback((), like.sharding, lambda index: value[index])
+
+
+def _load_into_model(trainer: Trainer) -> None:
+    """Puts the restored weights into the model the evaluator was given, in place, as Keras'
+    evaluator loads each checkpoint into its model (`Trainer.model` updates the module)."""
+    trainer.model  # noqa: B018 - reading the property writes the state into the module
+
+
+class _first:
+    """The first `count` batches of `dataset`, each time it is iterated."""
+
+    def __init__(self, dataset: Any, count: int) -> None:
+        self.dataset, self.count = dataset, count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.dataset), self.count)
+
+
+def _why(error: BaseException) -> str:
+    lines = str(error).splitlines()
+    return lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__
