@@ -35,7 +35,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-
 from sklearn.datasets import load_digits  # noqa: E402
 
 GLOBAL_BATCH, HIDDEN = 64, 64

@@ -491,7 +491,7 @@ def test_num_batches_is_the_number_of_batches_yielded(
     dist = strategy.distribute_dataset(ds, options)
     yielded = list(dist)
     assert dist.num_batches == len(yielded)
-    padded = isinstance(yielded[-1], spmd._src.data.PaddedBatch) if yielded else False
+    padded = isinstance(yielded[-1], spmd.PaddedBatch) if yielded else False
     real = sum(int(np.asarray(b.mask).sum()) for b in yielded) if padded else len(yielded) * batch
     assert padded == ((remainder or ("drop" if drop else "pad")) == "pad")
     assert real == (examples if padded else examples // batch * batch)

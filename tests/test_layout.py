@@ -384,7 +384,9 @@ def test_every_spmd_module_and_file_the_repository_names_exists():
         text = path.read_text()
         where = path.relative_to(ROOT).as_posix()
         stale |= {
-            (where, m) for m in set(_DOTTED.findall(text)) - _PLACEHOLDERS - _LOGGERS if not _resolves(m)
+            (where, m)
+            for m in set(_DOTTED.findall(text)) - _PLACEHOLDERS - _LOGGERS
+            if not _resolves(m)
         }
         stale |= {(where, m) for m in set(_PATH.findall(text)) if not (ROOT / m).exists()}
     assert not stale, sorted(stale)

@@ -84,7 +84,7 @@ def test_uneven_dataset_batches_keep_remainder(two):
     """testUnevenDatasetBatches, drop_remainder=False: TF's last step is [[8], []]."""
     options = spmd.InputOptions(remainder="pad")
     dist = two.distribute_dataset(batches(range(9), 4), options)
-    got = [per_replica(x[0] if isinstance(x, spmd._src.data.PaddedBatch) else x) for x in dist]
+    got = [per_replica(x[0] if isinstance(x, spmd.PaddedBatch) else x) for x in dist]
     assert got == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8], []]]
 
 

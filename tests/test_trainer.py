@@ -194,10 +194,10 @@ def test_padded_batch_is_a_tuple_and_a_pytree():
     strategy = spmd.MirroredStrategy()
     ds = strategy.make_numpy_dataset((np.arange(20.0), np.arange(20)), 8, drop_remainder=False)
     batches = list(strategy.distribute_dataset(ds))
-    assert all(isinstance(b, spmd._src.data.PaddedBatch) for b in batches)
+    assert all(isinstance(b, spmd.PaddedBatch) for b in batches)
     xb, yb, mask = batches[-1]
     assert batches[-1].mask is mask and len(batches[-1].inputs) == 2
     np.testing.assert_array_equal(np.asarray(mask), [1, 1, 1, 1, 0, 0, 0, 0])
     doubled = jax.tree.map(lambda a: a * 2, batches[0])
-    assert isinstance(doubled, spmd._src.data.PaddedBatch)
+    assert isinstance(doubled, spmd.PaddedBatch)
     np.testing.assert_array_equal(np.asarray(doubled.inputs[0]), np.arange(8.0) * 2)

@@ -111,7 +111,7 @@ class Explanation:
         counts a loop's body once and, on GPUs, leaves out the library calls
         matrix products become (cuBLAS): a lower bound, not a figure for MFU.
       matmul_flops: the FLOPs of the step's matrix products and convolutions,
-        counted from its traced program, over all devices (`spmd._src.flops`):
+        counted from its traced program, over all devices:
         a scan's body times its length; recomputation counts; a backend's
         fused kernels (a cuDNN attention) do not. The numerator of MFU.
       collectives: kind -> `Collective` (count, bytes).
@@ -126,9 +126,9 @@ class Explanation:
       code_bytes: on TPU, the compiled program's code, which HBM holds too.
       traffic: on TPU, the collectives by kind and link (ICI inside a slice,
         DCN between slices) with the bytes each device sends
-        (`spmd._src.roofline.Traffic`), loops counted per iteration.
+        (`spmd.Traffic`), loops counted per iteration.
       roofline: on TPU, the estimated step time and its terms
-        (`spmd._src.roofline.Roofline`; the model is in docs/planning.md).
+        (`spmd.Roofline`; the model is in docs/planning.md).
     """
 
     strategy: str

@@ -126,7 +126,7 @@ class Roofline:
     """An estimated step time, per device, and the figures it comes from.
 
     Attributes:
-      chip: whose figures (`spmd._src.topologies.Chip`; for CPU devices, measured).
+      chip: whose figures (a `spmd.Topology`'s `chip`; for CPU devices, measured).
       devices_per_chip: devices sharing one chip's figures (a v4 topology with
         `megacore=False` shows its two TensorCores as two devices; simulated
         CPU devices share the host).

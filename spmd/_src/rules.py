@@ -263,7 +263,7 @@ def resolve_specs(
       logical_axis_rules: (logical name, mesh axes) pairs for annotations.
       replicate_unmapped: annotation names neither mapped nor mesh axes are
         replicated; if False they are an error (one listing them all), unless
-        the logical rules hold `(spmd._src.logical.REST, None)`.
+        the logical rules hold `(spmd.logical.REST, None)`.
       keep_placed: a leaf no rule or annotation lays out keeps the sharding it
         carries (an array's, or a `ShapeDtypeStruct`'s), read by its axis names.
 

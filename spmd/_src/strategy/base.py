@@ -100,7 +100,7 @@ class Strategy:
         `nn.with_logical_partitioning` boxes) to mesh axes; a name equal to a
         mesh axis maps to it. Names neither mapped nor mesh axes are an error
         listing them all (the named strategies replicate them instead); a rule
-        `(spmd._src.logical.REST, None)` replicates every name the others do not map.
+        `(spmd.logical.REST, None)` replicates every name the others do not map.
       offload: with placement="offload_optimizer", the leaves to keep in host
         memory: a regex or a list of regexes over '/'-joined state paths,
         matched as a rule's regex (the whole path or a '/'-suffix of it), e.g.
