@@ -1,11 +1,8 @@
-"""`spmd.logical`: logical axis rules' words of spmd's own (flax's rules do the rest).
+"""`spmd.logical`: `REST`, the logical axis rules' word for every name no other rule maps."""
 
-`REST` as a rule's logical name, `(spmd.logical.REST, None)`, replicates every
-logical name that no other rule maps, as MaxText's configs leave names such as
-`layers` or `kv` unsharded; without it an unmapped name is an error that lists
-every one (see docs/flax.md).
-"""
-
+# `(spmd.logical.REST, None)` in `logical_axis_rules` replicates every logical name that no
+# other rule maps, as MaxText's configs leave `layers` or `kv` unsharded; without it an
+# unmapped name is an error listing every one (docs/flax.md).
 from spmd._src.logical import REST as REST
 
 __all__ = ["REST"]
