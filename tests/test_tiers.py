@@ -61,8 +61,8 @@ def test_progress_names_each_file(request):
 
 def test_modules_that_only_reexport_need_no_test():
     modules = _tiers().runnable()
-    assert "strategy/step.py" in modules and "clusters/initialize.py" in modules
-    assert "callbacks.py" not in modules and "data/__init__.py" not in modules
+    assert "_src/strategy/step.py" in modules and "_src/clusters/initialize.py" in modules
+    assert "callbacks.py" not in modules and "_src/data/__init__.py" not in modules
     # spmd/__init__.py imports each public name on first use (__getattr__): it has code to run.
     assert "__init__.py" in modules
 
@@ -202,6 +202,6 @@ def test_the_recorder_writes_each_tests_modules_cpu_and_wall(tmp_path):
     spins, idles = (
         record["tests"][f"test_probe.py::{name}"] for name in ("test_spins", "test_idles")
     )
-    assert spins["ran"] == ["errors.py"] and idles["ran"] == []
+    assert spins["ran"] == ["_src/errors.py"] and idles["ran"] == []
     assert spins["cpu_s"] > 0.1 and idles["cpu_s"] < 0.2 and idles["wall_s"] >= 0.3
     assert record["run"]["cpu_s"] > spins["cpu_s"] and record["run"]["wall_s"] > idles["wall_s"]
