@@ -270,7 +270,8 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     reads through globals or closures are constants of its program, as with
     jax.jit). A new function object (a fresh lambda, a bound method accessed
     again, a new partial) is traced anew, and its traced program is shared
-    with an earlier function's when the two jaxprs, their constants, their
+    with an earlier function's when the two jaxprs, their constants (those of
+    nested jaxprs included: a `jax.jit` fn calls closing over an array), their
     output structures and the Python functions their equations call back into
     (callbacks) are the same: a new lambda each call
     compiles once and always sees current values, and never gets another
@@ -298,7 +299,7 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
             str(traced.jaxpr),
             _consts_key(traced.jaxpr.consts),
             _functions_key(traced.jaxpr.jaxpr),
-        )
+        )  # the consts of nested jaxprs (a jax.jit fn calls) are in _functions_key
         program = _BY_JAXPR.get(by_jaxpr)
         if program is None:
             program = _BY_JAXPR[by_jaxpr] = jax.jit(_replay(traced))
@@ -326,7 +327,8 @@ def _reads_traced_values(traced: Any, flat: list) -> bool:
     """
     if len(traced.jaxpr.in_avals) != len(flat):
         return True
-    return any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts)
+    consts = [*traced.jaxpr.consts, *_nested_consts(traced.jaxpr.jaxpr)]
+    return any(isinstance(c, jax.core.Tracer) for c in consts)
 
 
 def _replay(traced: Any) -> Callable:
@@ -354,7 +356,13 @@ def _consts_key(consts: list) -> tuple:
 
 
 def _functions_key(jaxpr: Any) -> tuple:
-    """The Python functions a jaxpr's equations call when it runs, by identity.
+    """The Python functions a jaxpr's equations call when it runs, by identity, and the
+    constants of its nested jaxprs.
+
+    A nested closed jaxpr (of a `jax.jit` that `fn` calls, closing over an array)
+    prints its constants as variables: two programs that print alike may compute
+    with different arrays, so each nested jaxpr's constants are part of the key
+    (as the top-level ones are, `_consts_key`).
 
     A printed jaxpr names a callback without telling two functions apart, so two
     programs that print alike may call different Python code; their functions
@@ -370,6 +378,8 @@ def _functions_key(jaxpr: Any) -> tuple:
 
     def walk(value: Any) -> None:
         if isinstance(value, jax_core.ClosedJaxpr | jax_core.Jaxpr):
+            if isinstance(value, jax_core.ClosedJaxpr):
+                found.append(_consts_key(value.consts))
             # Both have .eqns; a ClosedJaxpr's .jaxpr is itself in some jax versions.
             for eqn in value.eqns:
                 found.append(str(eqn.source_info.name_stack))
@@ -385,6 +395,24 @@ def _functions_key(jaxpr: Any) -> tuple:
 
     walk(jaxpr)
     return tuple(found)
+
+
+def _nested_consts(jaxpr: Any) -> list:
+    """The constants of every closed jaxpr nested in `jaxpr`'s equations, at any depth."""
+    found: list = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, jax_core.ClosedJaxpr):
+            found.extend(value.consts)
+        if isinstance(value, jax_core.ClosedJaxpr | jax_core.Jaxpr):
+            for eqn in value.eqns:
+                walk(tuple(eqn.params.values()))
+        elif isinstance(value, tuple | list):
+            for item in value:
+                walk(item)
+
+    walk(jaxpr)
+    return found
 
 
 # Primitives whose callable parameters are derivative rules, run only when differentiated.
