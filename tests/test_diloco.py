@@ -56,6 +56,26 @@ def test_equals_the_paper_on_one_device(islands, inner):
     assert int(state.step) == 7
 
 
+def test_a_0d_batch_argument_is_replicated_to_every_island_as_a_step_replicates_it():
+    """A 0-d data argument (a rate passed positionally) is one value every island sees,
+    as Strategy.step takes it; the oracle is the same step with the value closed over."""
+    strategy = spmd.DiLoCo(islands=2, sync_every=2)
+    sgd = make_step("sgd")
+
+    def scaled(state, x, y, scale):
+        return sgd(state, x * scale, y)
+
+    taking = strategy.step(scaled)
+    closing = strategy.step(lambda state, x, y: sgd(state, x * 0.5, y))
+    got = strategy.init(create, jax.random.key(0), inner="sgd")
+    want = strategy.init(create, jax.random.key(0), inner="sgd")
+    for x, y in batches(3):
+        got, got_metrics = taking(got, x, y, np.float32(0.5))
+        want, want_metrics = closing(want, x, y)
+        np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], **TOL)
+    assert_trees_allclose(spmd_params(got), spmd_params(want), **TOL)
+
+
 @pytest.mark.parametrize("inner", ["sgd", "adamw"])
 def test_islands_run_the_step_unchanged_bit_for_bit(inner):
     """One device per island, before the first sync, from the state init makes (under
