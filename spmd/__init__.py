@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from spmd.errors import ContextError as ContextError
     from spmd.errors import InitializationError as InitializationError
     from spmd.errors import LaunchError as LaunchError
+    from spmd.errors import OutOfRangeError as OutOfRangeError
     from spmd.errors import ScopeError as ScopeError
     from spmd.errors import SpmdError as SpmdError
     from spmd.explain import Collective as Collective
@@ -104,6 +105,7 @@ __all__ = [
     "NonFiniteLossError",
     "NumpyDataset",
     "OneDeviceStrategy",
+    "OutOfRangeError",
     "PaddedBatch",
     "ParameterServerStrategy",
     "PerReplica",
@@ -156,6 +158,7 @@ _WHERE = {
     "compute_average_loss": "spmd.strategy.replica",
     "ConfigurationError": "spmd.errors",
     "ContextError": "spmd.errors",
+    "OutOfRangeError": "spmd.errors",
     "DiLoCo": "spmd.strategy.diloco",
     "DistributedDataset": "spmd.data.iterator",
     "DistributedIterator": "spmd.data.iterator",
