@@ -356,6 +356,32 @@ def flax_context(rules: LogicalRules) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def rules_without(axes: Sequence[str]) -> Iterator[None]:
+    """Flax's logical axis rules in effect, with the mesh `axes` dropped from their targets.
+
+    Inside `strategy.run` the batch axes are manual (each replica holds its own
+    slice), and a sharding constraint may name only the other axes: an
+    `nn.with_logical_constraint(y, ("batch", "mlp"))` there constrains over
+    `mlp`'s axis alone, as the global step constrains over both.
+    """
+    rules = tuple(flax_spmd.get_logical_axis_rules() or ())
+    kept = tuple((alias, _drop_axes(target, axes)) for alias, target in rules)
+    if kept == rules:
+        yield
+        return
+    with flax_spmd.logical_axis_rules(kept):
+        yield
+
+
+def _drop_axes(target: Any, axes: Sequence[str]) -> Any:
+    """A rule's target (None, a mesh axis, or a tuple of them) without `axes`."""
+    if target is None or isinstance(target, str):
+        return None if target in axes else target
+    rest = tuple(a for a in target if a not in axes)
+    return rest or None
+
+
 def _unmapped(names: tuple, rules: LogicalRules, mesh: Mesh) -> list[str]:
     mapped = {alias for alias, _ in rules}
     return [

@@ -481,3 +481,42 @@ def test_maxtext_rules_on_a_mesh_without_their_axes_name_every_missing_axis_at_o
     assert "['autoregressive', 'fsdp_transpose', 'sequence', 'tensor']" in text
     assert "('cache_heads', ('autoregressive', 'tensor'))" in text  # the last such rule too
     assert "'fsdp_transpose': 1" in text  # the mesh those rules expect, with size-1 axes
+
+
+class _ConstrainedInRun(nn.Module):
+    """A linen layer whose activation is constrained over the batch and the mlp axes."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        hidden = jax.nn.relu(nn.Dense(8, kernel_init=init)(x))
+        hidden = nn.with_logical_constraint(hidden, ("batch", "mlp"))
+        return hidden.sum(-1)
+
+
+def test_a_logical_constraint_in_a_model_run_per_replica_inside_a_step_keeps_its_other_axes():
+    """Inside strategy.run the batch axes are manual: the constraint's batch name drops out
+    and its mlp name still lays the activation over the model axis, inside the step and
+    eagerly under the same rules; the numbers are one device's."""
+    rules = [("batch", "data"), ("mlp", "model"), ("embed", None), (REST, None)]
+    mesh = spmd.make_mesh({"data": 2, "model": 4})
+    strategy = spmd.Strategy(mesh, batch_axes=("data",), logical_axis_rules=rules)
+    model = _ConstrainedInRun()
+    params = strategy.init(lambda k: model.init(k, jnp.ones((1, 4))), jax.random.key(0))
+    x = np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32)  # 6 rows a replica
+    want = np.asarray(model.apply(jax.device_get(params), x))
+
+    def per_replica(v, p):
+        return model.apply(p, v)
+
+    @strategy.step(donate=False)
+    def step(p, v):
+        return strategy.gather(strategy.run(per_replica, args=(v,), kwargs={"p": p}))
+
+    np.testing.assert_allclose(np.asarray(step(params, x)), want, rtol=1e-5, atol=1e-6)
+    text = step.lower(params, x)[0].as_text()
+    activation = r'sdy.sharding_constraint %\S+ <@mesh, \[\{\}, \{"model"\}\]> : tensor<6x8xf32>'
+    assert re.search(activation, text), text
+    with nn.logical_axis_rules([("batch", "data"), ("mlp", "model")]):
+        eager = strategy.gather(strategy.run(per_replica, args=(x,), kwargs={"p": params}))
+    np.testing.assert_allclose(np.asarray(eager), want, rtol=1e-5, atol=1e-6)

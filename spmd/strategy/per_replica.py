@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd.clusters.hang_watch import STEPS as _STEPS
 from spmd.errors import BatchError, ConfigurationError, ContextError, message, received
+from spmd.logical import rules_without
 from spmd.rules import path_str
 from spmd.strategy.replica import (
     PerReplica,
@@ -592,7 +593,11 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
             for subdef in subdefs
         ]
         args, kwargs = jax.tree.unflatten(treedef, top)
-        with replica_context(context), running_strategy(current):
+        with (
+            replica_context(context),
+            running_strategy(current),
+            rules_without((*strategy.batch_axes, *axes)),
+        ):
             out = _call_replica_fn(fn, args, kwargs, axes, axis_name)
         return jax.tree.map(lambda y: jnp.asarray(y)[None], out)
 
