@@ -258,16 +258,35 @@ def annotations(tree: Any) -> list[Annotation | None]:
       ConfigurationError: a box cannot be read, or its names are malformed (`annotation`).
     """
     out: list[Annotation | None] = []
-    for key_path, item in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
-        if not is_box(item):
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_box_or_optimizer_state)[0]
+    for key_path, item in flat:
+        if is_box(item):
+            out += _annotated(key_path, item, isinstance(item, OptState))
+        elif _is_optimizer_state(item):
+            # An optax state's boxes are its parameters' (optax maps over the boxed
+            # params): a moment of another shape does not take its parameter's layout.
+            inner = jax.tree_util.tree_flatten_with_path(item, is_leaf=is_box)[0]
+            for inner_path, leaf in inner:
+                path = key_path + inner_path
+                out += _annotated(path, leaf, True) if is_box(leaf) else [None]
+        else:
             out.append(None)
-            continue
-        names = annotation(item, jax.tree_util.keystr(key_path, simple=True, separator="/"))
-        inherited = isinstance(item, OptState)
-        out += [None if names is None else Annotation(names, inherited)] * len(
-            jax.tree.leaves(item)
-        )
     return out
+
+
+def _annotated(key_path: tuple, box: Any, inherited: bool) -> list[Annotation | None]:
+    """The annotation of each array leaf of `box`."""
+    names = annotation(box, jax.tree_util.keystr(key_path, simple=True, separator="/"))
+    return [None if names is None else Annotation(names, inherited)] * len(jax.tree.leaves(box))
+
+
+def _is_optimizer_state(x: Any) -> bool:
+    """An optax state (`ScaleByAdamState`, `FactoredState`, ...): a NamedTuple of optax's."""
+    return isinstance(x, tuple) and type(x).__module__.split(".")[0] == "optax"
+
+
+def _box_or_optimizer_state(x: Any) -> bool:
+    return is_box(x) or _is_optimizer_state(x)
 
 
 def to_spec(

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd.errors import ConfigurationError, ContextError, message, received
 from spmd.strategy import nnx_state, per_replica
-from spmd.strategy.base import Strategy
+from spmd.strategy.base import Strategy, bind_static
 from spmd.strategy.island_step import IslandStep, explain_islands
 from spmd.strategy.islands import ISLAND, DiLoCoState, island_strategies
 from spmd.strategy.replica import ReduceOp, current_island, running_strategy
@@ -211,6 +211,7 @@ class DiLoCo:
           A `DiLoCoState`, placed: islands sharded over the `island` axis.
         """
         check_runnable(self, "init")
+        create_fn, args = bind_static(create_fn, args)
         make = functools.partial(self._make, create_fn, kwargs)
         with self.layout.context():
             abstract = jax.eval_shape(make, *args)
@@ -220,6 +221,7 @@ class DiLoCo:
         self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> DiLoCoState:
         """The state `init` would make, as `ShapeDtypeStruct`s with shardings (a restore target)."""
+        create_fn, args = bind_static(create_fn, args)
         make = functools.partial(self._make, create_fn, kwargs)
         with self.layout.context():
             abstract = jax.eval_shape(make, *args)
