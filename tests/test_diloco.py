@@ -186,6 +186,22 @@ def test_restores_into_another_island_count(tmp_path, saved, restored):
     ckpt.close()
 
 
+@pytest.mark.parametrize("islands", [None, 4, 1])
+def test_a_restore_told_another_island_count_than_saved_says_which_to_pass(tmp_path, islands):
+    """A 2-island checkpoint restored by a 4-island DiLoCo without islands= (or with a
+    wrong one): a CheckpointError that reads the saved count and says to pass islands=2."""
+    before = spmd.DiLoCo(islands=2, sync_every=3)
+    ckpt = spmd.CheckpointManager(tmp_path, async_save=False)
+    ckpt.save(1, before.init(create, jax.random.key(0)))
+    after = spmd.DiLoCo(islands=4, sync_every=3)
+    with pytest.raises(spmd.CheckpointError, match="this one holds 2 islands") as info:
+        after.restore(ckpt, create, jax.random.key(0), islands=islands)
+    text = str(info.value)
+    assert "pass islands=2" in text and "saved_islands=2" in text
+    assert ("as islands= was not passed" in text) == (islands is None)
+    ckpt.close()
+
+
 def test_islands_a_restore_adds_draw_their_own_random_numbers(tmp_path):
     """2 -> 4 islands: islands 0, 1 keep their saved keys; 2, 3 fold theirs with their index."""
     two = spmd.DiLoCo(islands=2, sync_every=2)
