@@ -42,6 +42,7 @@ PUBLIC = [
     "NonFiniteLossError",
     "NumpyDataset",
     "OneDeviceStrategy",
+    "OutOfRangeError",
     "PaddedBatch",
     "ParameterServerStrategy",
     "PerReplica",
