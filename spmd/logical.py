@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 from flax.core import meta as flax_meta
 from flax.core import spmd as flax_spmd
+from flax.linen.spmd import LogicallyPartitioned
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import Mesh, PartitionSpec
 
@@ -240,15 +241,20 @@ def _check_names(names: Any, path: str, box: Any) -> None:
 
 
 class Annotation(NamedTuple):
-    """A leaf's annotation: its names, and whether it is inherited from a parameter.
+    """A leaf's annotation: its names, whether it is inherited from a parameter, and
+    whether its names are logical only.
 
     `nnx.Optimizer` gives each optimizer moment its parameter's metadata; a
     moment of another shape (adafactor's factored `v_row` / `v_col`) does not
-    take the layout its parameter's annotation describes.
+    take the layout its parameter's annotation describes. A linen
+    `nn.LogicallyPartitioned` box names logical axes, mapped by the rules alone:
+    a name no rule maps is not read as a mesh axis of that name, as
+    `nn.logical_to_mesh_sharding` reads it.
     """
 
     names: tuple
     inherited: bool
+    logical: bool = False
 
 
 def annotations(tree: Any) -> list[Annotation | None]:
@@ -277,7 +283,14 @@ def annotations(tree: Any) -> list[Annotation | None]:
 def _annotated(key_path: tuple, box: Any, inherited: bool) -> list[Annotation | None]:
     """The annotation of each array leaf of `box`."""
     names = annotation(box, jax.tree_util.keystr(key_path, simple=True, separator="/"))
-    return [None if names is None else Annotation(names, inherited)] * len(jax.tree.leaves(box))
+    note = None if names is None else Annotation(names, inherited, _is_logical(box))
+    return [note] * len(jax.tree.leaves(box))
+
+
+def _is_logical(box: Any) -> bool:
+    """Whether a box's names are logical names only (linen's `nn.LogicallyPartitioned`);
+    not where the box has rules of its own, which turn its names into mesh axes."""
+    return isinstance(box, LogicallyPartitioned) and not getattr(box, "rules", None)
 
 
 def _is_optimizer_state(x: Any) -> bool:
@@ -296,6 +309,7 @@ def to_spec(
     *,
     replicate_unmapped: bool,
     path: str = "",
+    logical: bool = False,
 ) -> PartitionSpec:
     """The mesh `PartitionSpec` of an annotation, through the logical axis rules.
 
@@ -304,13 +318,17 @@ def to_spec(
     mesh axes is taken yet; so an earlier rule wins a mesh axis over a later one,
     whichever dimension comes first (MaxText's `mlp` rule takes `fsdp_transpose`
     before its `embed` rules are read). A name no rule mapped is then a mesh
-    axis of that name, or replicated (its rules' axes all taken, or
-    `replicate_unmapped`, or the rules hold `(REST, None)`), else an error.
+    axis of that name (unless the names are `logical` only, as a linen
+    `nn.LogicallyPartitioned` box's are: flax replicates it), or replicated (its
+    rules' axes all taken, or `replicate_unmapped`, or the rules hold
+    `(REST, None)`), else an error.
 
     Raises:
-      ConfigurationError: a name is neither mapped nor a mesh axis (and not replicated).
+      ConfigurationError: a name is neither mapped nor a mesh axis (and not
+        replicated), or names two dimensions (flax rejects it too).
     """
     slots = [(i, name) for i, entry in enumerate(names) for name in _axes(entry)]
+    _check_no_repeated_names(slots, names, path)
     mapped: dict[tuple[int, str], list[str]] = {}
     used: set[str] = set()
     for alias, target in rules:
@@ -321,7 +339,9 @@ def to_spec(
             used.update(axes)
     for slot in slots:
         if slot not in mapped:
-            mapped[slot] = _map_unruled(slot[1], rules, mesh, used, replicate_unmapped, names, path)
+            mapped[slot] = _map_unruled(
+                slot[1], rules, mesh, used, replicate_unmapped, names, path, logical
+            )
             used.update(mapped[slot])
     entries = []
     for i in range(len(names)):
@@ -330,11 +350,30 @@ def to_spec(
     return PartitionSpec(*entries)
 
 
-def _map_unruled(name, rules, mesh, used, replicate_unmapped, names, path) -> list[str]:
+def _check_no_repeated_names(slots: list, names: tuple, path: str) -> None:
+    """An annotation names each logical name (or mesh axis) for one dimension at most."""
+    seen: dict[str, int] = {}
+    for dim, name in slots:
+        if seen.setdefault(name, dim) != dim:
+            raise ConfigurationError(
+                message(
+                    f"The annotation of '{path}' names '{name}' for two dimensions: a "
+                    "logical name (or mesh axis) lays out one dimension (flax's "
+                    "nn.logical_to_mesh_sharding raises a ValueError too).",
+                    received(path=path, annotation=names),
+                    f"name each dimension differently, e.g. ('{name}', None), or give the "
+                    "second its own logical name and a rule for it.",
+                )
+            )
+
+
+def _map_unruled(
+    name, rules, mesh, used, replicate_unmapped, names, path, logical=False
+) -> list[str]:
     """The mesh axes of a name that no rule mapped: its own axis, or none, or an error."""
     if any(alias == name for alias, _ in rules):  # its rules' axes are taken: replicated
         return []
-    if name in mesh.shape:
+    if name in mesh.shape and not logical:
         if name in used:
             raise ConfigurationError(
                 message(
@@ -347,6 +386,22 @@ def _map_unruled(name, rules, mesh, used, replicate_unmapped, names, path) -> li
         return [name]
     if replicate_unmapped or any(alias == REST for alias, _ in rules):
         return []
+    if logical and name in mesh.shape:
+        raise ConfigurationError(
+            message(
+                f"The annotation of '{path}' (nn.LogicallyPartitioned) names '{name}', a "
+                "logical name that no logical_axis_rule maps; a logical name is not read as "
+                "the mesh axis of the same name (nn.logical_to_mesh_sharding replicates it).",
+                received(
+                    path=path,
+                    annotation=names,
+                    logical_axis_rules=tuple(rules),
+                    mesh_axes=tuple(mesh.shape),
+                ),
+                f"add the rule ('{name}', '{name}') to logical_axis_rules to split over that "
+                f"axis, or ('{name}', None) to replicate.",
+            )
+        )
     raise ConfigurationError(
         message(
             f"The annotation of '{path}' names '{name}', which is neither a mesh axis nor "
@@ -401,21 +456,22 @@ def _drop_axes(target: Any, axes: Sequence[str]) -> Any:
     return rest or None
 
 
-def _unmapped(names: tuple, rules: LogicalRules, mesh: Mesh) -> list[str]:
+def _unmapped(names: tuple, rules: LogicalRules, mesh: Mesh, logical: bool) -> list[str]:
     mapped = {alias for alias, _ in rules}
     return [
         name
         for entry in names
         for name in _axes(entry)
-        if name not in mapped and name not in mesh.shape
+        if name not in mapped and (logical or name not in mesh.shape)
     ]
 
 
-def check_mapped(noted: Sequence[tuple[str, tuple]], rules: LogicalRules, mesh: Mesh) -> None:
-    """Checks that every name of every annotation is mapped by `rules` or is a mesh axis.
+def check_mapped(noted: Sequence[tuple[str, Annotation]], rules: LogicalRules, mesh: Mesh) -> None:
+    """Checks that every name of every annotation is mapped by `rules` or is a mesh axis
+    (a logical-only annotation's names: mapped by `rules`).
 
     Args:
-      noted: (path, annotation names) pairs.
+      noted: (path, annotation) pairs.
 
     Raises:
       ConfigurationError: names no rule maps, each listed once with one path that has it.
@@ -423,8 +479,8 @@ def check_mapped(noted: Sequence[tuple[str, tuple]], rules: LogicalRules, mesh: 
     if any(alias == REST for alias, _ in rules):
         return
     first: dict[str, str] = {}
-    for path, names in noted:
-        for name in _unmapped(names, rules, mesh):
+    for path, note in noted:
+        for name in _unmapped(note.names, rules, mesh, note.logical):
             first.setdefault(name, path)
     if not first:
         return

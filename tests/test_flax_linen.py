@@ -592,3 +592,42 @@ def test_init_passes_a_module_and_an_optimizer_among_its_arguments_as_they_are(k
     wanted = want if kind == "strategy" else want["params"]
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jax.device_get(wanted))
     assert jax.tree.structure(abstract) == jax.tree.structure(state)
+
+
+def _logical_kernel(names, shape=(8, 16)):
+    def create(key):
+        init = nn.with_logical_partitioning(nn.initializers.normal(1.0), names)
+        return {"w": init(key, shape)}
+
+    return create
+
+
+def test_a_logical_name_that_is_also_a_mesh_axis_is_mapped_by_the_rules_alone_as_in_flax():
+    """('embed', 'model') with no rule for 'model': flax's nn.logical_to_mesh_sharding
+    replicates it (the oracle); so does spmd under (REST, None); without it the name is
+    unmapped, and the error says to add ('model', 'model')."""
+    mesh = spmd.make_mesh({"data": 2, "model": 4})
+    rules = [("embed", None), ("hidden", "model")]
+    create = _logical_kernel(("embed", "model"))
+    abstract = jax.eval_shape(create, jax.random.key(0))
+    want = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)["w"].spec
+    strategy = spmd.Strategy(mesh, batch_axes=("data",), logical_axis_rules=[*rules, (REST, None)])
+    got = strategy.init(create, jax.random.key(0))["w"].value.sharding.spec
+    assert tuple(want) == (None, None) and tuple(got) == ()  # replicated, both
+    strict = spmd.Strategy(mesh, batch_axes=("data",), logical_axis_rules=rules)
+    with pytest.raises(spmd.ConfigurationError, match="'model' \\(at 'w'\\)"):
+        strict.init(create, jax.random.key(0))
+    mapped = spmd.Strategy(mesh, logical_axis_rules=[*rules, ("model", "model")])
+    assert mapped.init(create, jax.random.key(0))["w"].value.sharding.spec == P(None, "model")
+
+
+def test_a_logical_name_for_two_dimensions_is_an_error_as_in_flax():
+    mesh = spmd.make_mesh({"data": 2, "model": 4})
+    create = _logical_kernel(("hidden", "hidden"), shape=(8, 8))
+    abstract = jax.eval_shape(create, jax.random.key(0))
+    with pytest.raises(ValueError, match="more than once"):  # flax's own answer
+        nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, [("hidden", "model")])
+    strategy = spmd.Strategy(mesh, logical_axis_rules=[("hidden", "model"), (REST, None)])
+    with pytest.raises(spmd.ConfigurationError, match="names 'hidden' for two dimensions") as info:
+        strategy.init(create, jax.random.key(0))
+    assert "path='w'" in str(info.value) and "('hidden', None)" in str(info.value)
