@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import inspect
 import itertools
@@ -565,12 +566,18 @@ def static_key(static: dict) -> tuple:
 def _typed(value: Any) -> Any:
     """`value` with its type at every level: (1,) and (1.0,) are different keys.
 
-    Floats are keyed by repr too (0.0 and -0.0 compare equal).
+    Floats are keyed by repr too (0.0 and -0.0 compare equal). Tuples (named
+    ones too), frozensets and dataclasses (a frozen config) are keyed field by
+    field, so the same holds inside them; any other object by its own `==`, as
+    `jax.jit` keys its static arguments.
     """
     if isinstance(value, tuple):
         return (type(value), tuple(map(_typed, value)))
     if isinstance(value, frozenset):
         return (type(value), frozenset(map(_typed, value)))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value), tuple((f.name, _typed(getattr(value, f.name))) for f in fields))
     if isinstance(value, float | complex | np.floating | np.complexfloating):
         return (type(value), value, repr(value))
     return (type(value), value)
