@@ -628,7 +628,11 @@ class Strategy:
 
         Positional arguments are split along their leading axis over the
         replicas, and a `PerReplica` gives each replica its own value; keyword
-        arguments are replicated. Inside `fn`, `spmd.get_replica_context()`
+        arguments are replicated. A value that is not an array or a number (a
+        bool, a string, a function) reaches `fn` as it is, a compile-time
+        constant, as tf.distribute passes Python values. With several processes
+        a call whose argument signature differs from the previous call's agrees
+        on it with every process first, as a step does. Inside `fn`, `spmd.get_replica_context()`
         gives the replica's id and collectives, `spmd.get_strategy()` is this
         strategy and `spmd.in_cross_replica_context()` is False. Works eagerly
         and inside a step. One program is compiled per function code and
@@ -648,6 +652,10 @@ class Strategy:
         Returns:
           `fn`'s result structure with a `PerReplica` at each leaf, as
           tf.distribute returns it: `a, b = strategy.run(fn, ...)` works.
+
+        Raises:
+          ConfigurationError: a Python value passed to `fn` is not hashable.
+          BatchError: with several processes, their argument signatures differ.
 
         Example:
           >>> loss, grads = strategy.run(replica_fn, args=(x, y))
@@ -678,6 +686,8 @@ class Strategy:
 
         Raises:
           ConfigurationError: `op` is unknown, or `axis` is not an axis of the values.
+          BatchError: with several processes, their plain values differ in shape
+            or dtype (on every process, checked by one small all-gather).
         """
         return per_replica.reduce(ReduceOp.parse(op), value, axis, self)
 
@@ -692,7 +702,11 @@ class Strategy:
     experimental_local_results = local_results
 
     def gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenates every replica's value along `axis` (a structure of them too)."""
+        """Concatenates every replica's value along `axis` (a structure of them too).
+
+        With several processes the result is replicated, so every process can
+        read it (`np.asarray`), as it can a `reduce`'s.
+        """
         return per_replica.gather(value, axis, self)
 
 
