@@ -22,7 +22,7 @@ from spmd.strategy.replica import Island, in_replica_context, island_context
 from spmd.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
 from spmd.strategy.step_checks import LastAgreed
 from spmd.strategy.step_layout import conform
-from spmd.strategy.step_records import signature
+from spmd.strategy.step_records import signature, spans_processes
 from spmd.topologies import check_runnable
 
 if TYPE_CHECKING:
@@ -67,7 +67,8 @@ class IslandStep:
                     "close over constants (functools.partial) or pass them as batch arrays.",
                 )
             )
-        if jax.process_count() > 1:  # a batch wrong on one process is an error on every one
+        if jax.process_count() > 1 and spans_processes(self.strategy.mesh):
+            # a batch wrong on one process is an error on every one
             leaves, data_def = jax.tree.flatten(data)
             key = (data_def, signature(leaves))
             if self._agreed.differs(key):

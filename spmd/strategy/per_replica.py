@@ -30,6 +30,7 @@ from spmd.strategy.replica import (
 )
 from spmd.strategy.step_checks import RUN, LastAgreed, host_value, static_key
 from spmd.strategy.step_layout import conform
+from spmd.strategy.step_records import spans_processes
 from spmd.validate import is_integer
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def run(
         subdefs.append(None)
     if not any(isinstance(x, jax.core.Tracer) for x in flat):  # runs now, not traced in a step
         _STEPS[0] += 1  # progress, as a Step call is (spmd/clusters/hang_watch.py)
-        if jax.process_count() > 1:
+        if jax.process_count() > 1 and spans_processes(strategy.mesh):
             _agree_on_run(
                 strategy, fn, args, kwargs or {}, (treedef, tuple(subdefs), tuple(kinds)), flat
             )

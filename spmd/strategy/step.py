@@ -40,6 +40,7 @@ from spmd.strategy.step_records import flatten as _flatten
 from spmd.strategy.step_records import hot as _hot
 from spmd.strategy.step_records import multiprocess as _multiprocess
 from spmd.strategy.step_records import signature as _signature
+from spmd.strategy.step_records import spans_processes
 from spmd.topologies import check_runnable
 
 if TYPE_CHECKING:
@@ -129,7 +130,8 @@ class Step:
         """A call off the fast path: split, check, find or build the program, run it."""
         check_runnable(self.strategy, "Calling a step")
         leaves, data_def = jax.tree.flatten(data)
-        if _multiprocess():  # first: a batch wrong on one process is an error on every one
+        if _multiprocess() and spans_processes(self.strategy.mesh):
+            # first: a batch wrong on one process is an error on every one
             self._agree_on(data, data_def, leaves, kwargs)
         graphdef, pure, dynamic, program, fresh = self._program(state, data, kwargs)
         binding = None if graphdef is None else nnx_state.Binding(state, pure)

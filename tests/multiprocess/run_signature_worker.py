@@ -157,6 +157,22 @@ def schedule_cost(calls=40):
     return timing
 
 
+def local_strategy():
+    """A strategy over this process's devices alone: each process runs apart, on batches
+    of its own (8 rows on one, 16 on the other); nothing is agreed on."""
+    local = spmd.MirroredStrategy()
+    x = np.arange(8 if me == 0 else 16, dtype=np.float32).reshape(-1, 1)
+    before = len(agreements)
+    total_rows = float(
+        local.reduce("SUM", local.run(lambda v: v.shape[0] + 0.0 * v.sum(), args=(x,)))
+    )
+    state, _ = local.step(linear_step)(
+        local.put({"w": np.zeros(3, np.float32)}), np.ones((len(x), 3), np.float32), x[:, 0]
+    )
+    jax.block_until_ready(state)
+    return {"rows": total_rows, "agreements": len(agreements) - before}
+
+
 scaled = strategy.step(linear_step, static_argnames=("scale",))
 attempt("run_rows", rows)
 attempt("run_dtype", dtypes)
@@ -173,4 +189,5 @@ attempt("step_same_keywords", lambda: train(scaled, lambda p: {"scale": 2.0}))
 attempt("step_keyword_value", lambda: train(scaled, lambda p: {"offset": np.float32(p)}))
 attempt("run_keyword_value", run_keyword_value)
 attempt("schedule_cost", schedule_cost)
+attempt("local_strategy", local_strategy)
 print("RESULT " + json.dumps(outcomes), flush=True)

@@ -127,3 +127,10 @@ def test_a_keyword_host_value_is_agreed_on_only_when_it_changes(outcomes):
         assert timing["constant"]["agreements"] == 0, timing
         assert timing["schedule"]["agreements"] == 40, timing
         print(f"seconds per call: {timing}")
+
+
+def test_a_strategy_over_one_process_devices_runs_apart_on_batches_of_its_own(outcomes):
+    """MirroredStrategy() in a job of two processes: each runs on its own devices (and
+    rows: 8 on one, 16 on the other); run and step agree on nothing with the other."""
+    for process, outcome in enumerate(outcomes):
+        assert outcome["local_strategy"] == ["ok", {"rows": 8.0 * (1 + process), "agreements": 0}]
