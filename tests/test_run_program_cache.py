@@ -13,6 +13,7 @@ same per-replica function on one device under `jax.vmap`.
 
 import collections
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,13 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd.strategy import per_replica
+
+with warnings.catch_warnings():  # a deprecated alias of jax.jit, still found in ported code
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        from jax.experimental.pjit import pjit as _pjit
+    except ImportError:
+        _pjit = None
 
 # The oracles are N = 8 replicas' values: the eight CPU devices.
 pytestmark = pytest.mark.cpu_mesh
@@ -334,6 +342,14 @@ def _jit_in_jit_closing_over(w):
     return lambda v: outer(v)
 
 
+def _pjit_closing_over(w):
+    """jax.experimental.pjit (ported code still calls it), closing over the weights."""
+    if _pjit is None:
+        pytest.skip("this JAX has no jax.experimental.pjit")
+    predict = _pjit(lambda v: jnp.tanh(v @ w) * w.sum())
+    return lambda v: predict(v)
+
+
 def _jitted_apply_of(w):
     model = _Dense()
     params = model.init(jax.random.key(0), _ROWS[:1])
@@ -350,8 +366,8 @@ def _apply_of(w):
 
 @pytest.mark.parametrize(
     "make",
-    [_jit_closing_over, _jit_in_jit_closing_over, _jitted_apply_of, _apply_of],
-    ids=["jit", "jit_in_jit", "jitted_partial_apply", "partial_apply"],
+    [_jit_closing_over, _jit_in_jit_closing_over, _pjit_closing_over, _jitted_apply_of, _apply_of],
+    ids=["jit", "jit_in_jit", "pjit", "jitted_partial_apply", "partial_apply"],
 )
 def test_functions_whose_nested_jit_closes_over_other_arrays_get_their_own_values(strategy, make):
     """Each epoch a new helper closes over new weights: the printed programs are equal
