@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # generated from _WHERE by `python -m spmd._src.exports`; do 
     from spmd._src.errors import ContextError as ContextError
     from spmd._src.errors import InitializationError as InitializationError
     from spmd._src.errors import LaunchError as LaunchError
+    from spmd._src.errors import OutOfRangeError as OutOfRangeError
     from spmd._src.errors import ScopeError as ScopeError
     from spmd._src.errors import SpmdError as SpmdError
     from spmd._src.explain import Collective as Collective
@@ -137,6 +138,7 @@ _WHERE = {
     "NonFiniteLossError": "spmd._src.trainer.trainer",
     "NumpyDataset": "spmd._src.data.sources",
     "OneDeviceStrategy": "spmd._src.strategy.strategies",
+    "OutOfRangeError": "spmd._src.errors",
     "PaddedBatch": "spmd._src.data.sources",
     "ParameterServerStrategy": "spmd._src.strategy.strategies",
     "partitioners": "spmd.partitioners",

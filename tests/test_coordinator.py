@@ -151,6 +151,51 @@ def test_an_error_in_a_scheduled_function_is_raised_by_join_and_fetch_then_forgo
         coordinator.schedule(lambda: 1)  # the next schedule raises the kept error
 
 
+def test_a_returned_state_donated_to_the_next_step_is_waited_for_and_named_on_fetch():
+    """step_fn returns the state, which the next scheduled step donates: join waits for
+    everything (the donating step waited for it) and succeeds; fetching that value says
+    which one it is, that the next step took it, and how to keep it."""
+    strategy = spmd.MirroredStrategy()
+    step = strategy.step(train_step)
+    coordinator = spmd.ClusterCoordinator(strategy)
+    state = strategy.init(create, jax.random.key(0))
+    x = np.ones((GLOBAL_BATCH, FEATURES), np.float32)
+    y = np.ones(GLOBAL_BATCH, np.float32)
+
+    def step_fn():
+        nonlocal state
+        state, metrics = step(state, x, y)
+        return state, metrics["loss"]
+
+    values = [coordinator.schedule(step_fn) for _ in range(3)]
+    coordinator.join()
+    with pytest.raises(spmd.ConfigurationError, match="donated to that step") as info:
+        values[0].fetch()
+    text = str(info.value)
+    assert "remote_value='step_fn (schedule call 1)'" in text
+    assert "0/params/kernel" in text and "donate=False" in text
+    with pytest.raises(spmd.ConfigurationError, match="schedule call 2"):
+        coordinator.fetch(values[1:])
+    last_state, loss = values[2].fetch()  # the last one was taken by no step
+    assert np.isfinite(loss) and last_state["params"]["kernel"].shape == (FEATURES, 1)
+
+
+def test_an_exhausted_iterator_in_a_scheduled_function_is_an_out_of_range_error():
+    """TF's coordinator raises tf.errors.OutOfRangeError there; spmd's is also a
+    StopIteration, so a loop catching either ends its epoch."""
+    coordinator = spmd.ClusterCoordinator(spmd.MirroredStrategy())
+    iterator = iter([np.ones(4), np.ones(4)])
+    values = [coordinator.schedule(lambda: next(iterator).sum()) for _ in range(3)]
+    assert values[1].fetch() == 4.0
+    with pytest.raises(spmd.OutOfRangeError, match="read past the end of its iterator") as info:
+        values[2].fetch()
+    assert "schedule call 3" in str(info.value)
+    assert isinstance(info.value, StopIteration) and isinstance(info.value, spmd.SpmdError)
+    with pytest.raises(StopIteration):
+        coordinator.join()
+    coordinator.join()  # forgotten once raised, as any kept error
+
+
 def test_the_schedule_that_raises_a_kept_error_does_not_run_its_function():
     """As docs/diloco.md says: every function scheduled before the error ran, the one whose
     schedule raises it does not; done() raises a kept error as join() does."""

@@ -56,6 +56,26 @@ def test_equals_the_paper_on_one_device(islands, inner):
     assert int(state.step) == 7
 
 
+def test_a_0d_batch_argument_is_replicated_to_every_island_as_a_step_replicates_it():
+    """A 0-d data argument (a rate passed positionally) is one value every island sees,
+    as Strategy.step takes it; the oracle is the same step with the value closed over."""
+    strategy = spmd.DiLoCo(islands=2, sync_every=2)
+    sgd = make_step("sgd")
+
+    def scaled(state, x, y, scale):
+        return sgd(state, x * scale, y)
+
+    taking = strategy.step(scaled)
+    closing = strategy.step(lambda state, x, y: sgd(state, x * 0.5, y))
+    got = strategy.init(create, jax.random.key(0), inner="sgd")
+    want = strategy.init(create, jax.random.key(0), inner="sgd")
+    for x, y in batches(3):
+        got, got_metrics = taking(got, x, y, np.float32(0.5))
+        want, want_metrics = closing(want, x, y)
+        np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"], **TOL)
+    assert_trees_allclose(spmd_params(got), spmd_params(want), **TOL)
+
+
 @pytest.mark.parametrize("inner", ["sgd", "adamw"])
 def test_islands_run_the_step_unchanged_bit_for_bit(inner):
     """One device per island, before the first sync, from the state init makes (under
@@ -163,6 +183,22 @@ def test_restores_into_another_island_count(tmp_path, saved, restored):
         assert_trees_allclose(island["opt"], inner, rtol=0, atol=0)
     got, metrics = after.step(make_step())(got, *batches(1)[0])
     assert np.asarray(metrics["loss"]).shape == (restored,)
+    ckpt.close()
+
+
+@pytest.mark.parametrize("islands", [None, 4, 1])
+def test_a_restore_told_another_island_count_than_saved_says_which_to_pass(tmp_path, islands):
+    """A 2-island checkpoint restored by a 4-island DiLoCo without islands= (or with a
+    wrong one): a CheckpointError that reads the saved count and says to pass islands=2."""
+    before = spmd.DiLoCo(islands=2, sync_every=3)
+    ckpt = spmd.CheckpointManager(tmp_path, async_save=False)
+    ckpt.save(1, before.init(create, jax.random.key(0)))
+    after = spmd.DiLoCo(islands=4, sync_every=3)
+    with pytest.raises(spmd.CheckpointError, match="this one holds 2 islands") as info:
+        after.restore(ckpt, create, jax.random.key(0), islands=islands)
+    text = str(info.value)
+    assert "pass islands=2" in text and "saved_islands=2" in text
+    assert ("as islands= was not passed" in text) == (islands is None)
     ckpt.close()
 
 

@@ -8,6 +8,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -481,3 +482,152 @@ def test_maxtext_rules_on_a_mesh_without_their_axes_name_every_missing_axis_at_o
     assert "['autoregressive', 'fsdp_transpose', 'sequence', 'tensor']" in text
     assert "('cache_heads', ('autoregressive', 'tensor'))" in text  # the last such rule too
     assert "'fsdp_transpose': 1" in text  # the mesh those rules expect, with size-1 axes
+
+
+class _ConstrainedInRun(nn.Module):
+    """A linen layer whose activation is constrained over the batch and the mlp axes."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+        hidden = jax.nn.relu(nn.Dense(8, kernel_init=init)(x))
+        hidden = nn.with_logical_constraint(hidden, ("batch", "mlp"))
+        return hidden.sum(-1)
+
+
+def test_a_logical_constraint_in_a_model_run_per_replica_inside_a_step_keeps_its_other_axes():
+    """Inside strategy.run the batch axes are manual: the constraint's batch name drops out
+    and its mlp name still lays the activation over the model axis, inside the step and
+    eagerly under the same rules; the numbers are one device's."""
+    rules = [("batch", "data"), ("mlp", "model"), ("embed", None), (REST, None)]
+    mesh = spmd.make_mesh({"data": 2, "model": 4})
+    strategy = spmd.Strategy(mesh, batch_axes=("data",), logical_axis_rules=rules)
+    model = _ConstrainedInRun()
+    params = strategy.init(lambda k: model.init(k, jnp.ones((1, 4))), jax.random.key(0))
+    x = np.random.default_rng(0).normal(size=(12, 4)).astype(np.float32)  # 6 rows a replica
+    want = np.asarray(model.apply(jax.device_get(params), x))
+
+    def per_replica(v, p):
+        return model.apply(p, v)
+
+    @strategy.step(donate=False)
+    def step(p, v):
+        return strategy.gather(strategy.run(per_replica, args=(v,), kwargs={"p": p}))
+
+    np.testing.assert_allclose(np.asarray(step(params, x)), want, rtol=1e-5, atol=1e-6)
+    text = step.lower(params, x)[0].as_text()
+    activation = r'sdy.sharding_constraint %\S+ <@mesh, \[\{\}, \{"model"\}\]> : tensor<6x8xf32>'
+    assert re.search(activation, text), text
+    with nn.logical_axis_rules([("batch", "data"), ("mlp", "model")]):
+        eager = strategy.gather(strategy.run(per_replica, args=(x,), kwargs={"p": params}))
+    np.testing.assert_allclose(np.asarray(eager), want, rtol=1e-5, atol=1e-6)
+
+
+class _Factored(nn.Module):
+    """One annotated linen kernel, large enough for adafactor to factor its moment."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.normal(0.1), ("embed", "mlp"))
+        return jnp.tanh(x @ self.param("w", init, (16, 32))).sum(-1)
+
+
+def test_adafactor_on_a_boxed_linen_train_state_trains_as_on_one_device():
+    """optax maps over the boxed params, so its factored moments (v_row, v_col: rank 1)
+    carry their kernel's two names, as nnx.Optimizer's inherit them: they take the
+    default layout, as on the NNX path, and training matches one device."""
+    from flax.training import train_state
+
+    rules = [("mlp", "model"), ("embed", None), (REST, None)]
+    strategy = spmd.Strategy(
+        spmd.make_mesh({"data": 2, "model": 4}), batch_axes=("data",), logical_axis_rules=rules
+    )
+    model = _Factored()
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=8)
+
+    def create(key):
+        params = model.init(key, jnp.ones((1, 16)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def train_step(state, x):
+        loss, grads = jax.value_and_grad(lambda p: (model.apply({"params": p}, x) ** 2).mean())(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), loss
+
+    x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+    state = strategy.init(create, jax.random.key(0))
+    factored = state.opt_state[0]
+    assert factored.v_row["w"].value.sharding.spec == P()
+    assert factored.v_col["w"].value.sharding.spec == P()
+    assert state.params["w"].value.sharding.spec == P(None, "model")
+    step, oracle = strategy.step(train_step), jax.jit(train_step)
+    want_state = jax.jit(create)(jax.random.key(0))
+    for _ in range(3):
+        state, loss = step(state, x)
+        want_state, want = oracle(want_state, x)
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["strategy", "diloco"])
+def test_init_passes_a_module_and_an_optimizer_among_its_arguments_as_they_are(kind):
+    """flax's guide writes init_fn(key, x, model, optimizer) under jax.jit with
+    static_argnums: init (and abstract_state) pass the arguments that are not arrays as
+    they are and trace the arrays; the state equals init_fn's on one device."""
+    rules = [("mlp", "model"), ("embed", None), (REST, None)]
+    mesh = spmd.make_mesh({"data": 2, "model": 4})
+    strategy = spmd.Strategy(mesh, batch_axes=("data",), logical_axis_rules=rules)
+    if kind == "diloco":
+        strategy = spmd.DiLoCo(strategy, islands=2, sync_every=2)
+
+    def init_fn(key, x, model, optimizer):
+        params = nn.meta.unbox(model.init(key, x)["params"])
+        return {"params": params, "opt": optimizer.init(params)}
+
+    model, tx, x = _Factored(), optax.adam(1e-2), jnp.ones((1, 16))
+    state = strategy.init(init_fn, jax.random.key(0), x, model, tx)
+    abstract = strategy.abstract_state(init_fn, jax.random.key(0), x, model, tx)
+    want = jax.jit(init_fn, static_argnums=(2, 3))(jax.random.key(0), x, model, tx)
+    got = state if kind == "strategy" else state.params
+    wanted = want if kind == "strategy" else want["params"]
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), jax.device_get(wanted))
+    assert jax.tree.structure(abstract) == jax.tree.structure(state)
+
+
+def _logical_kernel(names, shape=(8, 16)):
+    def create(key):
+        init = nn.with_logical_partitioning(nn.initializers.normal(1.0), names)
+        return {"w": init(key, shape)}
+
+    return create
+
+
+def test_a_logical_name_that_is_also_a_mesh_axis_is_mapped_by_the_rules_alone_as_in_flax():
+    """('embed', 'model') with no rule for 'model': flax's nn.logical_to_mesh_sharding
+    replicates it (the oracle); so does spmd under (REST, None); without it the name is
+    unmapped, and the error says to add ('model', 'model')."""
+    mesh = spmd.make_mesh({"data": 2, "model": 4})
+    rules = [("embed", None), ("hidden", "model")]
+    create = _logical_kernel(("embed", "model"))
+    abstract = jax.eval_shape(create, jax.random.key(0))
+    want = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)["w"].spec
+    strategy = spmd.Strategy(mesh, batch_axes=("data",), logical_axis_rules=[*rules, (REST, None)])
+    got = strategy.init(create, jax.random.key(0))["w"].value.sharding.spec
+    assert tuple(want) == (None, None) and tuple(got) == ()  # replicated, both
+    strict = spmd.Strategy(mesh, batch_axes=("data",), logical_axis_rules=rules)
+    with pytest.raises(spmd.ConfigurationError, match="'model' \\(at 'w'\\)"):
+        strict.init(create, jax.random.key(0))
+    mapped = spmd.Strategy(mesh, logical_axis_rules=[*rules, ("model", "model")])
+    assert mapped.init(create, jax.random.key(0))["w"].value.sharding.spec == P(None, "model")
+
+
+def test_a_logical_name_for_two_dimensions_is_an_error_as_in_flax():
+    mesh = spmd.make_mesh({"data": 2, "model": 4})
+    create = _logical_kernel(("hidden", "hidden"), shape=(8, 8))
+    abstract = jax.eval_shape(create, jax.random.key(0))
+    with pytest.raises(ValueError, match="more than once"):  # flax's own answer
+        nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, [("hidden", "model")])
+    strategy = spmd.Strategy(mesh, logical_axis_rules=[("hidden", "model"), (REST, None)])
+    with pytest.raises(spmd.ConfigurationError, match="names 'hidden' for two dimensions") as info:
+        strategy.init(create, jax.random.key(0))
+    assert "path='w'" in str(info.value) and "('hidden', None)" in str(info.value)

@@ -86,6 +86,51 @@ def test_per_replica_values_flow_back_into_run():
 
 
 @pytest.mark.cpu_mesh
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        ("training", True, X * 2),
+        ("training", False, X),
+        ("mode", "double", X * 2),
+        ("activation", jnp.tanh, np.tanh(X)),
+        ("config", (("scale", 3.0),), X * 3),
+    ],
+    ids=["true", "false", "string", "function", "tuple"],
+)
+def test_run_passes_python_values_to_fn_as_they_are(name, value, expected):
+    """As tf.distribute does: fn can branch on `training=True` or call a function it
+    was given; each value compiles its own program, the arrays stay traced."""
+    strategy = spmd.MirroredStrategy()
+
+    def fn(x, **kwargs):
+        given = kwargs[name]
+        if name == "training":
+            return x * 2 if given else x
+        if name == "mode":
+            return x * 2 if given == "double" else x
+        if name == "activation":
+            return given(x)
+        return x * dict(given)["scale"]
+
+    for _ in range(2):  # the second call reuses the first's program
+        out = strategy.run(fn, args=(X,), kwargs={name: value})
+        np.testing.assert_allclose(strategy.gather(out), expected, rtol=1e-6)
+
+
+@pytest.mark.cpu_mesh
+def test_run_passes_a_python_value_among_its_positional_arguments():
+    strategy = spmd.MirroredStrategy()
+    out = strategy.run(lambda x, training: x * 2 if training else x, args=(X, True))
+    np.testing.assert_array_equal(strategy.gather(out), X * 2)
+
+
+def test_run_with_an_unhashable_python_value_names_it_and_the_fix():
+    with pytest.raises(spmd.ConfigurationError, match="must be hashable") as info:
+        spmd.MirroredStrategy().run(lambda x, table: x, args=(X,), kwargs={"table": {1, 2}})
+    assert "type='set'" in str(info.value) and "functools.partial" in str(info.value)
+
+
+@pytest.mark.cpu_mesh
 def test_run_over_batch_axes_of_a_two_d_mesh():
     strategy = spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}), batch_axes=("data",))
     out = strategy.run(lambda x: spmd.get_replica_context().all_gather(x.sum()[None]), args=(X,))

@@ -2,7 +2,7 @@
 
 Functions whose traced programs print alike share one compiled program; what
 the printed program leaves out (the output structure, the Python functions of
-callbacks) is part of the key, so each function gets its own structure and its
+callbacks, the arrays a nested `jax.jit` closes over) is part of the key, so each function gets its own structure and its
 own Python code. A shared program only runs on concrete arrays: a `run` that
 reads a traced value (differentiated by an enclosing `jax.grad`, its arguments
 or a value its function closes over) runs its function's own program, so each
@@ -12,16 +12,26 @@ same per-replica function on one device under `jax.vmap`.
 """
 
 import collections
+import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
 from spmd._src.strategy import per_replica
+
+with warnings.catch_warnings():  # a deprecated alias of jax.jit, still found in ported code
+    warnings.simplefilter("ignore", DeprecationWarning)
+    try:
+        from jax.experimental.pjit import pjit as _pjit
+    except ImportError:
+        _pjit = None
 
 # The oracles are N = 8 replicas' values: the eight CPU devices.
 pytestmark = pytest.mark.cpu_mesh
@@ -306,3 +316,66 @@ def test_any_structures_in_any_order_match_the_oracle(strategy, structures, orde
         )
         assert jax.tree.structure(got) == jax.tree.structure(oracle)
         jax.tree.map(np.testing.assert_array_equal, got, jax.tree.map(np.asarray, oracle))
+
+
+class _Dense(nn.Module):
+    """A linen layer: its params go into `run`'s function by functools.partial."""
+
+    @nn.compact
+    def __call__(self, v):
+        return nn.Dense(1)(v)
+
+
+_ROWS = np.arange(2 * N, dtype=np.float32).reshape(N, 2) / N
+
+
+def _jit_closing_over(w):
+    """A jitted helper over the current weights, as a training loop rebuilds each epoch."""
+    predict = jax.jit(lambda v: v @ w)
+    return lambda v: predict(v)
+
+
+def _jit_in_jit_closing_over(w):
+    """jax.jit two deep, each level closing over its own array."""
+    inner = jax.jit(lambda v: jnp.tanh(v @ w))
+    outer = jax.jit(lambda v: inner(v) * w.sum())
+    return lambda v: outer(v)
+
+
+def _pjit_closing_over(w):
+    """jax.experimental.pjit (ported code still calls it), closing over the weights."""
+    if _pjit is None:
+        pytest.skip("this JAX has no jax.experimental.pjit")
+    predict = _pjit(lambda v: jnp.tanh(v @ w) * w.sum())
+    return lambda v: predict(v)
+
+
+def _jitted_apply_of(w):
+    model = _Dense()
+    params = model.init(jax.random.key(0), _ROWS[:1])
+    params = jax.tree.map(lambda p: p + w.sum(), params)
+    apply = jax.jit(functools.partial(model.apply, params))
+    return lambda v: apply(v)
+
+
+def _apply_of(w):
+    model = _Dense()
+    params = model.init(jax.random.key(0), _ROWS[:1])
+    return functools.partial(model.apply, jax.tree.map(lambda p: p * w.sum(), params))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_jit_closing_over, _jit_in_jit_closing_over, _pjit_closing_over, _jitted_apply_of, _apply_of],
+    ids=["jit", "jit_in_jit", "pjit", "jitted_partial_apply", "partial_apply"],
+)
+def test_functions_whose_nested_jit_closes_over_other_arrays_get_their_own_values(strategy, make):
+    """Each epoch a new helper closes over new weights: the printed programs are equal
+    (a nested jaxpr prints its constants as variables), the values are each epoch's.
+    The oracle is each replica's row through the same function on one device."""
+    for epoch in (1.0, 2.0, 3.0, 1.0):
+        fn = make(jnp.full((2, 1), epoch))
+        out = np.asarray(strategy.run(fn, args=(_ROWS,)).values)
+        with jax.default_device(jax.devices()[0]):
+            want = np.stack([np.asarray(fn(_ROWS[i : i + 1])) for i in range(N)])
+        np.testing.assert_allclose(out, want, rtol=1e-6)

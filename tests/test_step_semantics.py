@@ -1,5 +1,7 @@
 """What a step runs: the right program for every call, and misuse as a clear error."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,6 +51,47 @@ def test_static_kwarg_changed_between_calls_runs_each_program():
         want, want_loss = _oracle(want, X, scale)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
         np.testing.assert_allclose(state["w"], want["w"], rtol=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """A static config: its fields are static values as a bare static value is."""
+
+    sign: float
+    scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    config: _Config
+
+
+def _signed(state, x, config):
+    """copysign(1, sign) * sum(x), doubled where scale is True (not where it is 1)."""
+    config = getattr(config, "config", config)
+    doubled = 2.0 if config.scale is True else 1.0
+    return state, {"value": jnp.copysign(1.0, config.sign) * x.sum() * doubled}
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        (_Config(0.0), _Config(-0.0)),
+        (_Config(1.0, scale=1), _Config(1.0, scale=True)),
+        (_Outer(_Config(0.0)), _Outer(_Config(-0.0))),
+    ],
+    ids=["signed_zero", "int_and_bool", "nested"],
+)
+def test_static_values_that_compare_equal_inside_a_dataclass_run_their_own_programs(configs):
+    """0.0 and -0.0 (1 and True) compare equal, inside a frozen dataclass too, but may
+    compute different numbers: each config runs its own program; the oracle is the
+    function called with that config, outside any step."""
+    step = _mirrored().step(donate=False, static_argnames=("config",))(_signed)
+    ones = np.ones((8, 4), np.float32)
+    for config in (*configs, *configs):
+        _, got = step(_state(), ones, config=config)
+        want = _signed(_state(), ones, config)[1]["value"]
+        np.testing.assert_array_equal(np.asarray(got["value"]), np.asarray(want))
 
 
 def test_non_static_kwarg_dropped_then_given_runs_the_right_values():

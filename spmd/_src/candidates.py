@@ -168,7 +168,14 @@ def model_layout(
             axes += [a for a in _noted_axes(note.names, logical_axis_rules) if a not in axes]
     mesh = one_device(axes)
     annotated = {
-        path: to_spec(note.names, logical_axis_rules, mesh, replicate_unmapped=True, path=path)
+        path: to_spec(
+            note.names,
+            logical_axis_rules,
+            mesh,
+            replicate_unmapped=True,
+            path=path,
+            logical=note.logical,
+        )
         for (path, leaf), note in zip(leaves, notes, strict=True)
         if note is not None and len(note.names) <= len(getattr(leaf, "shape", ()))
     }

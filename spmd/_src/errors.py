@@ -56,6 +56,15 @@ class CheckpointError(SpmdError, RuntimeError):
     """A checkpoint could not be saved or restored as asked."""
 
 
+class OutOfRangeError(SpmdError, StopIteration):
+    """An iterator a scheduled function read is exhausted (`ClusterCoordinator`).
+
+    tf.distribute's coordinator raises `tf.errors.OutOfRangeError` there; a ported
+    loop catches this one in its place. A `StopIteration` too, so a loop that
+    caught the iterator's own `StopIteration` still does.
+    """
+
+
 def received(**values: Any) -> str:
     """Formats the `Received: name=value` part of a message."""
     return "Received: " + ", ".join(_value(name, value) for name, value in values.items())

@@ -18,6 +18,7 @@ import jax
 from flax import nnx
 from flax.core import meta as flax_meta
 from flax.core import spmd as flax_spmd
+from flax.linen.spmd import LogicallyPartitioned
 from flax.nnx.training.optimizer import OptState
 from jax.sharding import Mesh, PartitionSpec
 
@@ -87,7 +88,7 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> tuple[tuple[str, Any], ...]:
                     "REST cannot map to mesh axes (every dimension so named would split over "
                     "them).",
                     received(rule=tuple(rule)),
-                    "write (spmd._src.logical.REST, None), and a rule of its own for each name "
+                    "write (spmd.logical.REST, None), and a rule of its own for each name "
                     "to shard.",
                 )
             )
@@ -240,15 +241,20 @@ def _check_names(names: Any, path: str, box: Any) -> None:
 
 
 class Annotation(NamedTuple):
-    """A leaf's annotation: its names, and whether it is inherited from a parameter.
+    """A leaf's annotation: its names, whether it is inherited from a parameter, and
+    whether its names are logical only.
 
     `nnx.Optimizer` gives each optimizer moment its parameter's metadata; a
     moment of another shape (adafactor's factored `v_row` / `v_col`) does not
-    take the layout its parameter's annotation describes.
+    take the layout its parameter's annotation describes. A linen
+    `nn.LogicallyPartitioned` box names logical axes, mapped by the rules alone:
+    a name no rule maps is not read as a mesh axis of that name, as
+    `nn.logical_to_mesh_sharding` reads it.
     """
 
     names: tuple
     inherited: bool
+    logical: bool = False
 
 
 def annotations(tree: Any) -> list[Annotation | None]:
@@ -258,16 +264,42 @@ def annotations(tree: Any) -> list[Annotation | None]:
       ConfigurationError: a box cannot be read, or its names are malformed (`annotation`).
     """
     out: list[Annotation | None] = []
-    for key_path, item in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
-        if not is_box(item):
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_box_or_optimizer_state)[0]
+    for key_path, item in flat:
+        if is_box(item):
+            out += _annotated(key_path, item, isinstance(item, OptState))
+        elif _is_optimizer_state(item):
+            # An optax state's boxes are its parameters' (optax maps over the boxed
+            # params): a moment of another shape does not take its parameter's layout.
+            inner = jax.tree_util.tree_flatten_with_path(item, is_leaf=is_box)[0]
+            for inner_path, leaf in inner:
+                path = key_path + inner_path
+                out += _annotated(path, leaf, True) if is_box(leaf) else [None]
+        else:
             out.append(None)
-            continue
-        names = annotation(item, jax.tree_util.keystr(key_path, simple=True, separator="/"))
-        inherited = isinstance(item, OptState)
-        out += [None if names is None else Annotation(names, inherited)] * len(
-            jax.tree.leaves(item)
-        )
     return out
+
+
+def _annotated(key_path: tuple, box: Any, inherited: bool) -> list[Annotation | None]:
+    """The annotation of each array leaf of `box`."""
+    names = annotation(box, jax.tree_util.keystr(key_path, simple=True, separator="/"))
+    note = None if names is None else Annotation(names, inherited, _is_logical(box))
+    return [note] * len(jax.tree.leaves(box))
+
+
+def _is_logical(box: Any) -> bool:
+    """Whether a box's names are logical names only (linen's `nn.LogicallyPartitioned`);
+    not where the box has rules of its own, which turn its names into mesh axes."""
+    return isinstance(box, LogicallyPartitioned) and not getattr(box, "rules", None)
+
+
+def _is_optimizer_state(x: Any) -> bool:
+    """An optax state (`ScaleByAdamState`, `FactoredState`, ...): a NamedTuple of optax's."""
+    return isinstance(x, tuple) and type(x).__module__.split(".")[0] == "optax"
+
+
+def _box_or_optimizer_state(x: Any) -> bool:
+    return is_box(x) or _is_optimizer_state(x)
 
 
 def to_spec(
@@ -277,6 +309,7 @@ def to_spec(
     *,
     replicate_unmapped: bool,
     path: str = "",
+    logical: bool = False,
 ) -> PartitionSpec:
     """The mesh `PartitionSpec` of an annotation, through the logical axis rules.
 
@@ -285,13 +318,17 @@ def to_spec(
     mesh axes is taken yet; so an earlier rule wins a mesh axis over a later one,
     whichever dimension comes first (MaxText's `mlp` rule takes `fsdp_transpose`
     before its `embed` rules are read). A name no rule mapped is then a mesh
-    axis of that name, or replicated (its rules' axes all taken, or
-    `replicate_unmapped`, or the rules hold `(REST, None)`), else an error.
+    axis of that name (unless the names are `logical` only, as a linen
+    `nn.LogicallyPartitioned` box's are: flax replicates it), or replicated (its
+    rules' axes all taken, or `replicate_unmapped`, or the rules hold
+    `(REST, None)`), else an error.
 
     Raises:
-      ConfigurationError: a name is neither mapped nor a mesh axis (and not replicated).
+      ConfigurationError: a name is neither mapped nor a mesh axis (and not
+        replicated), or names two dimensions (flax rejects it too).
     """
     slots = [(i, name) for i, entry in enumerate(names) for name in _axes(entry)]
+    _check_no_repeated_names(slots, names, path)
     mapped: dict[tuple[int, str], list[str]] = {}
     used: set[str] = set()
     for alias, target in rules:
@@ -302,7 +339,9 @@ def to_spec(
             used.update(axes)
     for slot in slots:
         if slot not in mapped:
-            mapped[slot] = _map_unruled(slot[1], rules, mesh, used, replicate_unmapped, names, path)
+            mapped[slot] = _map_unruled(
+                slot[1], rules, mesh, used, replicate_unmapped, names, path, logical
+            )
             used.update(mapped[slot])
     entries = []
     for i in range(len(names)):
@@ -311,11 +350,30 @@ def to_spec(
     return PartitionSpec(*entries)
 
 
-def _map_unruled(name, rules, mesh, used, replicate_unmapped, names, path) -> list[str]:
+def _check_no_repeated_names(slots: list, names: tuple, path: str) -> None:
+    """An annotation names each logical name (or mesh axis) for one dimension at most."""
+    seen: dict[str, int] = {}
+    for dim, name in slots:
+        if seen.setdefault(name, dim) != dim:
+            raise ConfigurationError(
+                message(
+                    f"The annotation of '{path}' names '{name}' for two dimensions: a "
+                    "logical name (or mesh axis) lays out one dimension (flax's "
+                    "nn.logical_to_mesh_sharding raises a ValueError too).",
+                    received(path=path, annotation=names),
+                    f"name each dimension differently, e.g. ('{name}', None), or give the "
+                    "second its own logical name and a rule for it.",
+                )
+            )
+
+
+def _map_unruled(
+    name, rules, mesh, used, replicate_unmapped, names, path, logical=False
+) -> list[str]:
     """The mesh axes of a name that no rule mapped: its own axis, or none, or an error."""
     if any(alias == name for alias, _ in rules):  # its rules' axes are taken: replicated
         return []
-    if name in mesh.shape:
+    if name in mesh.shape and not logical:
         if name in used:
             raise ConfigurationError(
                 message(
@@ -328,6 +386,22 @@ def _map_unruled(name, rules, mesh, used, replicate_unmapped, names, path) -> li
         return [name]
     if replicate_unmapped or any(alias == REST for alias, _ in rules):
         return []
+    if logical and name in mesh.shape:
+        raise ConfigurationError(
+            message(
+                f"The annotation of '{path}' (nn.LogicallyPartitioned) names '{name}', a "
+                "logical name that no logical_axis_rule maps; a logical name is not read as "
+                "the mesh axis of the same name (nn.logical_to_mesh_sharding replicates it).",
+                received(
+                    path=path,
+                    annotation=names,
+                    logical_axis_rules=tuple(rules),
+                    mesh_axes=tuple(mesh.shape),
+                ),
+                f"add the rule ('{name}', '{name}') to logical_axis_rules to split over that "
+                f"axis, or ('{name}', None) to replicate.",
+            )
+        )
     raise ConfigurationError(
         message(
             f"The annotation of '{path}' names '{name}', which is neither a mesh axis nor "
@@ -356,21 +430,48 @@ def flax_context(rules: LogicalRules) -> Iterator[None]:
         yield
 
 
-def _unmapped(names: tuple, rules: LogicalRules, mesh: Mesh) -> list[str]:
+@contextlib.contextmanager
+def rules_without(axes: Sequence[str]) -> Iterator[None]:
+    """Flax's logical axis rules in effect, with the mesh `axes` dropped from their targets.
+
+    Inside `strategy.run` the batch axes are manual (each replica holds its own
+    slice), and a sharding constraint may name only the other axes: an
+    `nn.with_logical_constraint(y, ("batch", "mlp"))` there constrains over
+    `mlp`'s axis alone, as the global step constrains over both.
+    """
+    rules = tuple(flax_spmd.get_logical_axis_rules() or ())
+    kept = tuple((alias, _drop_axes(target, axes)) for alias, target in rules)
+    if kept == rules:
+        yield
+        return
+    with flax_spmd.logical_axis_rules(kept):
+        yield
+
+
+def _drop_axes(target: Any, axes: Sequence[str]) -> Any:
+    """A rule's target (None, a mesh axis, or a tuple of them) without `axes`."""
+    if target is None or isinstance(target, str):
+        return None if target in axes else target
+    rest = tuple(a for a in target if a not in axes)
+    return rest or None
+
+
+def _unmapped(names: tuple, rules: LogicalRules, mesh: Mesh, logical: bool) -> list[str]:
     mapped = {alias for alias, _ in rules}
     return [
         name
         for entry in names
         for name in _axes(entry)
-        if name not in mapped and name not in mesh.shape
+        if name not in mapped and (logical or name not in mesh.shape)
     ]
 
 
-def check_mapped(noted: Sequence[tuple[str, tuple]], rules: LogicalRules, mesh: Mesh) -> None:
-    """Checks that every name of every annotation is mapped by `rules` or is a mesh axis.
+def check_mapped(noted: Sequence[tuple[str, Annotation]], rules: LogicalRules, mesh: Mesh) -> None:
+    """Checks that every name of every annotation is mapped by `rules` or is a mesh axis
+    (a logical-only annotation's names: mapped by `rules`).
 
     Args:
-      noted: (path, annotation names) pairs.
+      noted: (path, annotation) pairs.
 
     Raises:
       ConfigurationError: names no rule maps, each listed once with one path that has it.
@@ -378,8 +479,8 @@ def check_mapped(noted: Sequence[tuple[str, tuple]], rules: LogicalRules, mesh: 
     if any(alias == REST for alias, _ in rules):
         return
     first: dict[str, str] = {}
-    for path, names in noted:
-        for name in _unmapped(names, rules, mesh):
+    for path, note in noted:
+        for name in _unmapped(note.names, rules, mesh, note.logical):
             first.setdefault(name, path)
     if not first:
         return
@@ -395,7 +496,7 @@ def check_mapped(noted: Sequence[tuple[str, tuple]], rules: LogicalRules, mesh: 
                 mesh_axes=tuple(mesh.shape),
             ),
             f"add a rule for each to logical_axis_rules (e.g. {suggestion}, or one naming a "
-            "mesh axis), or end the rules with (spmd._src.logical.REST, None) to replicate every "
+            "mesh axis), or end the rules with (spmd.logical.REST, None) to replicate every "
             "name they do not map.",
         )
     )

@@ -347,7 +347,7 @@ def _resolve(
         for path, (_, leaf), note in zip(paths, leaves, notes, strict=True)
     ]
     if not replicate_unmapped:  # every unmapped name at once, not one per run
-        pairs = [(path, note.names) for path, note in zip(paths, notes, strict=True) if note]
+        pairs = [(path, note) for path, note in zip(paths, notes, strict=True) if note]
         check_mapped(pairs, logical_rules, mesh)
     specs, sources = [], []
     for path, (_, leaf), note in zip(paths, leaves, notes, strict=True):
@@ -358,7 +358,12 @@ def _resolve(
         if note is not None:
             annotated = note.names
             noted = to_spec(
-                annotated, logical_rules, mesh, replicate_unmapped=replicate_unmapped, path=path
+                annotated,
+                logical_rules,
+                mesh,
+                replicate_unmapped=replicate_unmapped,
+                path=path,
+                logical=note.logical,
             )
             noted = _trim(_dividing(noted, leaf, mesh) if note.inherited else noted)
         if rule is _UNMATCHED and noted is None and strict:

@@ -329,13 +329,16 @@ class Strategy:
           create_fn: builds the state (a pytree, or flax NNX objects) from `args`.
             Flax linen boxes in it (`nn.LogicallyPartitioned`) are kept and
             lay their leaves out.
-          *args: passed to `create_fn` (e.g. a PRNG key), traced.
+          *args: passed to `create_fn`: arrays (e.g. a PRNG key) traced; an
+            argument that is not one (a linen Module, an optax transformation)
+            as it is, as `jax.jit`'s `static_argnums` would pass it.
           **kwargs: passed to `create_fn` as Python values, fixed at trace time.
 
         Returns:
           The state, placed per the strategy's rules.
         """
         check_runnable(self, "init")
+        create_fn, args = bind_static(create_fn, args)
         graph, pure_create = _pure_create(create_fn, kwargs)
         with self.context():
             abstract = self._trace_create(pure_create, args)
@@ -349,6 +352,7 @@ class Strategy:
         or to read a strategy's layout before paying for it. NNX objects come
         back as abstract NNX objects.
         """
+        create_fn, args = bind_static(create_fn, args)
         graph, pure_create = _pure_create(create_fn, kwargs)
         with self.context():
             abstract = self._trace_create(pure_create, args)
@@ -624,7 +628,11 @@ class Strategy:
 
         Positional arguments are split along their leading axis over the
         replicas, and a `PerReplica` gives each replica its own value; keyword
-        arguments are replicated. Inside `fn`, `spmd.get_replica_context()`
+        arguments are replicated. A value that is not an array or a number (a
+        bool, a string, a function) reaches `fn` as it is, a compile-time
+        constant, as tf.distribute passes Python values. With several processes
+        a call whose argument signature differs from the previous call's agrees
+        on it with every process first, as a step does. Inside `fn`, `spmd.get_replica_context()`
         gives the replica's id and collectives, `spmd.get_strategy()` is this
         strategy and `spmd.in_cross_replica_context()` is False. Works eagerly
         and inside a step. One program is compiled per function code and
@@ -644,6 +652,10 @@ class Strategy:
         Returns:
           `fn`'s result structure with a `PerReplica` at each leaf, as
           tf.distribute returns it: `a, b = strategy.run(fn, ...)` works.
+
+        Raises:
+          ConfigurationError: a Python value passed to `fn` is not hashable.
+          BatchError: with several processes, their argument signatures differ.
 
         Example:
           >>> loss, grads = strategy.run(replica_fn, args=(x, y))
@@ -674,6 +686,8 @@ class Strategy:
 
         Raises:
           ConfigurationError: `op` is unknown, or `axis` is not an axis of the values.
+          BatchError: with several processes, their plain values differ in shape
+            or dtype (on every process, checked by one small all-gather).
         """
         return per_replica.reduce(ReduceOp.parse(op), value, axis, self)
 
@@ -688,7 +702,11 @@ class Strategy:
     experimental_local_results = local_results
 
     def gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenates every replica's value along `axis` (a structure of them too)."""
+        """Concatenates every replica's value along `axis` (a structure of them too).
+
+        With several processes the result is replicated, so every process can
+        read it (`np.asarray`), as it can a `reduce`'s.
+        """
         return per_replica.gather(value, axis, self)
 
 
@@ -733,6 +751,40 @@ def _pure_create(create_fn: Callable[..., Any], kwargs: dict) -> tuple[dict, Cal
         return pure
 
     return graph, pure_create
+
+
+def bind_static(create_fn: Callable[..., Any], args: tuple) -> tuple[Callable[..., Any], tuple]:
+    """`create_fn` with its positional arguments that are not arrays bound in place.
+
+    `init(create, key, model, tx)` (flax's guide: `jax.jit(init_fn, static_argnums=...)`)
+    passes a linen Module or an optax transformation as it is, as a static
+    argument; the arrays among `args` (a PRNG key, a sample batch) stay traced.
+    An argument is an array when every leaf of it is an array, a number or a
+    `jax.ShapeDtypeStruct`.
+
+    Returns:
+      (a function of the traced arguments, the traced arguments).
+    """
+    static = {i: a for i, a in enumerate(args) if not _all_arrays(a)}
+    if not static:
+        return create_fn, tuple(args)
+    traced = tuple(a for i, a in enumerate(args) if i not in static)
+    count = len(args)
+
+    def bound(*arrays: Any, **kwargs: Any) -> Any:
+        it = iter(arrays)
+        return create_fn(*(static[i] if i in static else next(it) for i in range(count)), **kwargs)
+
+    return bound, traced
+
+
+def _all_arrays(value: Any) -> bool:
+    return all(
+        isinstance(
+            x, jax.Array | jax.ShapeDtypeStruct | np.ndarray | np.generic | int | float | complex
+        )
+        for x in jax.tree.leaves(value)
+    )
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 
 from spmd._src.data.dataset import DistributedDataset
-from spmd._src.errors import ConfigurationError, ContextError, message, received
+from spmd._src.errors import ConfigurationError, ContextError, OutOfRangeError, message, received
+from spmd._src.rules import path_str
 from spmd._src.strategy.replica import in_replica_context
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
@@ -24,13 +25,30 @@ class RemoteValue:
     An error the function raised is raised by `fetch()` and `get()`.
     """
 
-    def __init__(self, value: Any = None, error: BaseException | None = None):
+    def __init__(
+        self, value: Any = None, error: BaseException | None = None, origin: str = "a value"
+    ):
         self._value = value
         self._error = error
+        self._origin = origin  # which scheduled call made it, for errors
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+        donated = _donated(self._value)
+        if donated:
+            raise ConfigurationError(
+                message(
+                    "A RemoteValue holds what its function returned; arrays of it that a "
+                    "later step took as its state were donated to that step (a step donates "
+                    "its state by default, reusing its memory), so they are gone.",
+                    received(remote_value=self._origin, donated=donated),
+                    "fetch it before scheduling the step that takes that state "
+                    "(value = coordinator.schedule(...); value.fetch()), return the metrics "
+                    "rather than the state from the scheduled function, or build the step "
+                    "with @strategy.step(donate=False).",
+                )
+            )
 
     def done(self) -> bool:
         """Whether the value is ready (or the function failed); never waits."""
@@ -39,7 +57,14 @@ class RemoteValue:
         return all(_ready(x) for x in jax.tree.leaves(self._value))
 
     def get(self) -> Any:
-        """Waits for the value and returns it (jax.Arrays stay on the devices)."""
+        """Waits for the value and returns it (jax.Arrays stay on the devices).
+
+        Raises:
+          The error the function raised (`spmd.OutOfRangeError` for an exhausted
+            iterator).
+          ConfigurationError: arrays of the value were donated to a later step
+            since (a returned state that the next scheduled step took).
+        """
         self._raise()
         return jax.block_until_ready(self._value)
 
@@ -52,6 +77,22 @@ class RemoteValue:
         process must call, in the same order, as every process runs the loop.
         """
         return jax.tree.map(_to_numpy, self.get())
+
+
+def _donated(value: Any) -> list[str]:
+    """The paths of `value`'s arrays that were donated (deleted) since it was returned."""
+    flat = jax.tree_util.tree_flatten_with_path(value)[0]
+    return [
+        path_str(path) or "<the value>"
+        for path, x in flat
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+    ]
+
+
+def _live(value: Any) -> list[Any]:
+    """`value`'s leaves that can be waited on: not arrays donated to a later step, which
+    has itself waited for them."""
+    return [x for x in jax.tree.leaves(value) if not (isinstance(x, jax.Array) and x.is_deleted())]
 
 
 def _ready(x: Any) -> bool:
@@ -125,6 +166,7 @@ class ClusterCoordinator:
         self.strategy = strategy
         self._pending: list[RemoteValue] = []
         self._errors: list[BaseException] = []
+        self._scheduled = 0  # schedule calls so far, which name a RemoteValue in errors
 
     def schedule(
         self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping | None = None
@@ -154,10 +196,26 @@ class ClusterCoordinator:
                     "pass e.g. coordinator.schedule(step_fn, args=(iterator,)).",
                 )
             )
+        self._scheduled += 1
+        origin = f"{getattr(fn, '__name__', type(fn).__name__)} (schedule call {self._scheduled})"
         try:
-            value = RemoteValue(fn(*args, **(kwargs or {})))
+            value = RemoteValue(fn(*args, **(kwargs or {})), origin=origin)
+        except StopIteration as stop:
+            error = OutOfRangeError(
+                message(
+                    "A scheduled function read past the end of its iterator: the dataset has "
+                    "no more batches (tf.distribute raises tf.errors.OutOfRangeError here).",
+                    received(function=origin),
+                    "catch spmd.OutOfRangeError (also a StopIteration) around schedule and "
+                    "join to end the epoch, as a TF loop catches tf.errors.OutOfRangeError, "
+                    "or schedule as many calls as the dataset has batches.",
+                )
+            )
+            error.__cause__ = stop
+            value = RemoteValue(error=error, origin=origin)
+            self._errors.append(error)
         except Exception as error:  # kept, raised by join / the next schedule / fetch
-            value = RemoteValue(error=error)
+            value = RemoteValue(error=error, origin=origin)
             self._errors.append(error)
         self._pending.append(value)
         return value
@@ -165,13 +223,19 @@ class ClusterCoordinator:
     def join(self) -> None:
         """Waits until every scheduled function has finished.
 
+        A returned array that a later scheduled step took as its state (donated)
+        has been waited for by that step; join does not wait on it, and its
+        `RemoteValue`'s `fetch` says it is gone.
+
         Raises:
-          The first error a scheduled function raised since the last `join`.
+          The first error a scheduled function raised since the last `join`;
+            `spmd.OutOfRangeError` (a `StopIteration` too) where it read past the
+            end of its iterator, as tf.distribute raises `OutOfRangeError`.
         """
         pending, self._pending = self._pending, []
         for value in pending:
             if value._error is None:
-                jax.block_until_ready(value._value)
+                jax.block_until_ready(_live(value._value))
         self._raise_kept()
 
     def done(self) -> bool:

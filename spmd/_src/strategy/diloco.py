@@ -13,9 +13,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd._src.errors import ConfigurationError, ContextError, message, received
+from spmd._src.errors import CheckpointError, ConfigurationError, ContextError, message, received
 from spmd._src.strategy import nnx_state, per_replica
-from spmd._src.strategy.base import Strategy
+from spmd._src.strategy.base import Strategy, bind_static
 from spmd._src.strategy.island_step import IslandStep, explain_islands
 from spmd._src.strategy.islands import ISLAND, DiLoCoState, island_strategies
 from spmd._src.strategy.replica import ReduceOp, current_island, running_strategy
@@ -211,6 +211,7 @@ class DiLoCo:
           A `DiLoCoState`, placed: islands sharded over the `island` axis.
         """
         check_runnable(self, "init")
+        create_fn, args = bind_static(create_fn, args)
         make = functools.partial(self._make, create_fn, kwargs)
         with self.layout.context():
             abstract = jax.eval_shape(make, *args)
@@ -220,6 +221,7 @@ class DiLoCo:
         self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> DiLoCoState:
         """The state `init` would make, as `ShapeDtypeStruct`s with shardings (a restore target)."""
+        create_fn, args = bind_static(create_fn, args)
         make = functools.partial(self._make, create_fn, kwargs)
         with self.layout.context():
             abstract = jax.eval_shape(make, *args)
@@ -512,6 +514,37 @@ class DiLoCo:
 
     # -- checkpoints ----------------------------------------------------------
 
+    def _check_saved_islands(
+        self, manager: Any, step: int | None, saved: int, islands: int | None
+    ) -> None:
+        """Raises a `CheckpointError` saying which `islands=` to pass where the checkpoint
+        holds another island count than `saved` (this strategy's when `islands` is None)."""
+        found = _saved_islands(manager, step)
+        if found is None or found == saved:
+            return
+        raise CheckpointError(
+            message(
+                f"DiLoCo's restore reads the checkpoint with the island count it was saved "
+                f"with: this one holds {found} islands (the leading axis of state.islands), "
+                f"and restore was told {saved}"
+                + (" (this strategy's, as islands= was not passed)." if islands is None else "."),
+                received(
+                    step=step if step is not None else manager.latest_step(),
+                    saved_islands=found,
+                    islands=islands,
+                    strategy_islands=self.islands,
+                ),
+                f"pass islands={found}: strategy.restore(manager, create_fn, ..., "
+                f"islands={found}) restores it into this strategy's {self.islands} islands"
+                + (
+                    " (each restarting from the global parameters; the inner steps since "
+                    "the last sync are dropped)."
+                    if found != self.islands
+                    else "."
+                ),
+            )
+        )
+
     def restore(
         self,
         manager: Any,
@@ -542,9 +575,14 @@ class DiLoCo:
           step: the checkpoint's step; the latest by default.
           data: an iterator or dict whose position is restored too.
           islands: the island count the checkpoint was saved with (this one's by default).
+
+        Raises:
+          CheckpointError: the checkpoint holds another island count than
+            `islands` (the message says which to pass), or `manager.restore`'s.
         """
         check_runnable(self, "restore")
         saved = self.islands if islands is None else positive_int(islands, "islands")
+        self._check_saved_islands(manager, step, saved, islands)
         target = self.abstract_state(create_fn, *args, **kwargs)
         if saved == self.islands:
             return manager.restore(step, target=target, data=data)
@@ -569,6 +607,16 @@ class DiLoCo:
             )
 
         return jax.jit(reseed, out_shardings=self.state_sharding(target))(restored)
+
+
+def _saved_islands(manager: Any, step: int | None) -> int | None:
+    """The island count a DiLoCo checkpoint was saved with (the leading size of its
+    `islands` arrays), read from its metadata; None where it does not tell."""
+    arrays = manager.saved_arrays(step)
+    sizes = {
+        shape[0] for path, (shape, _) in arrays.items() if path.startswith("islands/") and shape
+    }
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _regrow(x: jax.Array, order: np.ndarray, saved: int) -> jax.Array:

@@ -22,7 +22,7 @@ from spmd._src.strategy.replica import Island, in_replica_context, island_contex
 from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
 from spmd._src.strategy.step_checks import LastAgreed
 from spmd._src.strategy.step_layout import conform
-from spmd._src.strategy.step_records import signature
+from spmd._src.strategy.step_records import signature, spans_processes
 from spmd._src.topologies import check_runnable
 
 if TYPE_CHECKING:
@@ -67,7 +67,8 @@ class IslandStep:
                     "close over constants (functools.partial) or pass them as batch arrays.",
                 )
             )
-        if jax.process_count() > 1:  # a batch wrong on one process is an error on every one
+        if jax.process_count() > 1 and spans_processes(self.strategy.mesh):
+            # a batch wrong on one process is an error on every one
             leaves, data_def = jax.tree.flatten(data)
             key = (data_def, signature(leaves))
             if self._agreed.differs(key):
@@ -184,15 +185,20 @@ class _Programs:
 
     def _inner(self, state: DiLoCoState, data: tuple) -> tuple[DiLoCoState, tuple, jax.Array]:
         strategy, k = self.strategy, self.strategy.islands
-        split = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), data)
+        # A 0-d leaf is replicated, as a step replicates it: every island sees it whole.
+        split = jax.tree.map(
+            lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]) if np.ndim(x) else x, data
+        )
+        specs = jax.tree.map(lambda x: P(ISLAND) if np.ndim(x) else P(), data)
 
         rows = {x.shape[0] // k for x in jax.tree.leaves(data) if np.ndim(x)}
         island = Island(strategy, k, min(rows) if rows else None)
 
         def per_island(islands: Any, batch: tuple) -> tuple[Any, tuple]:
             one = jax.tree.map(lambda x: x[0], islands)
+            batch = jax.tree.map(lambda x: x[0] if np.ndim(x) else x, batch)
             with island_context(island):  # the per-replica quantities are the island's
-                out = self.fn(one, *jax.tree.map(lambda x: x[0], batch))
+                out = self.fn(one, *batch)
             returns, new, metrics = _split_output(out, one, True)
             self.returns = returns
             return jax.tree.map(lambda x: x[None], (new, metrics))
@@ -201,7 +207,7 @@ class _Programs:
             islands, metrics = jax.shard_map(
                 per_island,
                 mesh=strategy.mesh,
-                in_specs=(P(ISLAND), P(ISLAND)),
+                in_specs=(P(ISLAND), specs),
                 out_specs=(P(ISLAND), P(ISLAND)),
                 axis_names=frozenset({ISLAND}),
                 check_vma=False,

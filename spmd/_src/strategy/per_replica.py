@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import inspect
 import re
 from collections.abc import Callable, Sequence
@@ -17,6 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import BatchError, ConfigurationError, ContextError, message, received
+from spmd._src.logical import rules_without
+from spmd._src.rules import path_str
 from spmd._src.strategy.replica import (
     PerReplica,
     ReduceOp,
@@ -25,7 +28,9 @@ from spmd._src.strategy.replica import (
     replica_context,
     running_strategy,
 )
+from spmd._src.strategy.step_checks import RUN, LastAgreed, host_value, static_key
 from spmd._src.strategy.step_layout import conform
+from spmd._src.strategy.step_records import spans_processes
 from spmd._src.validate import is_integer
 
 if TYPE_CHECKING:
@@ -77,11 +82,18 @@ def run(
             kinds += [_STACKED] * len(leaves)
             subdefs.append(subdef)
             continue
+        if _is_static(x):  # passed to fn as it is, as tf.distribute passes Python values
+            subdefs.append(_Static.of(x, i, n_args))
+            continue
         flat.append(x)
         kinds.append(_SPLIT if i < n_args and np.ndim(x) > 0 else _REPLICATED)
         subdefs.append(None)
     if not any(isinstance(x, jax.core.Tracer) for x in flat):  # runs now, not traced in a step
         _STEPS[0] += 1  # progress, as a Step call is (spmd/_src/clusters/hang_watch.py)
+        if jax.process_count() > 1 and spans_processes(strategy.mesh):
+            _agree_on_run(
+                strategy, fn, args, kwargs or {}, (treedef, tuple(subdefs), tuple(kinds)), flat
+            )
     if _SPLIT in kinds:
         # fn's positional arguments, PerReplica leaves left out, named by fn's own names.
         split = [
@@ -123,6 +135,132 @@ def run(
     return jax.tree.map(
         lambda r: PerReplica(jax.device_put(r.values, back)), out, is_leaf=_is_per_replica
     )
+
+
+def _is_static(x: Any) -> bool:
+    """Whether `run` passes a leaf of its arguments to fn as a Python value (a
+    compile-time constant): anything but an array or a number; a bool too, so that
+    fn can branch on it (`training=True`), as tf.distribute passes it."""
+    if isinstance(x, bool):
+        return True
+    if isinstance(x, jax.Array | np.ndarray | np.generic | int | float | complex):
+        return False
+    return not (hasattr(x, "__array__") or hasattr(x, "__jax_array__"))
+
+
+class _Static:
+    """A Python value `run` passes to fn as it is; keyed by type and value, as a step's
+    static keyword arguments are (`step_checks.static_key`)."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self, value: Any, key: Any):
+        self.value, self.key = value, key
+
+    @classmethod
+    def of(cls, value: Any, index: int, n_args: int) -> _Static:
+        """The static value of `run`'s argument leaf number `index` (of `n_args`
+        positional leaves, then the keyword arguments' leaves).
+
+        Raises:
+          ConfigurationError: the value is not hashable.
+        """
+        try:
+            return cls(value, static_key({"value": value}))
+        except ConfigurationError:
+            where = "args" if index < n_args else "kwargs"
+            raise ConfigurationError(
+                message(
+                    f"strategy.run passes a value of its {where} that is not an array or a "
+                    "number (a bool, a string, a function, a config) to fn as it is, a "
+                    "compile-time constant; such a value must be hashable.",
+                    received(value=_short(value), type=type(value).__name__),
+                    "pass a hashable value (a tuple, not a list; a frozen dataclass), an "
+                    "array, or close over it: strategy.run(functools.partial(fn, value=v), "
+                    "args=...).",
+                )
+            ) from None
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and other.key == self.key
+
+    def __repr__(self) -> str:
+        return f"_Static({self.value!r})"
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# What names a call of `run` the same way in every process running the same program:
+# fn's code -> the signature its calls agreed on last (bounded, least recently used first).
+_RUN_AGREED: collections.OrderedDict = collections.OrderedDict()
+
+
+def _agree_on_run(
+    strategy: Strategy, fn: Callable, args: Sequence, kwargs: dict, form: tuple, flat: list
+) -> None:
+    """With several processes, a `run` whose argument signature (structure, each array's
+    shape and dtype, the static values) differs from the previous call's of the same
+    code agrees on it with every process first, as a step does: a `BatchError` on
+    every process rather than replicas computing on mixed data. Calls with the
+    signature of the previous call cost a comparison.
+
+    Raises:
+      BatchError: the processes' signatures differ (`step_checks.agree_on_batch`).
+    """
+    kinds = form[2]
+    key = (
+        strategy,
+        form,
+        tuple((np.shape(x), np.result_type(x)) for x in flat),
+        tuple(
+            host_value(x) if k == _REPLICATED else None for x, k in zip(flat, kinds, strict=True)
+        ),
+    )
+    site = _call_site(fn)
+    agreed = _RUN_AGREED.pop(site, None) or LastAgreed()
+    _RUN_AGREED[site] = agreed
+    while len(_RUN_AGREED) > RUN_CACHE_SIZE:
+        _RUN_AGREED.pop(next(iter(_RUN_AGREED)))
+    if not agreed.differs(key):
+        return
+    paths, _ = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_per_replica)
+    static = {
+        path_str(path[1:]) if path[0].idx else f"args/{path_str(path[1:])}": x
+        for path, x in paths
+        if not _is_per_replica(x) and _is_static(x)
+    }
+    without = jax.tree.map(
+        lambda x: None if not _is_per_replica(x) and _is_static(x) else x,
+        (tuple(args), kwargs),
+        is_leaf=_is_per_replica,
+    )
+    agreed.agree(
+        fn,
+        without[0],
+        key,
+        without[1],
+        static,
+        names=_argument_names(fn, len(args)),
+        caller=RUN,
+    )
+
+
+def _call_site(fn: Callable) -> Any:
+    """What stands for `fn` the same way in every process: its code (a new lambda each
+    call has the same), through partials, bound methods and wrappers; else its type."""
+    for _ in range(8):
+        inner = getattr(fn, "func", None) or getattr(fn, "__func__", None)
+        inner = inner or getattr(fn, "__wrapped__", None)
+        if inner is None or not callable(inner):
+            break
+        fn = inner
+    return getattr(fn, "__code__", None) or type(fn)
 
 
 def _check_axis_name(strategy: Strategy, axis_name: Any) -> None:
@@ -270,7 +408,8 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     reads through globals or closures are constants of its program, as with
     jax.jit). A new function object (a fresh lambda, a bound method accessed
     again, a new partial) is traced anew, and its traced program is shared
-    with an earlier function's when the two jaxprs, their constants, their
+    with an earlier function's when the two jaxprs, their constants (those of
+    nested jaxprs included: a `jax.jit` fn calls closing over an array), their
     output structures and the Python functions their equations call back into
     (callbacks) are the same: a new lambda each call
     compiles once and always sees current values, and never gets another
@@ -298,7 +437,7 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
             str(traced.jaxpr),
             _consts_key(traced.jaxpr.consts),
             _functions_key(traced.jaxpr.jaxpr),
-        )
+        )  # the consts of nested jaxprs (a jax.jit fn calls) are in _functions_key
         program = _BY_JAXPR.get(by_jaxpr)
         if program is None:
             program = _BY_JAXPR[by_jaxpr] = jax.jit(_replay(traced))
@@ -326,7 +465,8 @@ def _reads_traced_values(traced: Any, flat: list) -> bool:
     """
     if len(traced.jaxpr.in_avals) != len(flat):
         return True
-    return any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts)
+    consts = [*traced.jaxpr.consts, *_nested_consts(traced.jaxpr.jaxpr)]
+    return any(isinstance(c, jax.core.Tracer) for c in consts)
 
 
 def _replay(traced: Any) -> Callable:
@@ -354,7 +494,13 @@ def _consts_key(consts: list) -> tuple:
 
 
 def _functions_key(jaxpr: Any) -> tuple:
-    """The Python functions a jaxpr's equations call when it runs, by identity.
+    """The Python functions a jaxpr's equations call when it runs, by identity, and the
+    constants of its nested jaxprs.
+
+    A nested closed jaxpr (of a `jax.jit` that `fn` calls, closing over an array)
+    prints its constants as variables: two programs that print alike may compute
+    with different arrays, so each nested jaxpr's constants are part of the key
+    (as the top-level ones are, `_consts_key`).
 
     A printed jaxpr names a callback without telling two functions apart, so two
     programs that print alike may call different Python code; their functions
@@ -370,6 +516,8 @@ def _functions_key(jaxpr: Any) -> tuple:
 
     def walk(value: Any) -> None:
         if isinstance(value, jax_core.ClosedJaxpr | jax_core.Jaxpr):
+            if isinstance(value, jax_core.ClosedJaxpr):
+                found.append(_consts_key(value.consts))
             # Both have .eqns; a ClosedJaxpr's .jaxpr is itself in some jax versions.
             for eqn in value.eqns:
                 found.append(str(eqn.source_info.name_stack))
@@ -385,6 +533,24 @@ def _functions_key(jaxpr: Any) -> tuple:
 
     walk(jaxpr)
     return tuple(found)
+
+
+def _nested_consts(jaxpr: Any) -> list:
+    """The constants of every closed jaxpr nested in `jaxpr`'s equations, at any depth."""
+    found: list = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, jax_core.ClosedJaxpr):
+            found.extend(value.consts)
+        if isinstance(value, jax_core.ClosedJaxpr | jax_core.Jaxpr):
+            for eqn in value.eqns:
+                walk(tuple(eqn.params.values()))
+        elif isinstance(value, tuple | list):
+            for item in value:
+                walk(item)
+
+    walk(jaxpr)
+    return found
 
 
 # Primitives whose callable parameters are derivative rules, run only when differentiated.
@@ -422,11 +588,17 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
         top = [
             next(flat)
             if subdef is None
+            else subdef.value
+            if isinstance(subdef, _Static)
             else jax.tree.unflatten(subdef, [next(flat) for _ in range(subdef.num_leaves)])
             for subdef in subdefs
         ]
         args, kwargs = jax.tree.unflatten(treedef, top)
-        with replica_context(context), running_strategy(current):
+        with (
+            replica_context(context),
+            running_strategy(current),
+            rules_without((*strategy.batch_axes, *axes)),
+        ):
             out = _call_replica_fn(fn, args, kwargs, axes, axis_name)
         return jax.tree.map(lambda y: jnp.asarray(y)[None], out)
 
@@ -496,8 +668,52 @@ def reduce(op: ReduceOp, value: Any, axis: int | None, strategy: Strategy | None
     """`Strategy.reduce` over a structure whose leaves are `PerReplica` or plain values."""
     if axis is not None:
         _check_axis_type(axis, "reduce")
+    if jax.process_count() > 1:
+        leaves = jax.tree.leaves(value, is_leaf=_is_per_replica)
+        _agree_on_host_values([x for x in leaves if not _is_per_replica(x) and _is_host_value(x)])
     return jax.tree.map(
         lambda x: _reduce_one(op, x, axis, strategy), value, is_leaf=_is_per_replica
+    )
+
+
+_SIGNATURE_BYTES = 512  # each process's shapes and dtypes, as one all-gather carries them
+
+
+def _agree_on_host_values(values: list) -> None:
+    """Every process reduces host values of the same shapes and dtypes, checked by one
+    all-gather of a fixed size: values of different shapes would make the all-gather
+    of the values mismatch (a wrong result, or gloo aborting the process).
+
+    Raises:
+      BatchError: on every process, when the processes' shapes or dtypes differ.
+    """
+    if not values:
+        return
+    from jax.experimental import multihost_utils
+
+    shown = ", ".join(f"{np.result_type(x).name}{list(np.shape(x))}" for x in values)
+    text = shown.encode()
+    digest = hashlib.blake2b(text, digest_size=8).digest()
+    record = np.zeros(_SIGNATURE_BYTES, np.uint8)
+    record[:8] = np.frombuffer(digest, np.uint8)
+    body = text[: _SIGNATURE_BYTES - 8]
+    record[8 : 8 + len(body)] = np.frombuffer(body, np.uint8)
+    records = np.asarray(multihost_utils.process_allgather(record))
+    if (records == records[0]).all():
+        return
+    per_process = {
+        p: bytes(r[8:]).rstrip(b"\0").decode(errors="replace") for p, r in enumerate(records)
+    }
+    raise BatchError(
+        message(
+            "With several processes, strategy.reduce of a plain value (numpy, a number, a "
+            "local array) reduces each process's own value over the processes, element by "
+            "element: every process passes values of the same shapes and dtypes.",
+            received(per_process=per_process),
+            "give the value the same shape and dtype on every process (e.g. a count as a "
+            "scalar, a sum and a count rather than a list of losses), or reduce the "
+            "PerReplica that strategy.run returned.",
+        )
     )
 
 
@@ -508,7 +724,7 @@ def _reduce_one(op: ReduceOp, value: Any, axis: int | None, strategy: Strategy |
         return jax.tree.map(lambda x: fn(x, axis=_replica_axes(x, axis)), value.values)
     if jax.process_count() > 1 and _is_host_value(value):
         # tf.distribute's MultiWorkerMirroredStrategy: a plain value is this
-        # worker's, and is reduced over the workers.
+        # worker's, and is reduced over the workers (`reduce` checked the shapes).
         from jax.experimental import multihost_utils
 
         value = fn(jnp.asarray(multihost_utils.process_allgather(np.asarray(value))), axis=0)
@@ -615,7 +831,11 @@ def _traced_results(value: Any) -> tuple[Any, ...]:
 
 
 def gather(value: Any, axis: int = 0, strategy: Strategy | None = None) -> Any:
-    """`Strategy.gather`: every replica's value concatenated along `axis`."""
+    """`Strategy.gather`: every replica's value concatenated along `axis`.
+
+    With several processes the result is replicated, a copy on every device, so
+    that every process can read it (`np.asarray`), as a `reduce`'s result can.
+    """
     _check_axis_type(axis, "gather")
 
     def concat(x):
@@ -627,11 +847,17 @@ def gather(value: Any, axis: int = 0, strategy: Strategy | None = None) -> Any:
         moved = jnp.moveaxis(x, 0, at)
         return moved.reshape(moved.shape[:at] + (-1,) + moved.shape[at + 2 :])
 
+    def fetchable(x):
+        if isinstance(x, jax.core.Tracer) or x.is_fully_addressable:
+            return concat(x)
+        replicated = NamedSharding(x.sharding.mesh, PartitionSpec())
+        return jax.jit(concat, out_shardings=replicated)(x)
+
     def one(x):
         if not _is_per_replica(x):
             return x
         _check_count(strategy, x, "gather")
-        return jax.tree.map(concat, x.values)
+        return jax.tree.map(fetchable, x.values)
 
     return jax.tree.map(one, value, is_leaf=_is_per_replica)
 

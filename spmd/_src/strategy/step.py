@@ -40,6 +40,7 @@ from spmd._src.strategy.step_records import flatten as _flatten
 from spmd._src.strategy.step_records import hot as _hot
 from spmd._src.strategy.step_records import multiprocess as _multiprocess
 from spmd._src.strategy.step_records import signature as _signature
+from spmd._src.strategy.step_records import spans_processes
 from spmd._src.topologies import check_runnable
 
 if TYPE_CHECKING:
@@ -129,8 +130,9 @@ class Step:
         """A call off the fast path: split, check, find or build the program, run it."""
         check_runnable(self.strategy, "Calling a step")
         leaves, data_def = jax.tree.flatten(data)
-        if _multiprocess():  # first: a batch wrong on one process is an error on every one
-            self._agree_on(data, data_def, leaves)
+        if _multiprocess() and spans_processes(self.strategy.mesh):
+            # first: a batch wrong on one process is an error on every one
+            self._agree_on(data, data_def, leaves, kwargs)
         graphdef, pure, dynamic, program, fresh = self._program(state, data, kwargs)
         binding = None if graphdef is None else nnx_state.Binding(state, pure)
         if fresh:
@@ -145,14 +147,31 @@ class Step:
         static = self._static_of(kwargs) if not dynamic else None
         return self._run(_Call(state, pure, leaves, data_def, dynamic, static, binding), program)
 
-    def _agree_on(self, data: tuple, data_def: Any, leaves: list) -> None:
+    def _agree_on(self, data: tuple, data_def: Any, leaves: list, kwargs: dict) -> None:
         """With several processes, every call whose batch signature differs from the
         previous call's is checked with every other process first
-        (`step_checks.LastAgreed`); calls with the same signature cost a comparison."""
-        key = (data_def, _signature(leaves))
+        (`step_checks.LastAgreed`); calls with the same signature cost a comparison.
+
+        The signature holds the keyword arguments too: static values by value,
+        traced ones by shape and dtype, and those that are host values (a Python
+        number, a numpy array: `lr=0.1`) by value, agreed again whenever one changes
+        (a schedule's new rate each call is a round trip each call). A keyword
+        jax.Array's value is not fetched to compare: every process passes the same
+        (docs/multihost.md)."""
+        static = {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        dynamic = {k: v for k, v in kwargs.items() if k not in static}
+        dynamic_leaves, dynamic_def = jax.tree.flatten(dynamic)
+        key = (
+            data_def,
+            _signature(leaves),
+            dynamic_def,
+            _signature(dynamic_leaves),
+            tuple(map(checks.host_value, dynamic_leaves)),
+            checks.static_key(static),
+        )
         if self._agreed.differs(key):
             self._hot = None  # the fast path is for the signature agreed on last only
-            self._agreed.agree(self.fn, data, key)
+            self._agreed.agree(self.fn, data, key, dynamic, static)
 
     def _run_plain(self, hot: _Hot, state: Any, data: tuple) -> Any:
         """The fast path of a pytree state on one process, inlined: the state the last

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import inspect
 import itertools
 import math
 import os
+import re
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -32,10 +35,14 @@ __all__ = [
     "AGREE_TIMEOUT_S",
     "ENV_AGREE_TIMEOUT",
     "LastAgreed",
+    "RUN",
+    "STEP",
     "agree_on_batch",
     "agree_timeout",
     "check_arguments",
     "data_names",
+    "describe_call",
+    "host_value",
     "register",
     "static_key",
 ]
@@ -59,31 +66,45 @@ ENV_AGREE_TIMEOUT = "SPMD_BATCH_AGREE_TIMEOUT"
 _AGREEMENTS = itertools.count()
 
 
+STEP, RUN = "a step", "strategy.run"  # who agrees on a signature, as its errors name it
+
+
 class _BatchSignatures(Agreement):
-    """Every process passes a step batches of one signature: shapes, dtypes, structure.
+    """Every process passes a step batches of one signature: shapes, dtypes, structure,
+    and its keyword arguments (array shapes and dtypes, static values).
 
     A process agrees when its signature differs from the step's previous call.
     One that changed alone waits for peers that never come: they passed the
     call with the signature they all agreed on last, which the hang watch's
     records tell (`hang_watch.returned_from`), ending the wait at once.
+    `caller` is what is called: a step, or `strategy.run`.
     """
 
-    def __init__(self, client: Any, prefix: str, batch: str, previous: str | None, call: int):
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        batch: str,
+        previous: str | None,
+        call: int,
+        caller: str = STEP,
+    ):
         super().__init__(client, agree_timeout(), prefix)
         self._batch, self._previous, self._call = batch, previous, call
+        self._caller = caller
         self._main = threading.current_thread() is threading.main_thread()
 
     def compare(self, records: list[dict], index: int) -> None:
         if len({r["batch"] for r in records}) > 1:
-            raise BatchError(_mixed({p: r["batch"] for p, r in enumerate(records)}))
+            raise BatchError(_mixed({p: r["batch"] for p, r in enumerate(records)}, self._caller))
 
     def missing_message(self, process: int, index: int) -> str:
         return message(
-            f"Every process calls a step with each new batch signature within "
+            f"Every process calls {self._caller} with each new batch signature within "
             f"{self._timeout:g} s of the others.",
             received(missing_process=process),
-            "call the step the same number of times, with the same batch shapes, on every "
-            "process; a process that changed its batch shape alone is the one to look at.",
+            f"call {self._caller} the same number of times, with the same batch shapes, on "
+            "every process; a process that changed its batch shape alone is the one to look at.",
         )
 
     def passed_message(self, process: int, index: int) -> str | None:
@@ -92,17 +113,23 @@ class _BatchSignatures(Agreement):
         record = hang_watch.progress(self._client, process)
         if record is None or not hang_watch.returned_from(record, self._call):
             return None
-        kept = f"{self._previous} (unchanged since its previous call of this step)"
-        return _mixed({self._process: self._batch, process: kept})
+        kept = f"{self._previous} (unchanged since its previous call of this {_noun(self._caller)})"
+        return _mixed({self._process: self._batch, process: kept}, self._caller)
 
 
-def _mixed(per_process: dict[int, str]) -> str:
+def _noun(caller: str) -> str:
+    return "step" if caller == STEP else caller
+
+
+def _mixed(per_process: dict[int, str], caller: str = STEP) -> str:
     return message(
-        "Every process passes a step the same global batch signature (shapes, dtypes, "
-        "structure): each process's arrays are the global batch, of which it keeps its own "
-        "rows, and the step runs on all processes together.",
+        f"Every process passes {caller} the same global batch signature (shapes, dtypes, "
+        "structure, and keyword arguments: array shapes and dtypes, static values): each "
+        "process's arrays are the global batch, of which it keeps its own rows, and "
+        f"{'the step' if caller == STEP else caller} runs on all processes together.",
         received(per_process=dict(sorted(per_process.items()))),
-        "give every process the same global batch size and dtypes, or feed the step from "
+        "give every process the same global batch size and dtypes and the same keyword "
+        f"arguments, or feed {'the step' if caller == STEP else caller} from "
         "strategy.distribute_dataset(...) / strategy.distribute_datasets_from_function(...), "
         "which split one global batch and check every batch across processes.",
     )
@@ -126,24 +153,55 @@ class LastAgreed:
         """Whether a call with signature `key` must agree first."""
         return self._key is None or self._key != key
 
-    def agree(self, fn: Any, data: tuple, key: Any) -> None:
-        """Agrees on `data` (signature `key`) with every process (`agree_on_batch`)."""
+    def agree(
+        self,
+        fn: Any,
+        data: tuple,
+        key: Any,
+        kwargs: dict | None = None,
+        static: dict | None = None,
+        *,
+        names: list[str] | None = None,
+        caller: str = STEP,
+    ) -> None:
+        """Agrees on `data` and the keyword arguments (signature `key`) with every process
+        (`agree_on_batch`)."""
         self._key = None
-        self._shown = agree_on_batch(fn, data, self._shown)
+        self._shown = agree_on_batch(
+            fn, data, self._shown, kwargs, static, names=names, caller=caller
+        )
         self._key = key
 
 
-def agree_on_batch(fn: Any, data: tuple, previous: str | None = None) -> str | None:
+def agree_on_batch(
+    fn: Any,
+    data: tuple,
+    previous: str | None = None,
+    kwargs: dict | None = None,
+    static: dict | None = None,
+    *,
+    names: list[str] | None = None,
+    caller: str = STEP,
+) -> str | None:
     """Checks with every other process that they call a step with this batch signature.
 
     Called whenever a step's batch signature differs from its previous call's
-    (its steady state costs nothing).
+    (its steady state costs nothing). The signature is each array's shape and
+    dtype, the structure, and the keyword arguments: arrays by shape and dtype,
+    static values by value, and traced host values (Python numbers, numpy
+    arrays) by value too (`host_value`); a keyword jax.Array is not fetched to
+    compare its value: every process passes the same (docs/multihost.md).
 
     Args:
       fn: the step function, whose argument names the signature shows.
       data: the call's batch arguments.
       previous: what this function returned for the step's previous call (the
         signature every process agreed on then); None for its first call.
+      kwargs: the call's traced keyword arguments (arrays and numbers).
+      static: the call's static keyword arguments (compile-time values).
+      names: the names of `data`'s entries; by default `fn`'s parameters after
+        the state (`data_names`).
+      caller: what is called, as the errors name it (`STEP` or `RUN`).
 
     Returns:
       The signature agreed on, as shown in errors; None with one process.
@@ -155,17 +213,76 @@ def agree_on_batch(fn: Any, data: tuple, previous: str | None = None) -> str | N
     client = coordination_client()
     if client is None:
         return None
-    leaves, treedef = jax.tree.flatten(data)
-    names = data_names(fn, len(data)) or [f"argument {i}" for i in range(len(data))]
-    described = ", ".join(
-        f"{name}: {_describe(entry)}" for name, entry in zip(names, data, strict=False)
-    )
-    batch = f"{described} ({len(leaves)} arrays, {treedef})"
+    batch = describe_call(fn, data, kwargs, static, names)
     prefix = f"spmd/step/{next(_AGREEMENTS)}"
-    _BatchSignatures(client, prefix, batch, previous, hang_watch.STEPS[0]).agree(
+    _BatchSignatures(client, prefix, batch, previous, hang_watch.STEPS[0], caller).agree(
         0, {"batch": batch}
     )
     return batch
+
+
+def describe_call(
+    fn: Any,
+    data: tuple,
+    kwargs: dict | None = None,
+    static: dict | None = None,
+    names: list[str] | None = None,
+) -> str:
+    """A call's signature as every process compares it and an error shows it:
+    `images: float32[8, 3], lr: float32[], scale=2.0 (3 arrays, PyTreeDef(...))`."""
+    kwargs, static = kwargs or {}, static or {}
+    names = names or data_names(fn, len(data)) or [f"argument {i}" for i in range(len(data))]
+    parts = [f"{name}: {_describe(entry)}" for name, entry in zip(names, data, strict=False)]
+    parts += [_keyword_shown(name, kwargs[name]) for name in sorted(kwargs)]
+    parts = [part for part in parts if part]
+    parts += [f"{name}={_static_shown(static[name])}" for name in sorted(static)]
+    leaves, treedef = jax.tree.flatten((data, kwargs) if kwargs else data)
+    return f"{', '.join(parts)} ({len(leaves)} arrays, {treedef})"
+
+
+def _keyword_shown(name: str, value: Any) -> str:
+    """A traced keyword argument: its arrays' dtypes and shapes and, for host values
+    (Python numbers, numpy arrays), their values (`host_value`); "" with no arrays."""
+    leaves = jax.tree.leaves(value)
+    if not leaves:
+        return ""
+    values = [host_value(x) for x in leaves]
+    shown = f"{name}: {_describe(value)}"
+    if all(v is None for v in values):
+        return shown
+    if len(values) == 1:
+        return f"{shown} = {values[0]}"
+    return f"{shown} = [{', '.join('(device array)' if v is None else v for v in values)}]"
+
+
+def host_value(x: Any) -> str | None:
+    """How a replicated host value reads when processes compare it: a Python number or
+    a numpy array of up to 8 elements by value, a larger one by a fingerprint of its
+    bytes; None for a jax.Array, whose value is not fetched to compare.
+
+    A replicated keyword argument is one value for every device: a process passing
+    another value would give its devices another number than the others' (a "replicated"
+    state that silently differs per process).
+    """
+    if isinstance(x, bool | int | float | complex):
+        return repr(x)
+    if isinstance(x, np.ndarray | np.generic):
+        array = np.asarray(x)
+        if array.size <= 8:
+            return f"{array.dtype.name}({array.tolist()!r})"
+        digest = hashlib.blake2b(array.tobytes(), digest_size=8).hexdigest()
+        return f"{array.dtype.name}#{digest}"
+    return None
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _static_shown(value: Any) -> str:
+    """A static value as processes compare it: its repr (1, 1.0 and True differ, as
+    do 0.0 and -0.0), without memory addresses (a function's repr names one, different
+    in each process)."""
+    return _ADDRESS.sub("", repr(value))
 
 
 def agree_timeout() -> float:
@@ -449,12 +566,18 @@ def static_key(static: dict) -> tuple:
 def _typed(value: Any) -> Any:
     """`value` with its type at every level: (1,) and (1.0,) are different keys.
 
-    Floats are keyed by repr too (0.0 and -0.0 compare equal).
+    Floats are keyed by repr too (0.0 and -0.0 compare equal). Tuples (named
+    ones too), frozensets and dataclasses (a frozen config) are keyed field by
+    field, so the same holds inside them; any other object by its own `==`, as
+    `jax.jit` keys its static arguments.
     """
     if isinstance(value, tuple):
         return (type(value), tuple(map(_typed, value)))
     if isinstance(value, frozenset):
         return (type(value), frozenset(map(_typed, value)))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value), tuple((f.name, _typed(getattr(value, f.name))) for f in fields))
     if isinstance(value, float | complex | np.floating | np.complexfloating):
         return (type(value), value, repr(value))
     return (type(value), value)

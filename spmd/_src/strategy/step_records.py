@@ -177,6 +177,21 @@ def multiprocess() -> bool:
     return jax.process_count() > 1
 
 
+def spans_processes(mesh: Any) -> bool:
+    """Whether `mesh` holds devices of several processes: its programs run on all of
+    them together, so they agree on their arguments. A strategy over one process's
+    devices (`MirroredStrategy()` in a job of several) runs apart on each."""
+    try:
+        return _spans_processes(mesh)
+    except TypeError:  # an unhashable mesh: not cached
+        return _spans_processes.__wrapped__(mesh)
+
+
+@functools.lru_cache(maxsize=64)
+def _spans_processes(mesh: Any) -> bool:
+    return len({d.process_index for d in np.asarray(mesh.devices).flat}) > 1
+
+
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 
 
