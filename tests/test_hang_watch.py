@@ -221,6 +221,7 @@ def test_the_publication_interval_follows_the_shorter_bound():
         Verdict(),
         Verdict(missing=(1, 3)),
         Verdict(twice=2, where=("10.0.0.2 (pid 4 on a)", "10.0.0.3 (pid 9 on b)")),
+        Verdict(counts=((0, 2, "10.0.0.1:1234"), (1, 3, "[::1]:1234"))),
     ],
 )
 def test_a_verdict_survives_its_line(verdict):

@@ -22,7 +22,6 @@ from spmd.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
     HANG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
-    not_arrived,
 )
 from spmd.clusters.resolvers.jax_detect import detected_join
 from spmd.errors import BatchError, ConfigurationError, InitializationError, message, received
@@ -120,8 +119,12 @@ def bind_address(coordinator: str) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_port_free(coordinator: str, bind: str | None) -> None:
-    """On process 0: the coordinator's port must be free, else InitializationError."""
+def _check_port_free(coordinator: str, bind: str | None, count: int) -> None:
+    """On process 0: the coordinator's port must be free, else InitializationError.
+
+    Where another process 0 of this job holds it (its roll call, or its
+    coordination service), the error names process_id 0 given twice.
+    """
     host, _, port = (bind or f"[::]:{coordinator.rpartition(':')[2]}").rpartition(":")
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -132,6 +135,11 @@ def _check_port_free(coordinator: str, bind: str | None) -> None:
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
                 return  # not ours to judge: JAX reports it
+            verdict = roll_call.probe(coordinator, count)
+            if verdict is not None and not verdict.ok:
+                raise InitializationError(
+                    roll_call.explain(verdict, coordinator, (0, count), 0)
+                ) from None
             raise InitializationError(
                 message(
                     f"Process 0 hosts the coordination service on port {port}, so that port "
@@ -248,7 +256,7 @@ def join(
             kwargs["local_device_ids"] = local
     if coordinator is not None:
         if index == 0:
-            _check_port_free(coordinator, bind)
+            _check_port_free(coordinator, bind, count)
         _roll_call(coordinator, bind, (index, count), init_timeout)
         kwargs.update(
             coordinator_address=coordinator,
@@ -346,7 +354,8 @@ def _end_if_coordinator_lost() -> None:
 
 
 def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeout: float) -> None:
-    """Before the join: raises naming the processes missing, or the id given twice.
+    """Before the join: raises naming the processes missing, the id given twice, or the
+    processes that disagree on the process count.
 
     See `spmd.clusters.roll_call`. Process 0 that cannot listen at the
     coordinator's address fails here (the service could not listen there either).
@@ -358,8 +367,10 @@ def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeo
         verdict = None
         for listen in [bind] if bind else [f"[::]:{port}", f"0.0.0.0:{port}"]:  # no IPv6: v4
             with contextlib.suppress(OSError):
-                verdict = roll_call.answer(listen, count, timeout)
+                verdict = roll_call.answer(listen, count, timeout, coordinator)
                 break
+        if verdict is None and (doubled := roll_call.probe(coordinator, count)) is not None:
+            verdict = doubled  # another process 0 listens there first
         if verdict is None:
             raise InitializationError(
                 message(
@@ -371,38 +382,9 @@ def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeo
                 )
             )
     else:
-        verdict = roll_call.call(coordinator, index, timeout)
+        verdict = roll_call.call(coordinator, index, timeout, count)
     if not verdict.ok:
-        raise InitializationError(_absent(verdict, coordinator, where, timeout))
-
-
-def _absent(
-    verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int], timeout: float
-) -> str:
-    """The teaching message for a roll call that found someone missing or doubled."""
-    index, count = where
-    got = received(coordinator_address=coordinator, process_id=index, num_processes=count)
-    if verdict.twice is not None:
-        return message(
-            f"Each process must join with its own process_id, 0 .. {count - 1}; process_id "
-            f"{verdict.twice} was given to more than one process (the same process_id twice): "
-            f"{' and '.join(verdict.where)}.",
-            got,
-            "give every process a different index (SPMD_PROCESS_ID, TF_CONFIG's task index, or "
-            "process_id=), or let spmd launch number them; check that the coordinator address "
-            "is this job's. A process restarted alone cannot rejoin a running job: restart "
-            "every process.",
-        )
-    missing = [0] if verdict.unreachable else list(verdict.missing)
-    what = "spmd.initialize()" + (" (process 0 hosts the coordinator)" * verdict.unreachable)
-    return message(
-        f"{not_arrived(missing, what, timeout)}: all {count} processes (process ids 0 .. "
-        f"{count - 1}, each once) must join within initialization_timeout={timeout:g} s.",
-        got,
-        f"start process(es) {missing} too (a process that crashed before spmd.initialize() says "
-        "why in its own output); check that process 0's host:port is reachable from this "
-        "machine, or raise initialization_timeout.",
-    )
+        raise InitializationError(roll_call.explain(verdict, coordinator, where, timeout))
 
 
 def _shutdown_quietly() -> None:

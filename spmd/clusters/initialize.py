@@ -242,8 +242,9 @@ def initialize(
       ConfigurationError: if this machine has no network interface `interface`.
       InitializationError: if JAX's backends already started and something must
         change, if a second call resolves differently, or if joining fails (the
-        coordinator's port is taken, two processes have the same process_id, or
-        not every process joined within initialization_timeout), bounded by
+        coordinator's port is taken, two processes have the same process_id, the
+        processes were given different process counts, or not every process
+        joined within initialization_timeout), bounded by
         initialization_timeout; never an abort.
 
     Example:
