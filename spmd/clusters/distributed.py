@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmd.clusters import hang_watch, lost_peer, roll_call
+from spmd.clusters.exit_wait import ExitWait
 from spmd.clusters.jax_state import global_state
 from spmd.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 PEER_POLL = 0.5  # seconds between a process's looks at the coordination service for failed peers
-EXIT_TIMEOUT = 30  # seconds a process that reached its end waits for the others to reach theirs
+EXIT_TIMEOUT = 30  # seconds a peer may wait in JAX, no step call, for a process at its end
 SIGTERM_GRACE = 120.0  # seconds after SIGTERM for a process with a save to make; then it ends
 _FAILED = "spmd/failed/"  # key prefix: a process that fails says so here, once, before exiting
 _NOTICE = "RECEIVED_PREEMPTION_NOTICE"  # JAX's key, set when any process gets SIGTERM
@@ -61,6 +62,9 @@ _ENDING = threading.RLock()
 
 _state: dict[str, Any] = {
     "process": None,
+    "count": None,
+    "watch": None,  # this process's hang watch
+    "sigterm_at": None,  # when the peer watch saw the SIGTERM notice
     "coordinator": None,  # process 0's "host:port"
     "exiting": False,
     "ending": False,  # some thread holds _ENDING: this process is ending
@@ -275,18 +279,18 @@ def join(
         raise InitializationError(
             _explain(e, elapsed, (coordinator, index, count), init_timeout)
         ) from e
-    _state["process"] = index
+    _state["process"], _state["count"] = index, count
     _state["coordinator"] = coordinator or global_state().coordinator_address
     _state["peer_wait"] = float(heartbeat_timeout)
     _exit_promptly_on_errors()
     _record_sys_exit()
     atexit.register(_agree_to_exit, exit_timeout)
     threading.Thread(target=_watch_peers, name="spmd-peer-watch", daemon=True).start()
-    quietest = hang_watch.start(
+    _state["watch"] = hang_watch.start(
         _client(), (index, count), (hang_timeout, heartbeat_timeout), _end_for, _exiting
     )
     if _state["coordinator"]:
-        lost_peer.install(_state["coordinator"], index, _end_as_lost, quietest)
+        lost_peer.install(_state["coordinator"], index, _end_as_lost, _state["watch"].quietest)
 
 
 def _exiting() -> bool:
@@ -429,7 +433,11 @@ def _end_following(culprit: int | str, reason: str) -> None:
     _linger_if_host()
     stalled = reason.startswith((hang_watch.HUNG, hang_watch.GONE))
     code = HANG_EXIT_CODE if stalled else _EXIT_CODE_PEER
-    _end(code, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
+    own = ""
+    if reason.startswith(hang_watch.HUNG):  # named with it: this one's stack too
+        with contextlib.suppress(Exception):
+            own = hang_watch.named_stack(_client(), _state["process"])
+    _end(code, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.{own}")
 
 
 def _end_if_a_peer_caused(error: BaseException) -> None:
@@ -552,17 +560,22 @@ def _end_on_exit_code(index: int | None) -> None:
 
 
 def _agree_to_exit(timeout: int) -> None:
-    """At exit: wait up to `timeout` s for every process to reach its end too.
+    """At exit: wait for every process to reach its end too, failing only on a deadlock.
 
-    A process that left early (e.g. `if is_chief: return`) would otherwise
-    wait 300 s in JAX's shutdown barrier while its peers wait for it in a
-    collective; instead it fails, naming itself, and its peers end with it.
+    A peer still running its own code (a chief's export) is left to finish;
+    one that waits for this process in a collective it never joins (e.g.
+    after `if is_chief: return`) makes it fail, naming itself, and its peers
+    end with it (`spmd.clusters.exit_wait`). Peers that fail, fall silent, or
+    get SIGTERM meanwhile end it as they would have before.
     """
     _state["exiting"] = True
-    client, index = _client(), _state["process"]
+    client, index, watch = _client(), _state["process"], _state["watch"]
     if client is None:
         return
     _end_on_exit_code(index)
+    if watch is not None:
+        watch.wake()  # its record says done now, not at the next interval
+        _wait_for_peers(client, ExitWait(index, _state["count"], hang_watch.SHARED[0], timeout))
     try:
         client.wait_at_barrier("spmd_exit", int(timeout * 1000))
     except Exception:
@@ -575,6 +588,27 @@ def _agree_to_exit(timeout: int) -> None:
             "Every process must run the same steps (no `if is_chief: return` before a "
             "collective); only side effects such as printing may depend on the process.",
         )
+    if watch is not None:
+        watch.stop()
+
+
+def _wait_for_peers(client: Any, wait: ExitWait) -> None:
+    """Polls the peers' records until every process has ended; ends this process where one
+    waits for it (a deadlock), where one failed, or on an unanswered SIGTERM."""
+    while True:
+        _look_at_peers(client)
+        try:
+            records = hang_watch.records(client)
+        except Exception:
+            _end_if_coordinator_lost()
+            return  # the barrier reports it
+        if wait.done(records):
+            return
+        why = wait.look(time.monotonic(), records)
+        if why is not None:
+            report_failure(f"process {wait.index} reached the end of its program early")
+            _end(1, why)
+        time.sleep(PEER_POLL)
 
 
 def expect_save(grace: float | None) -> None:
@@ -607,26 +641,31 @@ def _watch_peers() -> None:
     """Ends this process when a peer failed, or a SIGTERM has gone unanswered too long.
 
     Runs in a daemon thread, so it works while the main thread is blocked in
-    a collective, where no Python signal handler can run.
+    a collective, where no Python signal handler can run; at this process's
+    end, `_agree_to_exit` looks in its place.
     """
-    sigterm_at: float | None = None
     while not _state["exiting"]:
         time.sleep(PEER_POLL)
         client = _client()
         if client is None or _state["exiting"]:
             return
-        with contextlib.suppress(Exception):
-            failed = _failed_peers(client)
-            if failed and not _state["exiting"]:
-                key, reason = failed[0]
-                _end_following(key.rsplit("/", 1)[1], reason)
-        if sigterm_at is None and _notice(client):
-            sigterm_at = time.monotonic()
-            _state["sigterm"] = True
-        if sigterm_at is not None:
-            grace = _state["save_grace"]
-            if grace is None or time.monotonic() - sigterm_at > grace:
-                after = "" if grace is None else f" and {grace:g} s without the save ending it"
-                _claim_end()
-                _linger_if_host()
-                _end(_EXIT_CODE_SIGTERM, f"SIGTERM{after}; ending the process.")
+        _look_at_peers(client)
+
+
+def _look_at_peers(client: Any) -> None:
+    """One look: ends this process if a peer failed, or a SIGTERM went unanswered too long."""
+    with contextlib.suppress(Exception):
+        failed = _failed_peers(client)
+        if failed:
+            key, reason = failed[0]
+            _end_following(key.rsplit("/", 1)[1], reason)
+    if _state["sigterm_at"] is None and _notice(client):
+        _state["sigterm_at"], _state["sigterm"] = time.monotonic(), True
+    sigterm_at = _state["sigterm_at"]
+    if sigterm_at is not None:
+        grace = _state["save_grace"]
+        if grace is None or time.monotonic() - sigterm_at > grace:
+            after = "" if grace is None else f" and {grace:g} s without the save ending it"
+            _claim_end()
+            _linger_if_host()
+            _end(_EXIT_CODE_SIGTERM, f"SIGTERM{after}; ending the process.")

@@ -8,6 +8,7 @@ import sys
 import threading
 
 from spmd.clusters.distributed import FOLLOWER
+from spmd.clusters.hang_watch import WAITED
 from spmd.clusters.launch_results import CONFIGURATION_EXIT_CODE, NOT_ARRIVED_LINE, GroupResult
 
 __all__ = ["FOLLOWER_LINE", "Printer", "not_worth_restarting", "summary"]
@@ -88,7 +89,11 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
     if hang is not None:
         return (
             f"first failure: process {index}, alive but {hang.split('; its main thread')[0]}; "
-            "its stack is above. The other processes waited for it and ended with it."
+            + (
+                "its stack is above. The other processes waited for it and ended with it."
+                if WAITED in hang
+                else "each process named prints its stack above; the others ended with them."
+            )
         )
     exception = printer.exception(index)
     what = f"raised {exception}" if exception else "printed no Python exception"

@@ -424,6 +424,12 @@ class Strategy:
         return cache[key]
 
     @functools.cached_property
+    def _spans_processes(self) -> bool:
+        """Whether the mesh holds devices of several processes (its steps' collectives wait
+        for each of them): what the hang watch's `SHARED` counts."""
+        return len({d.process_index for d in self.mesh.devices.flat}) > 1
+
+    @functools.cached_property
     def replicated(self) -> NamedSharding:
         """A sharding that keeps one full copy on every device of the mesh."""
         return NamedSharding(self.mesh, PartitionSpec())

@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd.clusters.hang_watch import SHARED as _SHARED
 from spmd.clusters.hang_watch import STEPS as _STEPS
 from spmd.errors import BatchError, ConfigurationError, ContextError, message, received
 from spmd.strategy.replica import (
@@ -82,6 +83,7 @@ def run(
         subdefs.append(None)
     if not any(isinstance(x, jax.core.Tracer) for x in flat):  # runs now, not traced in a step
         _STEPS[0] += 1  # progress, as a Step call is (spmd/clusters/hang_watch.py)
+        _SHARED[0] += strategy._spans_processes
     if _SPLIT in kinds:
         # fn's positional arguments, PerReplica leaves left out, named by fn's own names.
         split = [

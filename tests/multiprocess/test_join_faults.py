@@ -197,13 +197,43 @@ def test_a_raising_peer_ends_the_survivor_within_seconds():
     assert elapsed < 30  # joining takes a few seconds; the heartbeat would take 100
 
 
-def test_a_process_that_ends_alone_fails_and_its_peer_ends_too():
+def test_a_process_that_ends_while_its_peer_waits_for_it_in_a_step_fails_naming_itself():
+    """Process 0 leaves after 2 steps; process 1 waits for it in its third step's collective:
+    a deadlock, seen at once from the records (not after exit_timeout), and process 0 is
+    named as the one that ended early."""
     with Group("early", [0, 1], 2) as group:
+        group.wait_for("READY")
+        ready = time.monotonic()
         (code0, out0), (code1, out1) = group.finish(seconds=60)
+        elapsed = time.monotonic() - ready
     assert code0 == 1, out0[-2000:]
-    assert "process 0 reached the end of its program, but the other processes did not" in out0
+    assert (
+        "process 0 reached the end of its program after 2 step call(s) spanning the processes, "
+        "but process 1 waits for it in a collective of its step call 3" in out0
+    ), out0[-2000:]
     assert code1 == 1 and "process 0 failed" in out1, out1[-2000:]
     assert "END" not in out1.split()
+    assert elapsed < 15, elapsed
+
+
+def test_a_process_that_ends_while_its_peer_waits_in_a_collective_outside_a_step_fails():
+    """Process 1 calls process_allgather after process 0 ended: it waits in JAX with no step
+    call; after exit_timeout (2 s) process 0 fails naming itself."""
+    with Group("gather", [0, 1], 2) as group:
+        (code0, out0), (code1, out1) = group.finish(seconds=60)
+    assert code0 == 1, out0[-2000:]
+    assert "process 0 reached the end of its program, and process 1 has waited in JAX" in out0
+    assert code1 == 1 and "process 0 failed" in out1, out1[-2000:]
+
+
+def test_the_chief_s_own_work_after_training_is_left_to_finish():
+    """Process 0 exports for 8 s after the last step, past exit_timeout (2 s) and
+    hang_timeout (2 s): process 1, at its end, waits for it, and both exit 0."""
+    with Group("export", [0, 1], 2) as group:
+        (code0, out0), (code1, out1) = group.finish(seconds=60)
+    assert (code0, code1) == (0, 0), (out0[-2000:], out1[-2000:])
+    assert "EXPORTED" in out0 and "END" in out0.split() and "END" in out1.split()
+    assert "hung" not in out0 + out1 and "reached the end" not in out0 + out1
 
 
 def test_sigterm_without_a_save_ends_processes_blocked_in_cpp_at_once():
