@@ -34,12 +34,15 @@ _log = logging.getLogger(__name__)
 
 
 def _late_read(unraisable: Any) -> bool:
-    """Whether `unraisable` is a read of a failed restore that completed after its loop closed.
+    """Whether `unraisable` is a read or write of a failed restore or save that completed
+    after its loop closed.
 
-    Orbax reads every array of a step at once on an asyncio loop; when one read
-    fails, the loop closes while tensorstore still completes the others, and
-    each completion's `loop.call_soon_threadsafe` raises "Event loop is closed"
-    into sys.unraisablehook: one traceback per array, after the fault was handled.
+    Orbax reads (and writes) every array of a step at once on an asyncio loop;
+    when one fails (a damaged file, a full disk), the loop closes while
+    tensorstore still completes the others, and each completion's
+    `loop.call_soon_threadsafe` raises "Event loop is closed" into
+    sys.unraisablehook: one traceback per array, after the fault was handled
+    (spmd's CheckpointError names it).
     """
     error = unraisable.exc_value
     if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
@@ -52,10 +55,11 @@ def _late_read(unraisable: Any) -> bool:
 
 
 def _drop_late_reads() -> None:
-    """Drops the tracebacks of a failed restore's late completions, and only those.
+    """Drops the tracebacks of a failed restore's or save's late completions, and only those.
 
-    Installed before a restore reads (once per process): the late completions
-    can come before the failure reaches spmd's handler, on a loaded machine.
+    Installed before a restore reads and when a writer opens (once per
+    process): the late completions can come before the failure reaches
+    spmd's handler, on a loaded machine.
     """
     previous = sys.unraisablehook
     if getattr(previous, "spmd_drops_late_reads", False):
@@ -67,6 +71,35 @@ def _drop_late_reads() -> None:
 
     hook.spmd_drops_late_reads = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+# What Orbax logs (at ERROR, with its traceback) from the threads of a save that failed,
+# which spmd reports itself as one CheckpointError from save, wait or close.
+_SAVE_FAILED_LOGS = (
+    "_SignalingThread.run() raised an exception",
+    "Save Finalize thread",
+    "Commit operations or the Commit callback",
+)
+_ORBAX = os.path.join("orbax", "checkpoint", "")
+_WRITERS: weakref.WeakSet = weakref.WeakSet()  # the open writers, whose saves spmd reports
+
+
+class _SaveFailureLogs(logging.Filter):
+    """Keeps Orbax's logs of a failed save out of the output while a writer is open: spmd's
+    CheckpointError says what failed, once; Orbax's tracebacks would bury it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not _WRITERS or _ORBAX not in record.pathname:
+            return True
+        said = record.getMessage()
+        return not any(s in said for s in _SAVE_FAILED_LOGS)
+
+
+def _quiet_save_failures() -> None:
+    """Installs `_SaveFailureLogs` on absl's logger, through which Orbax logs (once)."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _SaveFailureLogs) for f in absl.filters):
+        absl.addFilter(_SaveFailureLogs())
 
 
 class CheckpointManager:
@@ -174,6 +207,10 @@ class CheckpointManager:
             self._lock.release()
             raise
         self._closed = False
+        if not read_only:
+            _WRITERS.add(self)
+            _quiet_save_failures()
+            _drop_late_reads()
 
     def _hold_final(self) -> final.Hold | None:
         """A writer takes an ended run's final-step marker away while it holds the directory
@@ -340,7 +377,7 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as e:
-            raise guard.write_failed(self._failed([*self._pending, step]), self.directory, e) from e
+            raise self._write_failed([*self._pending, step], e) from e
         finally:  # after a failure too: with several processes some checksums are collectives
             record.start(arrays)
         self._pending.append(step)
@@ -602,6 +639,7 @@ class CheckpointManager:
         try:
             self._finish(self._store.close)
         finally:
+            _WRITERS.discard(self)
             if self._hold is not None:
                 self._release_hold()  # before the lock: no other writer comes between
             self._lock.release()
@@ -611,9 +649,18 @@ class CheckpointManager:
         try:
             wait()
         except Exception as e:
-            raise guard.write_failed(self._failed(self._pending), self.directory, e) from e
+            raise self._write_failed(self._pending, e) from e
         finally:
             self._pending = []
+
+    def _write_failed(self, steps: list[int], error: Exception) -> CheckpointError:
+        """The error for saves of `steps` that failed, each reported once: the steps since
+        the last success are forgotten (the later `wait` and `close` do not name them
+        again), and the failed ones' temporary folders removed (their space is freed)."""
+        failed = self._failed(steps)
+        self._pending = []
+        self._store.discard_unfinished(failed)
+        return guard.write_failed(failed, self.directory, error)
 
     def _failed(self, steps: list[int]) -> list[int]:
         """Those of `steps` not committed intact (a process that cannot see process 0's disk
