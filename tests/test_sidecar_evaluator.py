@@ -780,7 +780,9 @@ def test_a_directory_under_a_file_or_an_unreadable_folder_is_spmd_s_error_naming
         locked.chmod(0o755)
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-3000:]
-    assert "ConfigurationError: checkpoint_dir is a folder, or a path where one can be made" in output
+    assert (
+        "ConfigurationError: checkpoint_dir is a folder, or a path where one can be made" in output
+    )
     assert f"file='{tmp_path / 'afile'}'" in output, output[-3000:]
     assert (
         "CheckpointError: A CheckpointManager lists the step folders of its directory, so it "
