@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -14,7 +12,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from spmd.checkpoint import final, guard, integrity
+from spmd.checkpoint import final, guard, integrity, quiet
 from spmd.checkpoint import tree as ct
 from spmd.checkpoint.integrity import Damaged
 from spmd.checkpoint.position import as_json as _json
@@ -31,75 +29,6 @@ from spmd.validate import boolean, positive_int, positive_number
 __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger(__name__)
-
-
-def _late_read(unraisable: Any) -> bool:
-    """Whether `unraisable` is a read or write of a failed restore or save that completed
-    after its loop closed.
-
-    Orbax reads (and writes) every array of a step at once on an asyncio loop;
-    when one fails (a damaged file, a full disk), the loop closes while
-    tensorstore still completes the others, and each completion's
-    `loop.call_soon_threadsafe` raises "Event loop is closed" into
-    sys.unraisablehook: one traceback per array, after the fault was handled
-    (spmd's CheckpointError names it).
-    """
-    error = unraisable.exc_value
-    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
-        return False
-    frames = traceback.extract_tb(unraisable.exc_traceback)
-    asyncio_dir = os.path.join("asyncio", "base_events.py")
-    return any(
-        f.name == "call_soon_threadsafe" and f.filename.endswith(asyncio_dir) for f in frames
-    )
-
-
-def _drop_late_reads() -> None:
-    """Drops the tracebacks of a failed restore's or save's late completions, and only those.
-
-    Installed before a restore reads and when a writer opens (once per
-    process): the late completions can come before the failure reaches
-    spmd's handler, on a loaded machine.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "spmd_drops_late_reads", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if not _late_read(unraisable):
-            previous(unraisable)
-
-    hook.spmd_drops_late_reads = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
-# What Orbax logs (at ERROR, with its traceback) from the threads of a save that failed,
-# which spmd reports itself as one CheckpointError from save, wait or close.
-_SAVE_FAILED_LOGS = (
-    "_SignalingThread.run() raised an exception",
-    "Save Finalize thread",
-    "Commit operations or the Commit callback",
-)
-_ORBAX = os.path.join("orbax", "checkpoint", "")
-_WRITERS: weakref.WeakSet = weakref.WeakSet()  # the open writers, whose saves spmd reports
-
-
-class _SaveFailureLogs(logging.Filter):
-    """Keeps Orbax's logs of a failed save out of the output while a writer is open: spmd's
-    CheckpointError says what failed, once; Orbax's tracebacks would bury it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or not _WRITERS or _ORBAX not in record.pathname:
-            return True
-        said = record.getMessage()
-        return not any(s in said for s in _SAVE_FAILED_LOGS)
-
-
-def _quiet_save_failures() -> None:
-    """Installs `_SaveFailureLogs` on absl's logger, through which Orbax logs (once)."""
-    absl = logging.getLogger("absl")
-    if not any(isinstance(f, _SaveFailureLogs) for f in absl.filters):
-        absl.addFilter(_SaveFailureLogs())
 
 
 class CheckpointManager:
@@ -208,9 +137,7 @@ class CheckpointManager:
             raise
         self._closed = False
         if not read_only:
-            _WRITERS.add(self)
-            _quiet_save_failures()
-            _drop_late_reads()
+            quiet.writer_opened(self)
 
     def _hold_final(self) -> final.Hold | None:
         """A writer takes an ended run's final-step marker away while it holds the directory
@@ -429,7 +356,7 @@ class CheckpointManager:
         """
         self._check_open("restore")
         step = self._resolve_step(step)
-        _drop_late_reads()  # before the reads: a failed one's late siblings can come at once
+        quiet.drop_late_completions()  # before the reads: a failed one's late siblings can come at once
         if target is None:
             result = self._restore_numpy(step)
         else:
@@ -639,7 +566,7 @@ class CheckpointManager:
         try:
             self._finish(self._store.close)
         finally:
-            _WRITERS.discard(self)
+            quiet.writer_closed(self)
             if self._hold is not None:
                 self._release_hold()  # before the lock: no other writer comes between
             self._lock.release()
