@@ -2,13 +2,16 @@
 
 The public names are imported when first used (PEP 562), so that `import spmd` and the
 `spmd` command's `--help` do not import jax; `spmd.X` and `from spmd import X` work as usual.
-Once jax is imported, JAX's TPU backend is kept from starting on a host with no TPU chip
-(spmd/_src/clusters/tpu_backend.py: libtpu's noise on every CPU program).
+As soon as jax is imported, by whoever (spmd's own modules, on any import path, or the
+program, using jax or flax directly after `import spmd`), JAX's TPU backend is kept from
+starting on a host with no TPU chip (spmd/_src/clusters/tpu_backend.py: libtpu's noise on
+every CPU program): an import hook, removed once it has run, finishes jax's import with that.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
 import sys
 from typing import TYPE_CHECKING, Any
@@ -197,4 +200,43 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_WHERE))
 
 
-_no_tpu_backend_without_chips()  # jax imported before spmd
+class _AfterJax(importlib.abc.MetaPathFinder):
+    """Finds jax as the other finders do, and has its import end with
+    `_no_tpu_backend_without_chips()`; then leaves `sys.meta_path`."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "jax":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("jax")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _ThenNoTpuBackend(spec.loader)
+        return spec
+
+
+class _ThenNoTpuBackend(importlib.abc.Loader):
+    """jax's own loader, then the TPU backend's guard; the module keeps jax's loader."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        _no_tpu_backend_without_chips()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+if "jax" in sys.modules:
+    _no_tpu_backend_without_chips()  # jax imported before spmd
+elif not any(isinstance(f, _AfterJax) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterJax())

@@ -344,6 +344,17 @@ def test_sigterm_saves_at_the_next_step_then_exits_42(tmp_path):
         assert view.all_steps() == [2] and view.restore_data() == {"position": 2}
 
 
+def test_sigterm_says_that_it_saves_only_at_a_save_every_process_reaches_in_time(tmp_path, capfd):
+    """A process stopped by a launcher after a peer failed, or blocked in a collective, has a
+    manager open but makes no save: the line says what happens then, not that it saves."""
+    with spmd.CheckpointManager(tmp_path, preemption="signal") as ckpt:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt._watcher.noticed()
+    said = capfd.readouterr().err
+    assert "at the next CheckpointManager.save() that every process reaches" in said, said
+    assert "if no such save comes within 120 s (grace_period), it ends with code 143" in said
+
+
 def test_sigterm_without_exit_marks_the_step(tmp_path):
     with spmd.CheckpointManager(
         tmp_path, save_interval_steps=100, preemption="signal", exit_on_preemption=False

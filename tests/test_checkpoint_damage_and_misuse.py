@@ -219,6 +219,43 @@ def test_a_step_folder_that_cannot_be_read_is_named_never_called_damaged(tmp_pat
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["1", "2"]
 
 
+_SAVE_MORE = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax.numpy as jnp
+import spmd
+try:
+    ckpt = spmd.CheckpointManager(sys.argv[1])
+    print("SAVED", ckpt.save(3, {"w": jnp.ones(4)}), flush=True)
+    ckpt.close()
+except spmd.CheckpointError as error:
+    print("CheckpointError:", str(error).replace(chr(10), " | "), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_directory_made_read_only_after_a_run_is_refused_at_open_pointing_at_read_only(
+    tmp_path,
+):
+    """The folder mode 555, its .spmd-lock still writable: the writer cannot save there, which
+    it says when it opens (pointing at read_only=True), not after save returned True."""
+    _saved(tmp_path / "ckpt")
+    folder = tmp_path / "ckpt"
+    folder.chmod(0o555)
+    command = without_dac_override([sys.executable, "-c", _SAVE_MORE, str(folder)])
+    try:
+        run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
+    finally:
+        folder.chmod(0o755)
+    output = run.stdout + run.stderr
+    assert "SAVED" not in output, output[-2000:]
+    assert "CheckpointError: A CheckpointManager that saves needs a directory it can write" in (
+        output
+    ), output[-2000:]
+    assert "read_only=True" in output and "Traceback" not in output
+    assert sorted(p.name for p in folder.iterdir()) == [".spmd-lock", "1", "2"]
+
+
 # -- forgetting spmd.initialize() under `spmd launch` (item 8) -------------------------------
 
 _NO_INITIALIZE = """

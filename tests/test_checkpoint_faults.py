@@ -283,6 +283,43 @@ def test_a_full_disk_names_only_the_steps_that_failed(small_disk, async_save, ke
         ckpt.close()
 
 
+FILLS_THE_DISK = """
+import os, sys, jax, numpy as np, spmd
+folder = sys.argv[1]
+def make(step):  # 1 MiB a step, in 4 incompressible arrays
+    return {f"l{i}": np.random.default_rng(step * 10 + i).random(65536, np.float32) for i in range(4)}
+ckpt = spmd.CheckpointManager(folder, max_to_keep=3)
+for step in range(1, 7):
+    try:
+        print("SAVE", step, ckpt.save(step, make(step)), flush=True)
+    except spmd.CheckpointError as e:
+        print("SAVE-ERROR", step, str(e).replace(chr(10), " | "), flush=True)
+for end in (ckpt.wait, ckpt.close):
+    try:
+        end()
+    except spmd.CheckpointError as e:
+        print("END-ERROR", str(e).replace(chr(10), " | "), flush=True)
+print("LISTING", sorted(os.listdir(folder)), flush=True)
+"""
+
+
+def test_a_full_disk_is_said_once_per_step_in_spmd_s_words_and_its_space_freed(small_disk):
+    """Orbax's own logs of the failed save (ERROR:absl with tracebacks) and its late writes'
+    'Event loop is closed' tracebacks stay out of the output; each failed step is named by
+    one CheckpointError; its temporary folder is removed, so it stops taking the space."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", FILLS_THE_DISK, str(small_disk / "ckpt")]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = re.findall(r"steps=\[([\d, ]*)\]", done.stdout)
+    named = [int(s) for group in errors for s in group.split(",")]
+    assert named and len(named) == len(set(named)), done.stdout  # each failed step once
+    for noise in ("Traceback", "ERROR:absl", "Event loop is closed"):
+        assert noise not in done.stderr, done.stderr[-3000:]
+    [listing] = [line for line in done.stdout.splitlines() if line.startswith("LISTING")]
+    assert "orbax-checkpoint-tmp" not in listing, listing
+
+
 # -- a damaged OCDBT manifest: skipped with one warning, no late tracebacks -----------------
 
 MANY_ARRAYS = """

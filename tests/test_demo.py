@@ -53,13 +53,13 @@ def test_demo_reaches_95_percent_on_held_out_digits_and_saves_a_checkpoint(tmp_p
         "  strategy   MirroredStrategy (mesh replica=8)",
         "  devices    8 cpu in 1 process",
         "  replicas   8 in sync",
-        "  steps      88 (4 epochs, global batch 64)",
+        "  steps      92 (4 epochs, global batch 64)",
     ):
         assert line + "\n" in out, out
     assert "epoch 1/4: " in out  # not a terminal: one line per epoch instead of a bar
     assert re.search(r"  time       \d+\.\d s", out)
-    assert (tmp_path / "ckpt" / "88").is_dir(), out
-    assert f"  checkpoint {tmp_path / 'ckpt' / '88'}" in out
+    assert (tmp_path / "ckpt" / "92").is_dir(), out
+    assert f"  checkpoint {tmp_path / 'ckpt' / '92'}" in out
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@
 An unshuffled full batch of a NumpyDataset is now a copied slice (a gather
 otherwise). Every run is checked against a plain `jax.jit` SGD loop on one
 device fed the rows numpy says each batch holds (`np.random.default_rng([seed,
-epoch]).permutation(n)` when shuffling, a drop of the last partial batch).
+epoch]).permutation(n)` when shuffling; the last partial batch trained on, its loss a mean
+over its own rows, as Keras trains it).
 """
 
 import jax
@@ -69,7 +70,7 @@ def _oracle(module, x, y, w, batch_size, epochs, shuffle, steps=None, seed=0):
         grads = jax.grad(loss)(params)
         return jax.tree.map(lambda p, g: p - LR * g, params, grads)
 
-    n, per_pass = len(y), len(y) // batch_size
+    n, per_pass = len(y), -(-len(y) // batch_size)
     total = epochs * (steps or per_pass)  # Keras: one stream of batches across epochs
     for i in range(total):
         p, b = divmod(i, per_pass)  # pass p of the data, its batch b
@@ -98,8 +99,46 @@ def test_fit_on_arrays_a_batch_size_not_dividing_the_examples(strategy, shuffle,
     trainer = _trainer(strategy)
     data = (x, y, w) if weighted else (x, y)
     trainer.fit(data, batch_size=16, epochs=3, shuffle=shuffle, verbose=0)
-    assert trainer.iterations == 3 * (100 // 16)
+    assert trainer.iterations == 3 * 7  # 6 batches of 16 and one of 4, as Keras
     _close(trainer, _oracle(Plain, x, y, w if weighted else None, 16, 3, shuffle))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_fit_on_arrays_trains_on_the_last_partial_batch_as_keras_does(strategy, shuffle):
+    """10 examples in batches of 4: 3 steps an epoch (Keras' count), the last on 2 examples,
+    padded and masked for the replicas, its loss a mean over those 2: equal to one device's
+    hand-written loop over the same batches."""
+    x, y, _ = _data(10)
+    trainer = _trainer(strategy)
+    history = trainer.fit((x, y), batch_size=4, epochs=2, shuffle=shuffle, verbose=0)
+    assert trainer.iterations == 6
+    _close(trainer, _oracle(Plain, x, y, None, 4, 2, shuffle))
+    assert np.isfinite(history.history["loss"]).all()
+
+
+class Normed(nnx.Module):
+    """A training pass that writes state (BatchNorm statistics)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+        self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.norm(x))
+
+
+def test_a_model_that_writes_state_drops_the_partial_batch_and_says_so(strategy, caplog):
+    """Padded rows would enter BatchNorm's statistics, so the partial batch is never padded
+    for such a model: it is dropped, as before, and a WARNING says so (docs/migration.md)."""
+    x, y, _ = _data(20)
+    trainer = _trainer(strategy, Normed)
+    with caplog.at_level("WARNING", logger="spmd.trainer"):
+        trainer.fit((x, y), batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert trainer.iterations == 2
+    [record] = [r for r in caplog.records if r.name == "spmd._src.trainer"]
+    assert record.levelname == "WARNING"
+    assert "fit drops the last partial batch of each epoch, 4 of 20 examples" in record.message
+    assert "norm/" in record.message
 
 
 @pytest.mark.slow
@@ -208,7 +247,7 @@ def test_backup_and_restore_mid_epoch_resumes_bitwise(strategy, tmp_path, shuffl
     with pytest.raises(_Stop):
         fit(spmd.callbacks.BackupAndRestore(backup, save_freq=4), _Interrupt(10))
     resumed = fit(spmd.callbacks.BackupAndRestore(backup, save_freq=4))
-    assert resumed.iterations == whole.iterations == 18
+    assert resumed.iterations == whole.iterations == 21  # 7 batches an epoch, the last of 4
     _close(resumed, jax.tree.leaves(jax.device_get(whole.state["params"])), exact=True)
     _close(whole, _oracle(Plain, x, y, w, 16, 3, shuffle))
 

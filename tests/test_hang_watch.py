@@ -1,5 +1,6 @@
 """The hang watch's rule (who is behind), its settings, and the roll call's verdicts."""
 
+import dataclasses
 import math
 import threading
 
@@ -16,7 +17,13 @@ from spmd._src.clusters.roll_call import Verdict
 
 
 def rec(step, stalled, *, waiting=False, limit=10.0, done=False, waited=0.0, in_spmd=True):
-    return Record(1, step, stalled, limit, step >= 2, waiting, done, waited, in_spmd)
+    return Record(1, step, stalled, limit, step >= 2, waiting, done, waited, in_spmd, step)
+
+
+def named(records):
+    """The processes `behind` names, or None."""
+    verdict = behind(records)
+    return None if verdict is None else verdict.named
 
 
 def test_a_record_tells_a_step_call_returned_only_once_the_process_is_past_it():
@@ -31,67 +38,99 @@ def test_a_record_tells_a_step_call_returned_only_once_the_process_is_past_it():
 
 
 def test_nobody_is_behind_while_every_process_advances():
-    assert behind({0: rec(50, 1.0), 1: rec(49, 2.0)}) is None
+    assert named({0: rec(50, 1.0), 1: rec(49, 2.0)}) is None
 
 
 def test_the_lowest_step_is_behind_not_the_processes_waiting_for_it():
     # process 1 stopped at step 4; process 0 ran ahead and now waits in a collective
     records = {0: rec(6, 11.0, waiting=True), 1: rec(4, 12.0)}
-    assert behind(records) == 1
+    assert named(records) == (1,)
 
 
 def test_among_equal_steps_the_one_not_waiting_in_jax_is_behind():
     records = {0: rec(7, 12.0, waiting=True), 1: rec(7, 11.0), 2: rec(7, 12.5, waiting=True)}
-    assert behind(records) == 1
+    assert named(records) == (1,)
 
 
 def test_a_finished_process_is_never_behind():
-    records = {0: rec(3, 40.0, done=True), 1: rec(9, 11.0)}
-    assert behind(records) == 1
+    records = {0: rec(3, 40.0, done=True), 1: rec(2, 11.0)}
+    assert named(records) == (1,)  # process 0's last steps wait for it
+
+
+def test_a_process_running_its_own_code_after_a_peer_ended_is_left_to_finish():
+    # process 1 reached its end; the chief exports (its own code): nobody waits for it
+    assert named({0: rec(9, 40.0), 1: rec(9, 40.0, done=True)}) is None
+
+
+def test_a_process_waiting_past_a_peer_that_ended_is_not_named():
+    # process 1 ended after 9 steps; process 0 waits in step 10: the end-of-program wait
+    # names process 1 (spmd._src.clusters.exit_wait), not the hang watch process 0
+    assert named({0: rec(10, 40.0, waiting=True), 1: rec(9, 40.0, done=True)}) is None
+
+
+def test_a_stall_in_one_process_s_callback_names_that_process():
+    # both main threads wait in JAX at step 5; process 1's callback runs its own code
+    stuck = dataclasses.replace(rec(5, 12.0), callback=True)
+    verdict = behind({0: rec(5, 12.0, waiting=True), 1: stuck})
+    assert verdict.named == (1,) and verdict.why == hang_watch.WAITED
+
+
+def test_processes_nothing_tells_apart_are_all_named_and_said_so():
+    verdict = behind({0: rec(5, 12.0, waiting=True), 1: rec(5, 11.0, waiting=True)})
+    assert verdict.named == (0, 1) and hang_watch.TIE in verdict.why
+    verdict = behind({0: rec(5, 12.0), 1: rec(5, 11.0)})  # both in their own code
+    assert verdict.named == (0, 1) and verdict.why == (
+        "while every process ran its own code, none waiting for another"
+    )
+
+
+def test_a_verdict_names_a_process_only_at_the_step_it_was_named_at():
+    verdict = behind({0: rec(6, 11.0, waiting=True), 1: rec(4, 12.0)})
+    assert verdict.names(1, 4) and not verdict.names(1, 5) and not verdict.names(0, 6)
 
 
 def test_a_process_not_yet_armed_can_be_named_once_an_armed_one_is_past_its_limit():
     # process 1 hangs before its second step (compiled, then its loader deadlocked)
     records = {0: rec(2, 11.0, waiting=True), 1: Record(3, 1, 11.5, 10.0, False, False)}
-    assert behind(records) == 1
+    assert named(records) == (1,)
 
 
 def test_before_its_first_step_a_process_is_named_once_a_peer_has_waited_in_spmd_for_it():
     # process 0 waits in its first step (or a restore's barrier); process 1 never came
     records = {0: rec(1, 40.0, waiting=True, waited=10.5), 1: rec(0, 40.0)}
-    assert behind(records) == 1
+    assert named(records) == (1,)
 
 
 def test_processes_that_all_work_before_their_first_step_are_never_named():
     # every process loads data or restores for longer than the limit: nobody waits
-    assert behind({0: rec(0, 900.0), 1: rec(0, 900.0), 2: rec(0, 880.0)}) is None
+    assert named({0: rec(0, 900.0), 1: rec(0, 900.0), 2: rec(0, 880.0)}) is None
 
 
 def test_a_short_wait_after_long_work_names_nobody():
     # all worked 900 s before the first step; process 0 has waited 4 s for process 1
-    assert behind({0: rec(1, 900.0, waiting=True, waited=4.0), 1: rec(0, 900.0)}) is None
+    assert named({0: rec(1, 900.0, waiting=True, waited=4.0), 1: rec(0, 900.0)}) is None
 
 
 def test_before_the_first_steps_a_process_that_waits_itself_is_not_named():
     # both in JAX (a collective every one of them entered): nobody to blame
     records = {0: rec(0, 50.0, waiting=True, waited=20.0), 1: rec(0, 50.0, waiting=True)}
-    assert behind(records) is None
+    assert named(records) is None
 
 
 def test_a_process_still_compiling_its_first_step_is_not_named():
     # process 0 compiled and waits in the step; process 1 compiles (its stall starts again)
     records = {0: rec(1, 30.0, waiting=True, waited=12.0), 1: rec(1, 0.3)}
-    assert behind(records) is None
+    assert named(records) is None
 
 
 def test_a_process_behind_by_little_time_is_not_named_yet():
     records = {0: rec(9, 10.5, waiting=True), 1: rec(3, 2.0, limit=10.0)}
-    assert behind(records) is None  # stalled for under half its limit
+    assert named(records) is None  # stalled for under half its limit
 
 
 def test_no_record_past_its_limit_means_no_verdict_even_with_an_infinite_one():
     records = {0: rec(5, 3.0), 1: Record(0, 0, 100.0, math.inf, False, False)}
-    assert behind(records) is None
+    assert named(records) is None
 
 
 def watch(hang_timeout: float | None = 10.0) -> hang_watch._Watch:
@@ -221,6 +260,7 @@ def test_the_publication_interval_follows_the_shorter_bound():
         Verdict(),
         Verdict(missing=(1, 3)),
         Verdict(twice=2, where=("10.0.0.2 (pid 4 on a)", "10.0.0.3 (pid 9 on b)")),
+        Verdict(counts=((0, 2, "10.0.0.1:1234"), (1, 3, "[::1]:1234"))),
     ],
 )
 def test_a_verdict_survives_its_line(verdict):

@@ -6,6 +6,8 @@ the same results from real processes.
 
 import signal
 
+import pytest
+
 from spmd._src.clusters.launch_printer import Printer, not_worth_restarting, summary
 from spmd._src.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
@@ -64,6 +66,27 @@ def _printer_with(index: int, *lines: str) -> Printer:
     for line in lines:
         printer(index, "stderr", line + "\n")
     return printer
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+        "[Gloo] Rank [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected "
+        "peer ranks is : 3",  # two devices' threads wrote at once
+        "3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+    ],
+)
+def test_gloo_s_connected_lines_are_hidden_even_interleaved(capsys, line):
+    Printer()(1, "stderr", line + "\n")
+    assert capsys.readouterr().err == ""
+    Printer(verbose=True)(1, "stderr", line + "\n")
+    assert capsys.readouterr().err == f"[1] {line}\n"
+
+
+def test_a_program_s_own_line_about_connections_is_shown(capsys):
+    Printer()(0, "stdout", "Rank 3 is connected to the database\n")
+    assert capsys.readouterr().out == "[0] Rank 3 is connected to the database\n"
 
 
 def test_the_first_failure_is_the_process_that_raised(capsys):

@@ -351,7 +351,7 @@ _DOTTED = re.compile(r"(?<![\w./-])spmd(?:\.[A-Za-z_]\w*)+")
 _PATH = re.compile(r"(?<![\w./-])spmd/[\w/]+\.py\b")
 _PLACEHOLDERS = {"spmd.X"}  # spmd/__init__.py's docstring: "`spmd.X` works as usual"
 # Logger names (logging.getLogger): public names of spmd's logs, not modules.
-_LOGGERS = {"spmd.checkpoint", "spmd.data", "spmd.evaluator", "spmd.strategy"}
+_LOGGERS = {"spmd.checkpoint", "spmd.data", "spmd.evaluator", "spmd.strategy", "spmd.trainer"}
 
 
 def _resolves(dotted: str) -> bool:

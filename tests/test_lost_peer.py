@@ -16,7 +16,9 @@ from spmd._src.clusters import lost_peer
 ROOT = Path(__file__).resolve().parents[1]
 # A process that installs the handler (as process INDEX, process 0 at ADDRESS, QUIET the
 # peer its hang watch heard from least, or none), then terminates with a std::bad_cast in
-# flight, as JAX's error callback does on a C++ thread, or with none ("plain").
+# flight, as JAX's error callback does on a C++ thread, or a gloo::EnforceNotMet ("gloo": a
+# type_info of that name made here, as gloo throws it on a collective's thread), or with
+# none ("plain").
 TERMINATE = """
 import ctypes, os, sys
 from spmd._src.clusters import lost_peer
@@ -33,6 +35,12 @@ allocate, throw = cxx.__cxa_allocate_exception, cxx.__cxa_throw
 allocate.restype, allocate.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 throw.argtypes = [ctypes.c_void_p] * 3
 error = allocate(ctypes.sizeof(ctypes.c_void_p))
+if kind == "gloo":
+    name = ctypes.create_string_buffer(b"N4gloo13EnforceNotMetE")
+    info = (ctypes.c_void_p * 2)()
+    vtable = ctypes.addressof(ctypes.c_char.in_dll(cxx, "_ZTVN10__cxxabiv117__class_type_infoE"))
+    info[0], info[1] = vtable + 2 * ctypes.sizeof(ctypes.c_void_p), ctypes.addressof(name)
+    throw(error, ctypes.addressof(info), None)
 vtable = ctypes.addressof(ctypes.c_char.in_dll(cxx, "_ZTVSt8bad_cast"))
 ctypes.c_void_p.from_address(error).value = vtable + 2 * ctypes.sizeof(ctypes.c_void_p)
 throw(error, ctypes.addressof(ctypes.c_char.in_dll(cxx, "_ZTISt8bad_cast")), None)
@@ -149,6 +157,28 @@ def test_jax_s_callback_error_on_process_0_names_the_quietest_peer():
     done = terminate(closed_port(), 0, "2", "bad_cast")
     assert done.returncode == 75, done.stderr[-2000:]
     assert done.stdout.startswith("END 2 gone: it has published nothing"), done.stdout
+
+
+@linux
+def test_a_collective_s_error_that_nothing_caught_ends_naming_the_quietest_peer():
+    """gloo throws on its own thread when a peer ends mid-collective; nothing catches it: no
+    "terminate called after throwing an instance of 'gloo::EnforceNotMet'" abort."""
+    with Server(answer=True) as server:  # process 0's service answers: not lost
+        done = terminate(server.address, 1, "2", "gloo")
+    assert done.returncode == 75, done.stderr[-2000:]
+    assert done.stdout.startswith("END 2 gone: it has published nothing"), done.stdout
+    assert "terminate called" not in done.stderr
+
+
+@linux
+def test_a_collective_s_error_with_no_peer_known_says_what_broke():
+    with Server(answer=True) as server:
+        done = terminate(server.address, 1, "", "gloo")
+    assert done.returncode == 75, done.stderr[-2000:]
+    assert done.stdout.startswith(
+        "END None a collective (gloo) broke off on this process (gloo::EnforceNotMet)"
+    ), done.stdout
+    assert "terminate called" not in done.stderr
 
 
 @linux

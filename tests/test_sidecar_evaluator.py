@@ -746,6 +746,51 @@ def test_a_folder_it_cannot_read_or_write_is_a_clear_error_not_a_traceback(train
     assert "Traceback" not in output
 
 
+_UNDER = """
+import os, sys
+os.environ["JAX_PLATFORMS"] = "cpu"
+import numpy as np
+from flax import nnx
+import spmd
+model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+data = (np.zeros((8, 4), np.float32), np.zeros(8, np.int32))
+kwargs = dict(loss="sparse_categorical_crossentropy", batch_size=8, timeout=2)
+for directory in sys.argv[1:]:
+    try:
+        spmd.SidecarEvaluator(model, data, directory, **kwargs).start()
+    except spmd.SpmdError as error:
+        print(type(error).__name__ + ":", str(error).replace(chr(10), " / "), flush=True)
+"""
+
+
+def test_a_directory_under_a_file_or_an_unreadable_folder_is_spmd_s_error_naming_it(tmp_path):
+    """checkpoint_dir below a file (it can never be a folder), and below a folder of mode 000
+    (it cannot be looked at): a ConfigurationError naming the file, a CheckpointError naming
+    the path and EACCES, never a raw NotADirectoryError or PermissionError. Run as root
+    without its DAC override, so the mode holds."""
+    (tmp_path / "afile").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0)
+    args = [str(tmp_path / "afile" / "sub"), str(locked / "sub")]
+    command = without_dac_override([sys.executable, "-c", _UNDER, *args])
+    try:
+        run = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        locked.chmod(0o755)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert (
+        "ConfigurationError: checkpoint_dir is a folder, or a path where one can be made" in output
+    )
+    assert f"file='{tmp_path / 'afile'}'" in output, output[-3000:]
+    assert (
+        "CheckpointError: A CheckpointManager lists the step folders of its directory, so it "
+        f"must be able to read it. / Received: directory='{locked / 'sub'}'"
+    ) in output, output[-3000:]
+    assert "errno='EACCES (13)'" in output and "Traceback" not in output
+
+
 def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
     batches = iter([(VAL[0][:32], VAL[1][:32])])
     with pytest.raises(spmd.ConfigurationError, match="(?s)anew for every checkpoint"):

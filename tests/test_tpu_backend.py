@@ -69,6 +69,32 @@ def test_a_program_on_a_host_without_a_tpu_hears_nothing_from_libtpu_and_compile
 
 
 @no_chip
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import spmd._src.checkpoint",
+        "from spmd._src.trainer.trainer import Trainer",
+        "import spmd.testing",
+        "import spmd\nfrom flax import nnx",  # jax and flax used directly, no spmd.X yet
+        "import spmd._src.clusters.initialize",
+    ],
+)
+def test_any_import_path_into_spmd_keeps_libtpu_quiet(imports):
+    """However spmd's modules come in (or the program uses jax itself after `import spmd`),
+    JAX's TPU backend is kept from starting before the program's first jax.devices()."""
+    pytest.importorskip("libtpu", reason="libtpu speaks only where it is installed")
+    done = run(f"{imports}\nimport jax\nprint('PLATFORMS', [d.platform for d in jax.devices()])\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PLATFORMS ['cpu']" in done.stdout, done.stdout
+    assert not [n for n in LIBTPU_NOISE if n in done.stderr], done.stderr
+
+
+def test_importing_spmd_imports_no_jax():
+    done = run("import sys, spmd\nprint('JAX', 'jax' in sys.modules)\n")
+    assert done.returncode == 0 and "JAX False" in done.stdout, done.stderr[-3000:]
+
+
+@no_chip
 def test_jax_platforms_the_user_set_is_never_overridden():
     pytest.importorskip("libtpu", reason="JAX tries the TPU only where libtpu is installed")
     code = (

@@ -409,10 +409,20 @@ def test_zero_row_arrays_are_a_batch_error(call):
         getattr(_trainer(), call)((x[:0], y[:0]), batch_size=16)
 
 
-def test_fewer_examples_than_batch_size_names_both():
+def test_fewer_examples_than_batch_size_train_one_partial_batch_as_keras_does():
+    x, y = _data()
+    trainer = _trainer()
+    trainer.fit((x[:10], y[:10]), batch_size=16, shuffle=False, verbose=0)
+    assert trainer.iterations == 1
+    params, _ = _oracle(MLP(nnx.Rngs(0)), [(x[:10], y[:10])])
+    _close(_params(trainer), params)
+
+
+def test_fewer_examples_than_batch_size_for_a_model_that_writes_state_names_both():
+    """Its partial batch is never padded (BatchNorm statistics), so it would train on nothing."""
     x, y = _data()
     with pytest.raises(spmd._src.errors.BatchError, match="batch_size=16, examples=10"):
-        _trainer().fit((x[:10], y[:10]), batch_size=16, verbose=0)
+        _trainer(BNNet(nnx.Rngs(0))).fit((x[:10], y[:10]), batch_size=16, verbose=0)
 
 
 def test_validation_arrays_without_batch_size_fail_before_the_first_step():

@@ -4,7 +4,12 @@ Scenarios (process ids come from SPMD_PROCESS_ID):
   join       join with initialization_timeout=8; print INIT_ERROR and the message on failure.
   listen     join, then print where the coordinator listens (process 0, from /proc/net/tcp*).
   raise      join; process 1 raises, process 0 blocks (a stand-in for a collective).
-  early      join with exit_timeout=2; process 0 ends at once, process 1 blocks.
+  early      exit_timeout=2; both take 2 psum steps, then process 0 ends while process 1
+             takes a third (it waits for process 0 in that step's collective).
+  gather     exit_timeout=2; both take 2 psum steps, then process 0 ends while process 1
+             calls process_allgather (a collective outside a step) and waits there.
+  export     exit_timeout=2, hang_timeout=2; both take 3 psum steps, then process 0 (the
+             chief) runs its own code for 8 s (an export) and prints EXPORTED.
   block      join, print READY, block in the coordination service (a C++ wait, no GIL).
   block_save as block, with a PreemptionWatcher (a save to make) and grace_period=2.
   dead       as block, with heartbeat_timeout=10 (a test kills one process with SIGKILL).
@@ -50,12 +55,24 @@ def steps() -> None:
     step = strategy.step(lambda state, batch: (state + jnp.sum(batch), jnp.mean(batch)))
     state, batch = jnp.zeros(()), jnp.ones((strategy.num_replicas_in_sync, 2))
     for i in range(3):
+        if i == 2 and SCENARIO in ("early", "gather"):
+            print("READY", flush=True)
+            if INDEX == "0":
+                return  # ends early: its peer waits for it
+            if SCENARIO == "gather":
+                from jax.experimental import multihost_utils
+
+                multihost_utils.process_allgather(jnp.ones(2))
+                return
         if i == 2:
             print("READY", flush=True)
         if i == 2 and (SCENARIO == "idle" or INDEX == SLEEPER):
             time.sleep(60)
         state, loss = step(state, batch)
         print("STEP", i, float(loss), flush=True)
+    if SCENARIO == "export" and INDEX == "0":
+        time.sleep(8)  # the chief's own work after training: an export, an upload
+        print("EXPORTED", flush=True)
 
 
 def block(seconds: float) -> None:
@@ -69,13 +86,14 @@ def block(seconds: float) -> None:
 
 
 try:
-    exit_timeout = 2 if SCENARIO == "early" else 30
+    exit_timeout = 2 if SCENARIO in ("early", "gather", "export") else 30
     heartbeat = 10 if SCENARIO in ("dead", "collective", "collective1", "idle") else 100
     spmd.initialize(
         local_device_count=1,
         initialization_timeout=8,
         exit_timeout=exit_timeout,
         heartbeat_timeout=heartbeat,
+        hang_timeout=2 if SCENARIO == "export" else None,
     )
 except InitializationError as e:
     print("INIT_ERROR", str(e).replace("\n", " | "), flush=True)
@@ -90,9 +108,7 @@ elif SCENARIO == "raise":
         time.sleep(1)
         raise RuntimeError("process 1 broke")
     time.sleep(60)
-elif SCENARIO == "early" and INDEX == "1":
-    time.sleep(60)
-elif SCENARIO in ("collective", "collective1", "idle", "train"):
+elif SCENARIO in ("collective", "collective1", "idle", "train", "early", "gather", "export"):
     steps()
 elif SCENARIO.startswith("block") or SCENARIO == "dead":
     if SCENARIO == "block_save":

@@ -16,6 +16,11 @@ psum-ing step, then prints DONE):
   run     a pmap port: each step is a strategy.run whose replicas all-reduce; process 1
           sleeps 120 s before step 4.
   limit   as sleep, with spmd.initialize(hang_timeout=3) (and no SPMD_HANG_TIMEOUT).
+  callback 2 devices a process; each step's replicas call a jax.pure_callback, which in
+          process 1 blocks 120 s at step 4 (on a runtime thread, while both main threads
+          wait in JAX at the same step count).
+  export  every process takes its 30 steps; then process 0 (the chief) runs its own code for
+          8 s (an export) and prints EXPORTED, while process 1 is at its end.
 The hang timeout comes from SPMD_HANG_TIMEOUT (spmd launch --hang-timeout), except in `limit`.
 """
 
@@ -29,7 +34,10 @@ import spmd
 SCENARIO = sys.argv[1]
 INDEX = int(os.environ["SPMD_PROCESS_ID"])
 STALLER = 0 if SCENARIO == "sleep0" else 1  # the process that stops making progress
-spmd.initialize(local_device_count=1, hang_timeout=3 if SCENARIO == "limit" else None)
+spmd.initialize(
+    local_device_count=2 if SCENARIO == "callback" else 1,
+    hang_timeout=3 if SCENARIO == "limit" else None,
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -121,8 +129,36 @@ def run_loop() -> None:
     sys.exit(0)
 
 
+def callback_loop() -> None:
+    """Steps whose replicas each call back into Python (a feature lookup) and all-reduce."""
+
+    def lookup(x, count):
+        if INDEX == STALLER and int(count) == 4:
+            time.sleep(120)  # a feature lookup from a hung service
+        return x
+
+    def replica_step(x, count):
+        y = jax.pure_callback(lookup, jax.ShapeDtypeStruct(x.shape, x.dtype), x, count)
+        return spmd.get_replica_context().all_reduce("SUM", jnp.sum(y))
+
+    @strategy.step
+    def looked_up(state, batch):
+        total = strategy.reduce("SUM", strategy.run(replica_step, args=(batch, state[1])), None)
+        return (state[0] + total, state[1] + 1), jnp.mean(batch) + 0 * total
+
+    state = (jnp.zeros(()), jnp.zeros((), jnp.int32))
+    batch = jnp.ones((strategy.num_replicas_in_sync, 2))
+    for i in range(30):
+        state, loss = looked_up(state, batch)
+        print("STEP", i, float(loss), flush=True)
+    print("DONE", flush=True)
+    sys.exit(0)
+
+
 if SCENARIO == "run":
     run_loop()
+if SCENARIO == "callback":
+    callback_loop()
 if SCENARIO in ("loader", "fifo"):
     fit_on_a_stalling_loader()
 if SCENARIO == "restore":
@@ -139,4 +175,7 @@ for i in range(30):
     state, loss = step(state, batch)
     print("STEP", i, float(loss), flush=True)
 jax.block_until_ready(state)
+if SCENARIO == "export" and INDEX == 0:
+    time.sleep(8)  # the chief's own work after training: an export, an upload
+    print("EXPORTED", flush=True)
 print("DONE", flush=True)

@@ -117,6 +117,29 @@ def test_a_restore_hung_in_a_read_is_named_while_the_others_wait_in_its_barrier(
     assert_named_before_its_first_step(code, out, elapsed, "with open(path) as f:")
 
 
+def test_a_stall_in_one_process_s_callback_is_named_there_not_on_the_lowest_index():
+    """Process 1's pure_callback blocks inside the step; both main threads wait in JAX at
+    the same step count, but process 1's callback runs its own code on a runtime thread."""
+    code, out, elapsed = launch("callback", hang_timeout=3, seconds=100)
+    assert code == HANG_EXIT_CODE, out[-3000:]
+    assert elapsed < 60, elapsed
+    lines = out.splitlines()
+    [own] = [line for line in lines if line.startswith("[1] spmd: process 1 hung: ")]
+    assert "while its peers waited for it (a JAX callback of its ran the program's code" in own
+    assert any(line.startswith("[1]     time.sleep(120)  # a feature lookup") for line in lines)
+    assert any(line.startswith("[0] spmd: ending: process 1 failed (hung: ") for line in lines)
+    assert not any(line.startswith("[0] spmd: process 0 hung") for line in lines), out[-3000:]
+    assert "spmd launch: first failure: process 1, alive but hung" in out
+
+
+def test_the_chief_s_own_work_after_the_last_step_is_not_a_hang():
+    """Process 0 exports for 8 s after its last step, past --hang-timeout 2, while process
+    1 waits at its end: nobody waits for process 0, so it is not named; both exit 0."""
+    code, out, _ = launch("export", hang_timeout=2, seconds=150)
+    assert code == 0, out[-3000:]
+    assert "[0] EXPORTED" in out and out.count("DONE") == 2 and "hung" not in out
+
+
 def test_a_slow_process_that_advances_is_not_flagged():
     code, out, _ = launch("slow", hang_timeout=2, seconds=150)
     assert code == 0, out[-3000:]

@@ -74,19 +74,26 @@ class Group:
     """Processes of fault_worker.py with the given indices; always killed on exit."""
 
     def __init__(
-        self, scenario: str, indices: list[int], count: int, address: str = "", env: Env = env_for
+        self,
+        scenario: str,
+        indices: list[int],
+        count: int | list[int],
+        address: str = "",
+        env: Env = env_for,
     ) -> None:
+        """`count` is every process's process count, or each one's (a list beside `indices`)."""
         address = address or f"127.0.0.1:{free_port()}"
         self.address = address
+        counts = count if isinstance(count, list) else [count] * len(indices)
         self.procs = [
             subprocess.Popen(
                 [sys.executable, str(WORKER), scenario],
-                env=env(i, count, address),
+                env=env(i, n, address),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
             )
-            for i in indices
+            for i, n in zip(indices, counts, strict=True)
         ]
         self.start = time.monotonic()
 
@@ -190,13 +197,43 @@ def test_a_raising_peer_ends_the_survivor_within_seconds():
     assert elapsed < 30  # joining takes a few seconds; the heartbeat would take 100
 
 
-def test_a_process_that_ends_alone_fails_and_its_peer_ends_too():
+def test_a_process_that_ends_while_its_peer_waits_for_it_in_a_step_fails_naming_itself():
+    """Process 0 leaves after 2 steps; process 1 waits for it in its third step's collective:
+    a deadlock, seen at once from the records (not after exit_timeout), and process 0 is
+    named as the one that ended early."""
     with Group("early", [0, 1], 2) as group:
+        group.wait_for("READY")
+        ready = time.monotonic()
         (code0, out0), (code1, out1) = group.finish(seconds=60)
+        elapsed = time.monotonic() - ready
     assert code0 == 1, out0[-2000:]
-    assert "process 0 reached the end of its program, but the other processes did not" in out0
+    assert (
+        "process 0 reached the end of its program after 2 step call(s) spanning the processes, "
+        "but process 1 waits for it in a collective of its step call 3" in out0
+    ), out0[-2000:]
     assert code1 == 1 and "process 0 failed" in out1, out1[-2000:]
     assert "END" not in out1.split()
+    assert elapsed < 15, elapsed
+
+
+def test_a_process_that_ends_while_its_peer_waits_in_a_collective_outside_a_step_fails():
+    """Process 1 calls process_allgather after process 0 ended: it waits in JAX with no step
+    call; after exit_timeout (2 s) process 0 fails naming itself."""
+    with Group("gather", [0, 1], 2) as group:
+        (code0, out0), (code1, out1) = group.finish(seconds=60)
+    assert code0 == 1, out0[-2000:]
+    assert "process 0 reached the end of its program, and process 1 has waited in JAX" in out0
+    assert code1 == 1 and "process 0 failed" in out1, out1[-2000:]
+
+
+def test_the_chief_s_own_work_after_training_is_left_to_finish():
+    """Process 0 exports for 8 s after the last step, past exit_timeout (2 s) and
+    hang_timeout (2 s): process 1, at its end, waits for it, and both exit 0."""
+    with Group("export", [0, 1], 2) as group:
+        (code0, out0), (code1, out1) = group.finish(seconds=60)
+    assert (code0, code1) == (0, 0), (out0[-2000:], out1[-2000:])
+    assert "EXPORTED" in out0 and "END" in out0.split() and "END" in out1.split()
+    assert "hung" not in out0 + out1 and "reached the end" not in out0 + out1
 
 
 def test_sigterm_without_a_save_ends_processes_blocked_in_cpp_at_once():
@@ -353,6 +390,53 @@ def test_process_0_never_starting_is_named_on_the_others(env):
         assert "process(es) [0] did not reach spmd.initialize() (process 0 hosts the " in line, line
         assert "Traceback" not in out and "bad_cast" not in out
     assert elapsed < 30, elapsed  # initialization_timeout=8
+
+
+@pytest.mark.parametrize("counts", [[2, 3], [3, 2]], ids=["1_counts_more", "0_counts_more"])
+def test_processes_given_different_process_counts_are_named_on_every_process(counts):
+    """Process 0 given 2 and process 1 given 3 would both join (JAX's service counts
+    process 0's 2) and process 1 would believe in 3 processes: every process fails instead,
+    naming each one's count, within seconds rather than after initialization_timeout."""
+    with Group("join", [0, 1], counts) as group:
+        results = group.finish(seconds=50)
+        elapsed = time.monotonic() - group.start
+    assert [code for code, _ in results] == [3, 3], [out[-1500:] for _, out in results]
+    for _, out in results:
+        line = init_error(out)
+        assert "these processes disagree on it" in line, line
+        assert f"process 0 was given {counts[0]} (coordinator {group.address})" in line, line
+        assert f"process 1 was given {counts[1]} (coordinator {group.address})" in line, line
+        assert "did not reach" not in line and "Traceback" not in out
+    assert elapsed < 8 + 10, elapsed  # the verdict comes once process 1 came: no timeout
+
+
+def test_a_second_process_0_is_named_as_a_process_id_given_twice():
+    """Two processes given process_id 0 on one host: the second finds the port taken by the
+    first's roll call, and both name process_id 0 given twice (not a taken port)."""
+    with Group("join", [0, 0], 2) as group:
+        results = group.finish(seconds=50)
+        elapsed = time.monotonic() - group.start
+    assert [code for code, _ in results] == [3, 3], [out[-1500:] for _, out in results]
+    for _, out in results:
+        line = init_error(out)
+        assert "process_id 0 was given to more than one process" in line, line
+        assert "must be free" not in line
+    assert elapsed < 8 + 10, elapsed  # 2 s after the second came, not initialization_timeout
+
+
+def test_a_late_second_process_0_is_refused_and_the_job_runs():
+    """A process given process_id 0 after the job joined finds the port taken by process 0's
+    coordination service: it names process_id 0 given twice, and the job runs on."""
+    with Group("block", [0, 1], 2) as group:
+        group.wait_for("READY")
+        late = Group("join", [0], 2, group.address)
+        with late:
+            [(code, out)] = late.finish(seconds=40)
+        assert all(p.poll() is None for p in group.procs)
+    assert code == 3, out[-2000:]
+    line = init_error(out)
+    assert "process_id 0 was given to more than one process" in line, line
+    assert f"the one whose coordination service runs at {group.address}" in line, line
 
 
 def test_a_late_second_process_with_a_taken_id_is_refused_and_the_job_runs():

@@ -77,6 +77,11 @@ class DirectoryLock:
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
         handle.flush()
         self._file = handle
+        try:
+            _check_creates(directory)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         """Lets another manager open the directory."""
@@ -84,6 +89,19 @@ class DirectoryLock:
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
+
+
+def _check_creates(directory: epath.Path) -> None:
+    """Raises `not_writable` if no file can be made in `directory`: a lock file that is
+    writable in a folder that is not (mode 555 after a run) would let a writer open, and
+    its saves fail only at close."""
+    probe = os.path.join(os.fspath(directory), f"{_PROBE}{uuid.uuid4().hex}")
+    try:
+        with open(probe, "x"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        raise not_writable(directory, e) from e
 
 
 class _NoLock:

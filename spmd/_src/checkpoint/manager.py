@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -14,7 +12,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from spmd._src.checkpoint import final, guard, integrity
+from spmd._src.checkpoint import final, guard, integrity, quiet
 from spmd._src.checkpoint import tree as ct
 from spmd._src.checkpoint.integrity import Damaged
 from spmd._src.checkpoint.position import as_json as _json
@@ -31,42 +29,6 @@ from spmd._src.validate import boolean, positive_int, positive_number
 __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger("spmd.checkpoint")
-
-
-def _late_read(unraisable: Any) -> bool:
-    """Whether `unraisable` is a read of a failed restore that completed after its loop closed.
-
-    Orbax reads every array of a step at once on an asyncio loop; when one read
-    fails, the loop closes while tensorstore still completes the others, and
-    each completion's `loop.call_soon_threadsafe` raises "Event loop is closed"
-    into sys.unraisablehook: one traceback per array, after the fault was handled.
-    """
-    error = unraisable.exc_value
-    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
-        return False
-    frames = traceback.extract_tb(unraisable.exc_traceback)
-    asyncio_dir = os.path.join("asyncio", "base_events.py")
-    return any(
-        f.name == "call_soon_threadsafe" and f.filename.endswith(asyncio_dir) for f in frames
-    )
-
-
-def _drop_late_reads() -> None:
-    """Drops the tracebacks of a failed restore's late completions, and only those.
-
-    Installed before a restore reads (once per process): the late completions
-    can come before the failure reaches spmd's handler, on a loaded machine.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "spmd_drops_late_reads", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if not _late_read(unraisable):
-            previous(unraisable)
-
-    hook.spmd_drops_late_reads = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
 
 
 class CheckpointManager:
@@ -174,6 +136,8 @@ class CheckpointManager:
             self._lock.release()
             raise
         self._closed = False
+        if not read_only:
+            quiet.writer_opened(self)
 
     def _hold_final(self) -> final.Hold | None:
         """A writer takes an ended run's final-step marker away while it holds the directory
@@ -340,7 +304,7 @@ class CheckpointManager:
         except CheckpointError:
             raise
         except Exception as e:
-            raise guard.write_failed(self._failed([*self._pending, step]), self.directory, e) from e
+            raise self._write_failed([*self._pending, step], e) from e
         finally:  # after a failure too: with several processes some checksums are collectives
             record.start(arrays)
         self._pending.append(step)
@@ -392,7 +356,7 @@ class CheckpointManager:
         """
         self._check_open("restore")
         step = self._resolve_step(step)
-        _drop_late_reads()  # before the reads: a failed one's late siblings can come at once
+        quiet.drop_late_completions()  # before the reads: a failed one's late siblings can come at once
         if target is None:
             result = self._restore_numpy(step)
         else:
@@ -602,6 +566,7 @@ class CheckpointManager:
         try:
             self._finish(self._store.close)
         finally:
+            quiet.writer_closed(self)
             if self._hold is not None:
                 self._release_hold()  # before the lock: no other writer comes between
             self._lock.release()
@@ -611,9 +576,18 @@ class CheckpointManager:
         try:
             wait()
         except Exception as e:
-            raise guard.write_failed(self._failed(self._pending), self.directory, e) from e
+            raise self._write_failed(self._pending, e) from e
         finally:
             self._pending = []
+
+    def _write_failed(self, steps: list[int], error: Exception) -> CheckpointError:
+        """The error for saves of `steps` that failed, each reported once: the steps since
+        the last success are forgotten (the later `wait` and `close` do not name them
+        again), and the failed ones' temporary folders removed (their space is freed)."""
+        failed = self._failed(steps)
+        self._pending = []
+        self._store.discard_unfinished(failed)
+        return guard.write_failed(failed, self.directory, error)
 
     def _failed(self, steps: list[int]) -> list[int]:
         """Those of `steps` not committed intact (a process that cannot see process 0's disk

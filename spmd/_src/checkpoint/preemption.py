@@ -168,12 +168,7 @@ class PreemptionWatcher:
         self._watchdog = _SigtermWatchdog(self.grace_period)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        print(
-            "spmd: SIGTERM caught; saving a checkpoint at the next agreed step, then exiting "
-            f"with code {PREEMPTED_EXIT_CODE}.",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(sigterm_line(self.grace_period), file=sys.stderr, flush=True)
         self._notice.set()
 
 
@@ -218,6 +213,18 @@ class _SigtermWatchdog:
         self._closed.set()
         self._writer.close()
         self._reader.close()
+
+
+def sigterm_line(grace: float) -> str:
+    """What a process says when SIGTERM comes while a checkpoint manager is open: what will
+    happen, which depends on whether the program makes its next save (a process stopped by a
+    launcher after a peer failed, or blocked in a collective, never does)."""
+    return (
+        "spmd: SIGTERM caught; at the next CheckpointManager.save() that every process "
+        f"reaches, that step is saved and the process exits with code {PREEMPTED_EXIT_CODE}; "
+        f"if no such save comes within {grace:g} s (grace_period), it ends with code 143, "
+        "saving nothing."
+    )
 
 
 def _end_after_grace(grace: float) -> None:

@@ -26,6 +26,7 @@ __all__ = ["ChiefStore", "SharedStore", "forget_listings", "make_store"]
 _SAVE = {"state": ocp.args.PyTreeSave, "data": ocp.args.JsonSave, "metadata": ocp.args.JsonSave}
 _RESTORE = {"state": ocp.args.PyTreeRestore, "data": ocp.args.JsonRestore}
 _RESTORE["metadata"] = ocp.args.JsonRestore
+_UNFINISHED = ".orbax-checkpoint-tmp"  # how Orbax names a step folder still being written
 
 
 class SharedStore:
@@ -148,6 +149,17 @@ class SharedStore:
         """Lists the step folders anew (after `set_aside`)."""
         self.manager.reload()
 
+    def discard_unfinished(self, steps: list[int]) -> None:
+        """Removes the temporary folders of saves of `steps` that failed (process 0), so that
+        they stop taking the disk's space for the rest of the run. Best effort: an error
+        path calls it."""
+        if jax.process_index() != 0 or self.read_only:
+            return
+        for step in steps:
+            for folder in self.directory.glob(f"{step}{_UNFINISHED}*"):
+                with contextlib.suppress(OSError):
+                    folder.rmtree()
+
     def save(self, step: int, arrays: ct.Flat, data: Any, meta: dict) -> bool:
         """Writes one step (in the background if async); False if it already exists."""
         if step in self.manager.all_steps():
@@ -256,6 +268,11 @@ class ChiefStore:
         """Process 0 lists its step folders anew."""
         if self._inner:
             self._inner.reload()
+
+    def discard_unfinished(self, steps: list[int]) -> None:
+        """Process 0 removes the temporary folders of failed saves of `steps`."""
+        if self._inner:
+            self._inner.discard_unfinished(steps)
 
     def save(self, step: int, arrays: ct.Flat, data: Any, meta: dict) -> bool:
         """Gathers every array (collective); process 0 writes them as numpy arrays."""

@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmd._src.clusters import hang_watch, lost_peer, roll_call
+from spmd._src.clusters.exit_wait import ExitWait
 from spmd._src.clusters.jax_state import global_state
 from spmd._src.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
     HANG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
-    not_arrived,
 )
 from spmd._src.clusters.resolvers.jax_detect import detected_join
 from spmd._src.errors import BatchError, ConfigurationError, InitializationError, message, received
@@ -41,7 +41,7 @@ __all__ = [
 ]
 
 PEER_POLL = 0.5  # seconds between a process's looks at the coordination service for failed peers
-EXIT_TIMEOUT = 30  # seconds a process that reached its end waits for the others to reach theirs
+EXIT_TIMEOUT = 30  # seconds a peer may wait in JAX, no step call, for a process at its end
 SIGTERM_GRACE = 120.0  # seconds after SIGTERM for a process with a save to make; then it ends
 _FAILED = "spmd/failed/"  # key prefix: a process that fails says so here, once, before exiting
 _NOTICE = "RECEIVED_PREEMPTION_NOTICE"  # JAX's key, set when any process gets SIGTERM
@@ -62,6 +62,9 @@ _ENDING = threading.RLock()
 
 _state: dict[str, Any] = {
     "process": None,
+    "count": None,
+    "watch": None,  # this process's hang watch
+    "sigterm_at": None,  # when the peer watch saw the SIGTERM notice
     "coordinator": None,  # process 0's "host:port"
     "exiting": False,
     "ending": False,  # some thread holds _ENDING: this process is ending
@@ -120,8 +123,12 @@ def bind_address(coordinator: str) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _check_port_free(coordinator: str, bind: str | None) -> None:
-    """On process 0: the coordinator's port must be free, else InitializationError."""
+def _check_port_free(coordinator: str, bind: str | None, count: int) -> None:
+    """On process 0: the coordinator's port must be free, else InitializationError.
+
+    Where another process 0 of this job holds it (its roll call, or its
+    coordination service), the error names process_id 0 given twice.
+    """
     host, _, port = (bind or f"[::]:{coordinator.rpartition(':')[2]}").rpartition(":")
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -132,6 +139,11 @@ def _check_port_free(coordinator: str, bind: str | None) -> None:
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
                 return  # not ours to judge: JAX reports it
+            verdict = roll_call.probe(coordinator, count)
+            if verdict is not None and not verdict.ok:
+                raise InitializationError(
+                    roll_call.explain(verdict, coordinator, (0, count), 0)
+                ) from None
             raise InitializationError(
                 message(
                     f"Process 0 hosts the coordination service on port {port}, so that port "
@@ -248,7 +260,7 @@ def join(
             kwargs["local_device_ids"] = local
     if coordinator is not None:
         if index == 0:
-            _check_port_free(coordinator, bind)
+            _check_port_free(coordinator, bind, count)
         _roll_call(coordinator, bind, (index, count), init_timeout)
         kwargs.update(
             coordinator_address=coordinator,
@@ -267,18 +279,18 @@ def join(
         raise InitializationError(
             _explain(e, elapsed, (coordinator, index, count), init_timeout)
         ) from e
-    _state["process"] = index
+    _state["process"], _state["count"] = index, count
     _state["coordinator"] = coordinator or global_state().coordinator_address
     _state["peer_wait"] = float(heartbeat_timeout)
     _exit_promptly_on_errors()
     _record_sys_exit()
     atexit.register(_agree_to_exit, exit_timeout)
     threading.Thread(target=_watch_peers, name="spmd-peer-watch", daemon=True).start()
-    quietest = hang_watch.start(
+    _state["watch"] = hang_watch.start(
         _client(), (index, count), (hang_timeout, heartbeat_timeout), _end_for, _exiting
     )
     if _state["coordinator"]:
-        lost_peer.install(_state["coordinator"], index, _end_as_lost, quietest)
+        lost_peer.install(_state["coordinator"], index, _end_as_lost, _state["watch"].quietest)
 
 
 def _exiting() -> bool:
@@ -346,7 +358,8 @@ def _end_if_coordinator_lost() -> None:
 
 
 def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeout: float) -> None:
-    """Before the join: raises naming the processes missing, or the id given twice.
+    """Before the join: raises naming the processes missing, the id given twice, or the
+    processes that disagree on the process count.
 
     See `spmd._src.clusters.roll_call`. Process 0 that cannot listen at the
     coordinator's address fails here (the service could not listen there either).
@@ -358,8 +371,10 @@ def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeo
         verdict = None
         for listen in [bind] if bind else [f"[::]:{port}", f"0.0.0.0:{port}"]:  # no IPv6: v4
             with contextlib.suppress(OSError):
-                verdict = roll_call.answer(listen, count, timeout)
+                verdict = roll_call.answer(listen, count, timeout, coordinator)
                 break
+        if verdict is None and (doubled := roll_call.probe(coordinator, count)) is not None:
+            verdict = doubled  # another process 0 listens there first
         if verdict is None:
             raise InitializationError(
                 message(
@@ -371,38 +386,9 @@ def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeo
                 )
             )
     else:
-        verdict = roll_call.call(coordinator, index, timeout)
+        verdict = roll_call.call(coordinator, index, timeout, count)
     if not verdict.ok:
-        raise InitializationError(_absent(verdict, coordinator, where, timeout))
-
-
-def _absent(
-    verdict: roll_call.Verdict, coordinator: str, where: tuple[int, int], timeout: float
-) -> str:
-    """The teaching message for a roll call that found someone missing or doubled."""
-    index, count = where
-    got = received(coordinator_address=coordinator, process_id=index, num_processes=count)
-    if verdict.twice is not None:
-        return message(
-            f"Each process must join with its own process_id, 0 .. {count - 1}; process_id "
-            f"{verdict.twice} was given to more than one process (the same process_id twice): "
-            f"{' and '.join(verdict.where)}.",
-            got,
-            "give every process a different index (SPMD_PROCESS_ID, TF_CONFIG's task index, or "
-            "process_id=), or let spmd launch number them; check that the coordinator address "
-            "is this job's. A process restarted alone cannot rejoin a running job: restart "
-            "every process.",
-        )
-    missing = [0] if verdict.unreachable else list(verdict.missing)
-    what = "spmd.initialize()" + (" (process 0 hosts the coordinator)" * verdict.unreachable)
-    return message(
-        f"{not_arrived(missing, what, timeout)}: all {count} processes (process ids 0 .. "
-        f"{count - 1}, each once) must join within initialization_timeout={timeout:g} s.",
-        got,
-        f"start process(es) {missing} too (a process that crashed before spmd.initialize() says "
-        "why in its own output); check that process 0's host:port is reachable from this "
-        "machine, or raise initialization_timeout.",
-    )
+        raise InitializationError(roll_call.explain(verdict, coordinator, where, timeout))
 
 
 def _shutdown_quietly() -> None:
@@ -447,7 +433,11 @@ def _end_following(culprit: int | str, reason: str) -> None:
     _linger_if_host()
     stalled = reason.startswith((hang_watch.HUNG, hang_watch.GONE))
     code = HANG_EXIT_CODE if stalled else _EXIT_CODE_PEER
-    _end(code, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.")
+    own = ""
+    if reason.startswith(hang_watch.HUNG):  # named with it: this one's stack too
+        with contextlib.suppress(Exception):
+            own = hang_watch.named_stack(_client(), _state["process"])
+    _end(code, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.{own}")
 
 
 def _end_if_a_peer_caused(error: BaseException) -> None:
@@ -570,17 +560,22 @@ def _end_on_exit_code(index: int | None) -> None:
 
 
 def _agree_to_exit(timeout: int) -> None:
-    """At exit: wait up to `timeout` s for every process to reach its end too.
+    """At exit: wait for every process to reach its end too, failing only on a deadlock.
 
-    A process that left early (e.g. `if is_chief: return`) would otherwise
-    wait 300 s in JAX's shutdown barrier while its peers wait for it in a
-    collective; instead it fails, naming itself, and its peers end with it.
+    A peer still running its own code (a chief's export) is left to finish;
+    one that waits for this process in a collective it never joins (e.g.
+    after `if is_chief: return`) makes it fail, naming itself, and its peers
+    end with it (`spmd._src.clusters.exit_wait`). Peers that fail, fall silent, or
+    get SIGTERM meanwhile end it as they would have before.
     """
     _state["exiting"] = True
-    client, index = _client(), _state["process"]
+    client, index, watch = _client(), _state["process"], _state["watch"]
     if client is None:
         return
     _end_on_exit_code(index)
+    if watch is not None:
+        watch.wake()  # its record says done now, not at the next interval
+        _wait_for_peers(client, ExitWait(index, _state["count"], hang_watch.SHARED[0], timeout))
     try:
         client.wait_at_barrier("spmd_exit", int(timeout * 1000))
     except Exception:
@@ -593,6 +588,27 @@ def _agree_to_exit(timeout: int) -> None:
             "Every process must run the same steps (no `if is_chief: return` before a "
             "collective); only side effects such as printing may depend on the process.",
         )
+    if watch is not None:
+        watch.stop()
+
+
+def _wait_for_peers(client: Any, wait: ExitWait) -> None:
+    """Polls the peers' records until every process has ended; ends this process where one
+    waits for it (a deadlock), where one failed, or on an unanswered SIGTERM."""
+    while True:
+        _look_at_peers(client)
+        try:
+            records = hang_watch.records(client)
+        except Exception:
+            _end_if_coordinator_lost()
+            return  # the barrier reports it
+        if wait.done(records):
+            return
+        why = wait.look(time.monotonic(), records)
+        if why is not None:
+            report_failure(f"process {wait.index} reached the end of its program early")
+            _end(1, why)
+        time.sleep(PEER_POLL)
 
 
 def expect_save(grace: float | None) -> None:
@@ -625,26 +641,31 @@ def _watch_peers() -> None:
     """Ends this process when a peer failed, or a SIGTERM has gone unanswered too long.
 
     Runs in a daemon thread, so it works while the main thread is blocked in
-    a collective, where no Python signal handler can run.
+    a collective, where no Python signal handler can run; at this process's
+    end, `_agree_to_exit` looks in its place.
     """
-    sigterm_at: float | None = None
     while not _state["exiting"]:
         time.sleep(PEER_POLL)
         client = _client()
         if client is None or _state["exiting"]:
             return
-        with contextlib.suppress(Exception):
-            failed = _failed_peers(client)
-            if failed and not _state["exiting"]:
-                key, reason = failed[0]
-                _end_following(key.rsplit("/", 1)[1], reason)
-        if sigterm_at is None and _notice(client):
-            sigterm_at = time.monotonic()
-            _state["sigterm"] = True
-        if sigterm_at is not None:
-            grace = _state["save_grace"]
-            if grace is None or time.monotonic() - sigterm_at > grace:
-                after = "" if grace is None else f" and {grace:g} s without the save ending it"
-                _claim_end()
-                _linger_if_host()
-                _end(_EXIT_CODE_SIGTERM, f"SIGTERM{after}; ending the process.")
+        _look_at_peers(client)
+
+
+def _look_at_peers(client: Any) -> None:
+    """One look: ends this process if a peer failed, or a SIGTERM went unanswered too long."""
+    with contextlib.suppress(Exception):
+        failed = _failed_peers(client)
+        if failed:
+            key, reason = failed[0]
+            _end_following(key.rsplit("/", 1)[1], reason)
+    if _state["sigterm_at"] is None and _notice(client):
+        _state["sigterm_at"], _state["sigterm"] = time.monotonic(), True
+    sigterm_at = _state["sigterm_at"]
+    if sigterm_at is not None:
+        grace = _state["save_grace"]
+        if grace is None or time.monotonic() - sigterm_at > grace:
+            after = "" if grace is None else f" and {grace:g} s without the save ending it"
+            _claim_end()
+            _linger_if_host()
+            _end(_EXIT_CODE_SIGTERM, f"SIGTERM{after}; ending the process.")

@@ -217,8 +217,11 @@ def initialize(
       initialization_timeout: seconds to wait for every process to join.
       heartbeat_timeout: seconds without heartbeats after which a process is dead
         (and its peers end): the bound for a peer killed without a word.
-      exit_timeout: seconds a process that reached the end of its program waits
-        for the others to reach theirs; then it fails, naming itself.
+      exit_timeout: a process that reached the end of its program waits for the
+        others to reach theirs (a peer running its own code, a chief's export, is
+        left to finish); it fails, naming itself, where a peer waits for it in a
+        step it never makes, or waits in JAX with no step call for this many
+        seconds (most likely a collective outside a step it never joins).
       interface: the network interface gloo uses, e.g. "eth0" (default:
         SPMD_GLOO_INTERFACE, else the local address that routes to the
         coordinator, never the hostname's address, which is often loopback).
@@ -229,7 +232,7 @@ def initialize(
         docs/multihost.md).
 
     With several processes, a process that fails (an uncaught exception, or
-    reaching its end alone) tells the others through the coordination
+    reaching its end while a peer waits for it) tells the others through the coordination
     service and each ends within about a second; a SIGTERM ends every process
     at once unless a checkpoint manager is waiting to save (see
     docs/checkpoints.md, preemption).
@@ -242,8 +245,9 @@ def initialize(
       ConfigurationError: if this machine has no network interface `interface`.
       InitializationError: if JAX's backends already started and something must
         change, if a second call resolves differently, or if joining fails (the
-        coordinator's port is taken, two processes have the same process_id, or
-        not every process joined within initialization_timeout), bounded by
+        coordinator's port is taken, two processes have the same process_id, the
+        processes were given different process counts, or not every process
+        joined within initialization_timeout), bounded by
         initialization_timeout; never an abort.
 
     Example:

@@ -8,15 +8,22 @@ import sys
 import threading
 
 from spmd._src.clusters.distributed import FOLLOWER
+from spmd._src.clusters.hang_watch import WAITED
 from spmd._src.clusters.launch_results import CONFIGURATION_EXIT_CODE, NOT_ARRIVED_LINE, GroupResult
 
-__all__ = ["FOLLOWER_LINE", "Printer", "not_worth_restarting", "summary"]
+__all__ = ["FOLLOWER_LINE", "Printer", "gloo_connected", "not_worth_restarting", "summary"]
 
 # What a process that ends because a peer failed says last, naming the peer.
 FOLLOWER_LINE = re.compile(rf"^spmd: {FOLLOWER} (\d+) failed")
 # What a process the hang watch named as behind says last (its stack follows).
 HUNG_LINE = re.compile(r"^spmd: process \d+ (hung: .*)")
-_GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to ")
+# The pieces of gloo's "[Gloo] Rank N is connected to K peer ranks. Expected number of
+# connected peer ranks is : K", which the threads of one process (one per device) write at
+# once, so that their pieces interleave: "[Gloo] Rank [Gloo] Rank 0 is connected to ...".
+_GLOO_PIECES = re.compile(
+    r"\[Gloo\] Rank |is connected to|peer ranks\.|Expected number of connected peer ranks is :"
+    r"|\d+|\s+"
+)
 _TRACEBACK = "Traceback (most recent call last):"
 _KEPT_LINES = 200  # lines of each process's stderr kept for the failure summary
 
@@ -38,7 +45,7 @@ class Printer:
         if stream == "stderr":
             kept = self._stderr.setdefault(index, collections.deque(maxlen=_KEPT_LINES))
             kept.append(line.rstrip("\n"))
-        if not self._verbose and _GLOO_CONNECTED.match(line):
+        if not self._verbose and gloo_connected(line):
             return
         out = sys.stdout if stream == "stdout" else sys.stderr
         text = f"[{index}] {line}" if line.endswith("\n") else f"[{index}] {line}\n"
@@ -71,6 +78,11 @@ class Printer:
         self._stderr.clear()
 
 
+def gloo_connected(line: str) -> bool:
+    """Whether `line` is made of gloo's "is connected" lines, whole or in interleaved pieces."""
+    return "is connected to" in line and not _GLOO_PIECES.sub("", line)
+
+
 def summary(result: GroupResult, printer: Printer) -> str | None:
     """One paragraph on the first failure: process, exception type and message.
 
@@ -88,7 +100,11 @@ def summary(result: GroupResult, printer: Printer) -> str | None:
     if hang is not None:
         return (
             f"first failure: process {index}, alive but {hang.split('; its main thread')[0]}; "
-            "its stack is above. The other processes waited for it and ended with it."
+            + (
+                "its stack is above. The other processes waited for it and ended with it."
+                if WAITED in hang
+                else "each process named prints its stack above; the others ended with them."
+            )
         )
     exception = printer.exception(index)
     what = f"raised {exception}" if exception else "printed no Python exception"

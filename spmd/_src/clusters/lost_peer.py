@@ -9,7 +9,10 @@ aborts. A terminate handler installed here runs first, for that exception
 only, and ends the process with spmd's error naming the process most likely
 lost: process 0 if its service no longer answers, else the peer the hang
 watch has not heard from for longest; else it says the service ended the
-job. Any other terminate goes to the handler it replaced, as before. The main
+job. An exception of gloo's terminating the process (a collective broken
+off by a peer's end: "terminate called after throwing an instance of
+'gloo::EnforceNotMet'") is named the same way. Any other terminate goes to
+the handler it replaced, as before. The main
 thread's own errors from a lost service (a collective, a barrier) are
 explained the same way by `spmd._src.clusters.distributed`.
 """
@@ -37,6 +40,7 @@ _PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 
 _SET_TERMINATE = "_ZSt13set_terminatePFvvE"  # std::set_terminate(void (*)())
 _IN_FLIGHT = "__cxa_current_exception_type"  # the std::type_info of the exception terminating
 _CALLBACK_ERROR = b"St8bad_cast"  # what JAX's error callback throws (its mangled type name)
+_GLOO = b"N4gloo"  # gloo's exceptions (EnforceNotMet, IoException): a collective broken off
 _RUNTIMES = ("libstdc++.so.6", "libc++.1.dylib")  # the C++ runtime jaxlib uses
 _HANDLER = ctypes.CFUNCTYPE(None)
 _installed: list = []  # the handler, kept alive for as long as the C++ runtime may call it
@@ -107,8 +111,43 @@ def culprit(address: str, index: int, quietest: Quietest) -> tuple[int | None, s
     )
 
 
+def broken_collective(
+    address: str, index: int, quietest: Quietest, error: str
+) -> tuple[int | None, str]:
+    """The process most likely at fault when a collective's error (gloo's, thrown on one of
+    its threads, where nothing catches it) terminates this process: a peer that ended or
+    broke off in the middle of it. Named as `culprit` names a lost peer; where no peer is
+    known yet, the reason says so (the peer's own output, or the launcher, names it)."""
+    found, why = culprit(address, index, quietest)
+    if found is not None:
+        return found, why
+    return None, (
+        f"a collective (gloo) broke off on this process ({error}): a peer ended or failed in "
+        "the middle of it; its own output (or spmd launch's summary) says which and why"
+    )
+
+
+def _demangle(name: bytes) -> str:
+    """A nested C++ type's name from its mangled form: b"N4gloo13EnforceNotMetE" ->
+    "gloo::EnforceNotMet" (the mangled name where it is not of that form)."""
+    text, parts, i = name.decode(errors="replace"), [], 1
+    if not (text.startswith("N") and text.endswith("E")):
+        return text
+    while i < len(text) - 1:
+        j = i
+        while j < len(text) and text[j].isdigit():
+            j += 1
+        if j == i:
+            return text
+        size = int(text[i:j])
+        parts.append(text[j : j + size])
+        i = j + size
+    return "::".join(parts)
+
+
 def install(address: str, index: int, end: End, quietest: Quietest) -> bool:
-    """Makes the C++ runtime's terminate call `end(*culprit(...))` first, for JAX's client.
+    """Makes the C++ runtime's terminate call `end(*culprit(...))` first, for JAX's client
+    (and `end(*broken_collective(...))` for a collective's error that nothing caught).
 
     Args:
       address: process 0's coordinator address, "host:port".
@@ -126,8 +165,11 @@ def install(address: str, index: int, end: End, quietest: Quietest) -> bool:
 
     def on_terminate() -> None:
         try:
-            if _in_flight(runtime) == _CALLBACK_ERROR:
+            kind = _in_flight(runtime)
+            if kind == _CALLBACK_ERROR:
                 end(*culprit(address, index, quietest))
+            if kind is not None and kind.startswith(_GLOO):
+                end(*broken_collective(address, index, quietest, _demangle(kind)))
         except BaseException:  # noqa: BLE001 - the runtime's own handler still runs
             pass
         _call(previous[0])

@@ -42,6 +42,7 @@ from spmd._src.strategy.replica import (
 from spmd._src.strategy.state_placement import place_state
 from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT, Step
 from spmd._src.strategy.step_layout import put_leaf
+from spmd._src.strategy.step_records import spans_processes
 from spmd._src.topologies import check_runnable, eager_refused
 
 if TYPE_CHECKING:
@@ -426,6 +427,12 @@ class Strategy:
                     self.mesh, PartitionSpec(*(None,) * axis, self.batch_axes)
                 )
         return cache[key]
+
+    @functools.cached_property
+    def _spans_processes(self) -> bool:
+        """Whether the mesh holds devices of several processes (its steps' collectives wait
+        for each of them): what the hang watch's `SHARED` counts."""
+        return spans_processes(self.mesh)
 
     @functools.cached_property
     def replicated(self) -> NamedSharding:

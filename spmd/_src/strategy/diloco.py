@@ -141,6 +141,11 @@ class DiLoCo:
         """Every device, axes `("island", *one island's axes)`."""
         return self.layout.mesh
 
+    @functools.cached_property
+    def _spans_processes(self) -> bool:
+        """Whether the mesh holds devices of several processes (as `Strategy`'s)."""
+        return len({d.process_index for d in self.mesh.devices.flat}) > 1
+
     @property
     def batch_axes(self) -> tuple[str, ...]:
         """The axes a global batch is split over: `island` first, then an island's batch axes."""

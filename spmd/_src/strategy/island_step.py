@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import ConfigurationError, ContextError, message, received
 from spmd._src.explain import explain_traced
@@ -56,6 +57,7 @@ class IslandStep:
 
     def __call__(self, state: DiLoCoState, *data: Any, **kwargs: Any) -> Any:
         _STEPS[0] += 1  # progress, which the hang watch publishes, as `Step` counts it
+        _SHARED[0] += self.strategy._spans_processes
         if in_replica_context():
             raise ContextError(message(*STEP_IN_RUN))
         check_runnable(self.strategy, "Calling a step")

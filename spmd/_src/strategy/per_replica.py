@@ -16,6 +16,7 @@ import numpy as np
 from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import BatchError, ConfigurationError, ContextError, message, received
 from spmd._src.logical import rules_without
@@ -90,6 +91,7 @@ def run(
         subdefs.append(None)
     if not any(isinstance(x, jax.core.Tracer) for x in flat):  # runs now, not traced in a step
         _STEPS[0] += 1  # progress, as a Step call is (spmd/_src/clusters/hang_watch.py)
+        _SHARED[0] += strategy._spans_processes
         if jax.process_count() > 1 and spans_processes(strategy.mesh):
             _agree_on_run(
                 strategy, fn, args, kwargs or {}, (treedef, tuple(subdefs), tuple(kinds)), flat

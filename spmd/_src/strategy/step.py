@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import ConfigurationError, ContextError, message, received
 from spmd._src.rules import path_str
@@ -97,10 +98,12 @@ class Step:
         self._hot: _Hot | None = None
         self._agreed = checks.LastAgreed()  # with several processes: the batch signature
         self._tag = object()  # names this step's flax update context
+        self._shared = strategy._spans_processes
         functools.update_wrapper(self, fn)
 
     def __call__(self, state: Any, *data: Any, **kwargs: Any) -> Any:
         _STEPS[0] += 1  # progress, which the hang watch publishes (clusters/hang_watch.py)
+        _SHARED[0] += self._shared
         if in_replica_context():
             raise ContextError(message(*STEP_IN_RUN))
         hot = self._hot

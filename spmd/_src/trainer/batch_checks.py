@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -24,6 +25,14 @@ if TYPE_CHECKING:
 __all__ = ["BatchChecks"]
 
 _CHECKED_SIZE = 256  # batch signatures whose checks are remembered
+_log = logging.getLogger("spmd.trainer")
+# Where fit on arrays does not do as Keras does (docs/migration.md).
+_DROPPED = (
+    "fit drops the last partial batch of each epoch, %d of %d examples (batch_size=%d), "
+    "where Keras trains on it: the model's training pass writes %s, which the padding and "
+    "mask that batch needs would enter, so it is never padded. To train on every example, "
+    "pass a batch_size that divides the examples."
+)
 
 
 class BatchChecks:
@@ -92,6 +101,23 @@ class BatchChecks:
                 self._outputs.clear()
             self._outputs[key] = outputs
         check_label_range(trainer.loss_name, outputs, y, what)  # the values: every first batch
+
+    def keeps_partial(self, trainer: Trainer, data: tuple, batch_size: Any) -> bool:
+        """Whether fit on arrays trains on their last partial batch, padded and masked, as
+        Keras trains on it: unless the model's training pass writes state, which padded
+        rows would enter (`written_state`); that batch is then dropped, said at WARNING.
+        """
+        examples = np.shape(jax.tree.leaves(data[0])[0])[0]
+        if not isinstance(batch_size, int) or batch_size <= 0 or examples % batch_size == 0:
+            return False
+        if self._written is None:
+            first = jax.tree.map(lambda a: np.asarray(a)[:batch_size], data[0])
+            self._written = written_state(trainer, first)
+        if not self._written:
+            return True
+        if examples > batch_size:  # fewer: check_examples says why in an error
+            _log.warning(_DROPPED, examples % batch_size, examples, batch_size, self._written)
+        return False
 
     def _check_padded(self, trainer: Trainer, batch: tuple) -> None:
         """Raises if the training pass writes state that padded rows would enter.
@@ -170,7 +196,7 @@ def _padded_state(trainer: Trainer, batch: tuple, written: list[str]) -> str:
             grad_accum_steps=trainer.grad_accum_steps,
         ),
         "train on a dataset that drops the last partial batch (drop_remainder=True, or "
-        'InputOptions(remainder="drop"); fit on arrays drops it), with a global batch size '
+        'InputOptions(remainder="drop"); fit on arrays drops it for such a model), with a global batch size '
         "that splits over the replicas x grad_accum_steps at every process count the job runs "
         "at (e.g. 12 for 6, 4 and 2 replicas), or over a strategy whose replica count divides "
         "it: spmd.MultiWorkerMirroredStrategy(global_batch_size=...) uses the most devices "

@@ -76,11 +76,14 @@ def as_dataset(
     seed: int,
     what: str,
     microbatches: int = 1,
+    keep_partial: bool = False,
 ) -> DistributedDataset:
     """The distributed dataset of `data`: arrays, an iterable of batches, or one already.
 
-    With `pad` (evaluate, predict) a last partial batch is padded and every
-    batch is a `PaddedBatch`, so nothing is dropped and padding never counts.
+    With `pad` (evaluate, predict), or `keep_partial` (fit on arrays, as Keras
+    trains on the last partial batch), a last partial batch of arrays is
+    padded and every batch is a `PaddedBatch`, so nothing is dropped and
+    padding never counts; without either, it is dropped.
     A global batch the replicas (times `microbatches`) do not split evenly is
     padded at its end with masked rows (`uneven_batch="pad_if_uneven"`): the
     steps weigh only the real rows, so the global batch, and the training,
@@ -98,7 +101,7 @@ def as_dataset(
         return data
     uneven = {"uneven_batch": "pad_if_uneven", "microbatches": microbatches}
     if is_arrays(data):
-        check_examples(data, batch_size, pad=pad, what=what)
+        check_examples(data, batch_size, pad=pad or keep_partial, what=what)
         if batch_size is None:
             raise BatchError(
                 message(
@@ -110,7 +113,7 @@ def as_dataset(
             )
         arrays = tuple(jax.tree.map(np.asarray, a) for a in data)
         ds = strategy.make_numpy_dataset(
-            arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=not pad
+            arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=not (pad or keep_partial)
         )
         return strategy.distribute_dataset(ds, InputOptions(**uneven))
     if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
@@ -133,7 +136,7 @@ def check_examples(data: tuple, batch_size: int | None, *, pad: bool, what: str)
 
     Raises:
       BatchError: 0 examples; or, without padding, fewer examples than `batch_size`
-        (training drops a partial batch, so it would train on nothing).
+        (training that drops the partial batch would train on nothing).
     """
     examples = np.shape(jax.tree.leaves(data[0])[0])[0]
     if examples == 0:
@@ -148,8 +151,9 @@ def check_examples(data: tuple, batch_size: int | None, *, pad: bool, what: str)
     if not pad and isinstance(batch_size, int) and 0 < examples < batch_size:
         raise BatchError(
             message(
-                f"{what} trains on whole batches of batch_size examples (a partial last "
-                "batch is dropped), so the data needs at least batch_size examples.",
+                f"{what} here trains on whole batches of batch_size examples (the model's "
+                "training pass writes state, so a partial last batch, which would need "
+                "padding, is dropped), so the data needs at least batch_size examples.",
                 received(batch_size=batch_size, examples=examples),
                 f"pass batch_size={examples} or less (a multiple of the replicas), or more "
                 "examples.",

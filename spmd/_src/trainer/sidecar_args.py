@@ -15,7 +15,7 @@ from flax import nnx
 from spmd._src.errors import ConfigurationError, message, received
 from spmd._src.strategy.base import Strategy
 from spmd._src.trainer.callbacks import Callback
-from spmd._src.trainer.sidecar_watch import agreed
+from spmd._src.trainer.sidecar_watch import agreed, file_on, under_a_file
 from spmd._src.trainer.trainer import Trainer
 from spmd._src.validate import non_negative_number, positive_int, positive_number
 
@@ -48,6 +48,8 @@ def check_directory(directory: Any) -> str:
         )
     text = os.fspath(directory)
     path = epath.Path(text)
+    if "://" not in text and (file := file_on(text)) not in (None, text):
+        raise under_a_file(text, file)
     if path.is_file():
         raise ConfigurationError(
             message(

@@ -18,8 +18,20 @@ from etils import epath
 from spmd._src.checkpoint import final, guard, integrity
 from spmd._src.checkpoint.manager import CheckpointManager
 from spmd._src.checkpoint.store import forget_listings
+from spmd._src.errors import ConfigurationError, message, received
 
-__all__ = ["REMOVED_BEFORE", "Ending", "Run", "Skips", "Wait", "agreed", "agreed_mark", "going"]
+__all__ = [
+    "REMOVED_BEFORE",
+    "Ending",
+    "Run",
+    "Skips",
+    "Wait",
+    "agreed",
+    "agreed_mark",
+    "file_on",
+    "going",
+    "under_a_file",
+]
 
 _log = logging.getLogger("spmd.evaluator")  # the evaluator's log, one name for its lines
 WAIT_LOG_S = 300.0  # how often a long wait for a new checkpoint is logged again
@@ -80,7 +92,13 @@ class Run:
 
 def _identity(directory: epath.Path) -> tuple | str | None:
     """What tells a folder from one re-created at its path (device and inode where the path is
-    local; on an object store, only whether it exists), or None if there is none."""
+    local; on an object store, only whether it exists), or None if there is none.
+
+    Raises:
+      ConfigurationError: the path goes through a file (one made since the evaluator
+        was built): no folder can be there.
+      CheckpointError: a folder on the path cannot be searched (permissions).
+    """
     text = str(directory)
     if "://" in text:
         return "exists" if directory.exists() else None
@@ -88,7 +106,33 @@ def _identity(directory: epath.Path) -> tuple | str | None:
         found = os.stat(text)
     except FileNotFoundError:
         return None
+    except NotADirectoryError:
+        raise under_a_file(text, file_on(text) or text) from None
+    except PermissionError as e:
+        raise guard.not_listable(directory, e) from None
     return (found.st_dev, found.st_ino)
+
+
+def file_on(path: str) -> str | None:
+    """The first part of local `path` that is a file (`path` itself included), or None."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        head = os.sep.join(parts[:i])
+        if os.path.isfile(head):
+            return head
+    return None
+
+
+def under_a_file(directory: str, file: str) -> ConfigurationError:
+    """The error for a checkpoint_dir whose path goes through a file."""
+    return ConfigurationError(
+        message(
+            "checkpoint_dir is a folder, or a path where one can be made: no part of it may "
+            "be a file.",
+            received(checkpoint_dir=directory, file=file),
+            "pass the folder the training job's ModelCheckpoint (or CheckpointManager) writes.",
+        )
+    )
 
 
 class Wait:

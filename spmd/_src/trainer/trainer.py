@@ -390,6 +390,9 @@ class Trainer:
     # -- data -----------------------------------------------------------------
 
     def _dataset(self, data: Any, batch_size: int | None, *, shuffle: bool, pad: bool, what: str):
+        keep = (
+            what == "fit" and is_arrays(data) and self._checks.keeps_partial(self, data, batch_size)
+        )
         return as_dataset(
             self.strategy,
             data,
@@ -399,6 +402,7 @@ class Trainer:
             seed=self.seed,
             what=what,
             microbatches=self.grad_accum_steps if what == "fit" else 1,
+            keep_partial=keep,
         )
 
     # -- fit / evaluate / predict ---------------------------------------------
@@ -420,8 +424,10 @@ class Trainer:
 
         Args:
           data: (x, y) arrays (or (x, y, sample_weight)) with `batch_size` the
-            global batch; an iterable of such batches (re-iterable for several
-            epochs); or a distributed dataset.
+            global batch, the last partial batch trained on as Keras does
+            (padded and masked; dropped, logged at WARNING, for a model whose
+            training pass writes state); an iterable of such batches
+            (re-iterable for several epochs); or a distributed dataset.
           batch_size: the global batch size, over every replica and process.
             One the replicas (times `grad_accum_steps`) do not split evenly is
             padded at its end with masked rows, which weigh nothing: the same
