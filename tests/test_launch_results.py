@@ -8,15 +8,17 @@ import signal
 
 import pytest
 
-from spmd._src.clusters.launch_printer import Printer, not_worth_restarting, summary
 from spmd._src.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
     TIMEOUT_EXIT_CODE,
     GroupResult,
+    Printer,
     ProcessResult,
     not_arrived,
+    not_worth_restarting,
     signal_name,
+    summary,
 )
 
 

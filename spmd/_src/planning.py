@@ -31,6 +31,13 @@ from spmd._src.validate import positive_int
 
 __all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "measured_chip"]
 
+_MEASURED: dict[str, Chip] = {}
+_ONE_DEVICE_NOTE = (
+    "spmd.auto_strategy: this was raised tracing {what} on one device of the target (every "
+    "mesh axis of size 1), before any layout was tried: a bug in create_fn, the step or the "
+    "batch, not a layout that does not fit."
+)
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -151,9 +158,6 @@ def _mesh(strategy: Strategy | None) -> str:
 
 
 # ------------------------------------------------------------------ the figures of a CPU or GPU
-
-
-_MEASURED: dict[str, Chip] = {}
 
 
 def measured_chip(device: Any) -> Chip:
@@ -442,13 +446,6 @@ def _offers_host_memory(device: Any) -> bool:
     an `spmd.topology`; GPU) with `pinned_host` memory. On CPU devices it is the same RAM."""
     kinds = {m.kind for m in device.addressable_memories()}
     return device.platform != "cpu" and "pinned_host" in kinds
-
-
-_ONE_DEVICE_NOTE = (
-    "spmd.auto_strategy: this was raised tracing {what} on one device of the target (every "
-    "mesh axis of size 1), before any layout was tried: a bug in create_fn, the step or the "
-    "batch, not a layout that does not fit."
-)
 
 
 def _traced(fn: Callable[[], Any], what: str = "create_fn") -> Any:

@@ -32,6 +32,8 @@ __all__ = [
     "resolve_specs",
 ]
 
+_UNMATCHED = object()
+
 
 class Partitioner(Protocol):
     """Decides how many shards a variable is split into along its first axis.
@@ -437,9 +439,6 @@ def _choose(path, leaf, rule, pattern, noted, annotated, shard_axes):
     if rule is not _UNMATCHED:
         return _partitioned_spec(rule, leaf, shard_axes), f"partitioner (rule {pattern!r})"
     return PartitionSpec(), "default"
-
-
-_UNMATCHED = object()
 
 
 def _carried(leaf: Any) -> NamedSharding | None:

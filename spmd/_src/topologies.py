@@ -41,6 +41,41 @@ __all__ = [
 _GB = 1e9
 _GIB = 1 << 30
 
+# Cloud TPU's system-architecture pages give no host (PCIe) bandwidth; the JAX team's
+# book does: "PCIe bandwidth for TPU v4 is 16GB / second each way", "PCIe bandwidth is
+# typically around 1.5e10 bytes / second per chip", "Trillium (TPU v6e) has 32GB/s".
+HOST_LINK_SOURCE = "https://jax-ml.github.io/scaling-book/tpus/ (PCIe: per chip, each way)"
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p", "trillium": "v6e"}
+FORMS = (
+    '"v5p-256" (v4/v5p: -N counts TensorCores, two per chip: 128 chips)',
+    '"v5e-16", "v5litepod-16", "v6e-64" (-N counts chips)',
+    '"v5p:4x4x8", "v5e:16x16", "v6e:8x8", "v4:2x2x1" (the chips\' torus shape)',
+)
+# The slices Cloud TPU offers, one ICI domain each. 2-D (v5e, v6e): these shapes, up to a
+# 256-chip pod (cloud.google.com/tpu/docs/v5e, /v6e). 3-D (v4, v5p): 2x2x1, 2x2x2, 2x2x4 and
+# 2x4x4, then whole 4x4x4 cubes, every side a multiple of 4 (cloud.google.com/tpu/docs/v4,
+# /types-topologies), up to `Chip.max_slice_chips`. An -N name takes the most cube-like shape
+# of its cubes (fewest chips on the longest side, then on the middle one) with no side over
+# 256 chips: this gives every v4 and v5p entry of MaxText's table of accelerator names,
+# src/maxtext/utils/accelerator_to_spec_map.py (108 of them), and none it leaves out.
+_SHAPES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+_SMALL_3D = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+_CUBE = 4
+_LONGEST_SIDE = 256
+_NAME = re.compile(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)")
+_CACHE: dict[tuple[str, int, bool], Any] = {}
+_SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_REQUIRED = (
+    re.compile(r"required for HLO temporaries \(" + _SIZE + r"\) exceeds available HBM"),
+    re.compile(r"Used " + _SIZE + r" of [\d.]+\s*[KMGT]?i?B? hbm"),
+)
+_AVAILABLE = (
+    re.compile(r"exceeds available HBM \(" + _SIZE + r"\)"),
+    re.compile(r"Used [\d.]+\s*[KMGT]?i?B? of " + _SIZE + r" hbm"),
+)
+_HBM: dict[str, int] = {}
+
 
 @dataclass(frozen=True)
 class Chip:
@@ -80,12 +115,6 @@ class Chip:
     source: str
     max_slice_chips: int = 1
     host_bandwidth: float | None = None
-
-
-# Cloud TPU's system-architecture pages give no host (PCIe) bandwidth; the JAX team's
-# book does: "PCIe bandwidth for TPU v4 is 16GB / second each way", "PCIe bandwidth is
-# typically around 1.5e10 bytes / second per chip", "Trillium (TPU v6e) has 32GB/s".
-HOST_LINK_SOURCE = "https://jax-ml.github.io/scaling-book/tpus/ (PCIe: per chip, each way)"
 
 
 # Figures from Cloud TPU's public system-architecture pages (see docs/planning.md).
@@ -150,12 +179,6 @@ CHIPS: dict[str, Chip] = {
         host_bandwidth=32 * _GB,  # HOST_LINK_SOURCE: "Trillium (TPU v6e) has 32GB/s"
     ),
 }
-_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "v5": "v5p", "trillium": "v6e"}
-FORMS = (
-    '"v5p-256" (v4/v5p: -N counts TensorCores, two per chip: 128 chips)',
-    '"v5e-16", "v5litepod-16", "v6e-64" (-N counts chips)',
-    '"v5p:4x4x8", "v5e:16x16", "v6e:8x8", "v4:2x2x1" (the chips\' torus shape)',
-)
 
 
 def chip_of(device: Any) -> Chip | None:
@@ -233,19 +256,6 @@ def _bad_name(name: Any, why: str) -> ConfigurationError:
     )
 
 
-# The slices Cloud TPU offers, one ICI domain each. 2-D (v5e, v6e): these shapes, up to a
-# 256-chip pod (cloud.google.com/tpu/docs/v5e, /v6e). 3-D (v4, v5p): 2x2x1, 2x2x2, 2x2x4 and
-# 2x4x4, then whole 4x4x4 cubes, every side a multiple of 4 (cloud.google.com/tpu/docs/v4,
-# /types-topologies), up to `Chip.max_slice_chips`. An -N name takes the most cube-like shape
-# of its cubes (fewest chips on the longest side, then on the middle one) with no side over
-# 256 chips: this gives every v4 and v5p entry of MaxText's table of accelerator names,
-# src/maxtext/utils/accelerator_to_spec_map.py (108 of them), and none it leaves out.
-_SHAPES_2D = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
-_SMALL_3D = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
-_CUBE = 4
-_LONGEST_SIDE = 256
-
-
 def _cubes(chips: int) -> tuple[int, ...] | None:
     """The shape of an -N slice of `chips` v4/v5p chips made of whole cubes, or None."""
     if chips % _CUBE**3:
@@ -318,9 +328,6 @@ def _not_offered(name: Any, chip: Chip, chips: int, shape: str = "") -> Configur
     )
 
 
-_NAME = re.compile(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)")
-
-
 def is_name(text: Any) -> bool:
     """Whether `text` has the form of a Cloud TPU slice name ("v5p-256", "v5e:4x4")."""
     return isinstance(text, str) and _NAME.fullmatch(text.strip().lower()) is not None
@@ -360,9 +367,6 @@ def parse(name: Any) -> tuple[Chip, tuple[int, ...]]:
     if shape is None:
         raise _not_offered(name, chip, count // per_chip)
     return chip, shape
-
-
-_CACHE: dict[tuple[str, int, bool], Any] = {}
 
 
 def topology(name: str, slices: int = 1, *, megacore: bool = True) -> Topology:
@@ -565,18 +569,6 @@ def _cannot_run(what: str, **got: Any) -> ConfigurationError:
     )
 
 
-_SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_REQUIRED = (
-    re.compile(r"required for HLO temporaries \(" + _SIZE + r"\) exceeds available HBM"),
-    re.compile(r"Used " + _SIZE + r" of [\d.]+\s*[KMGT]?i?B? hbm"),
-)
-_AVAILABLE = (
-    re.compile(r"exceeds available HBM \(" + _SIZE + r"\)"),
-    re.compile(r"Used [\d.]+\s*[KMGT]?i?B? of " + _SIZE + r" hbm"),
-)
-
-
 def _size(match: re.Match) -> int:
     return int(float(match[1]) * _UNITS[match[2]])
 
@@ -590,9 +582,6 @@ def hbm_refusal(error: BaseException) -> int | None:
         if match := pattern.search(text):
             return _size(match)
     return None
-
-
-_HBM: dict[str, int] = {}
 
 
 def devices_per_chip(device: Any) -> int:

@@ -77,6 +77,9 @@ _NOT_DAMAGE_TEXT = (
     "Input/output error",
 )
 
+_BATCH = 128  # most leaves of one kind per call (stacked: it compiles about as fast as one)
+_BATCH_BYTES = 32 * 2**20  # most bytes of one call's blocks on a device: the call stacks them
+
 
 class Damaged(CheckpointError):
     """A step whose files are unreadable or whose arrays fail their checksums."""
@@ -153,8 +156,6 @@ _FOLDS = {2: _fold_linear, 3: _fold_mixed}
 
 # -- the device programs ---------------------------------------------------------------------
 
-_BATCH = 128  # most leaves of one kind per call (stacked: it compiles about as fast as one)
-_BATCH_BYTES = 32 * 2**20  # most bytes of one call's blocks on a device: the call stacks them
 _programs: dict[tuple, Future] = {}  # program key (see `_calls`) -> its compile
 _plans: dict[tuple, list] = {}  # kind of leaf -> the blocks this process folds (`_plan`)
 _compiles = 0  # how many checksum programs were compiled

@@ -30,6 +30,8 @@ __all__ = ["CheckpointManager"]
 
 _log = logging.getLogger("spmd.checkpoint")
 
+_PARTIAL = "pass partial=True to restore a part of the checkpoint, else leave it out."
+
 
 class CheckpointManager:
     """Saves and restores a train state with its data position; every process calls it.
@@ -623,8 +625,6 @@ class CheckpointManager:
 
 
 # -- helpers ------------------------------------------------------------------
-
-_PARTIAL = "pass partial=True to restore a part of the checkpoint, else leave it out."
 
 
 def _absolute(directory: str | os.PathLike[str]) -> epath.Path:

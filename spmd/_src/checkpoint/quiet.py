@@ -18,6 +18,16 @@ from typing import Any
 
 __all__ = ["drop_late_completions", "writer_closed", "writer_opened"]
 
+# What Orbax logs (at ERROR, with its traceback) from the threads of a save that failed,
+# which spmd reports itself as one CheckpointError from save, wait or close.
+_SAVE_FAILED_LOGS = (
+    "_SignalingThread.run() raised an exception",
+    "Save Finalize thread",
+    "Commit operations or the Commit callback",
+)
+_ORBAX = os.path.join("orbax", "checkpoint", "")
+_WRITERS: weakref.WeakSet = weakref.WeakSet()  # the open writers, whose saves spmd reports
+
 
 def _late_completion(unraisable: Any) -> bool:
     """Whether `unraisable` is a read or write of a failed restore or save that completed
@@ -57,17 +67,6 @@ def drop_late_completions() -> None:
 
     hook.spmd_drops_late_reads = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
-
-
-# What Orbax logs (at ERROR, with its traceback) from the threads of a save that failed,
-# which spmd reports itself as one CheckpointError from save, wait or close.
-_SAVE_FAILED_LOGS = (
-    "_SignalingThread.run() raised an exception",
-    "Save Finalize thread",
-    "Commit operations or the Commit callback",
-)
-_ORBAX = os.path.join("orbax", "checkpoint", "")
-_WRITERS: weakref.WeakSet = weakref.WeakSet()  # the open writers, whose saves spmd reports
 
 
 class _SaveFailureLogs(logging.Filter):

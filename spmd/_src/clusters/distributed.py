@@ -21,6 +21,7 @@ from spmd._src.clusters.exit_wait import ExitWait
 from spmd._src.clusters.jax_state import global_state
 from spmd._src.clusters.launch_results import (
     CONFIGURATION_EXIT_CODE,
+    FOLLOWER,
     HANG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
 )
@@ -29,7 +30,6 @@ from spmd._src.errors import BatchError, ConfigurationError, InitializationError
 
 __all__ = [
     "EXIT_TIMEOUT",
-    "FOLLOWER",
     "PEER_POLL",
     "SIGTERM_GRACE",
     "bind_address",
@@ -49,7 +49,6 @@ _EXIT_CODE_PEER = 1  # how a process ends because a peer failed
 _REASON_CHARS = 4000  # of a hang's reason, which carries the stuck process's stack
 # How a process that ends because a peer failed starts its last line ("spmd: ending:
 # process K failed ..."): `spmd launch` reads it, never to name it as the first failure.
-FOLLOWER = "ending: process"
 _EXIT_CODE_SIGTERM = 128 + 15
 # What a collective says when a peer's end closed its connections (gloo, NCCL): an
 # uncaught error saying so is that peer's failure, which the watches name.

@@ -28,6 +28,12 @@ from spmd._src.clusters.hang_watch import Record
 
 __all__ = ["ExitWait"]
 
+_FIX = (
+    "Every process must make the same collective calls (no `if is_chief: return` before "
+    "a collective); work of one process alone (an export, an upload) may follow them, on "
+    "arrays of its own (jax.device_get a replicated state first)."
+)
+
 
 @dataclasses.dataclass
 class ExitWait:
@@ -87,10 +93,3 @@ class ExitWait:
             "sync, a computation on arrays that span the processes) that this one never "
             "joins. " + _FIX
         )
-
-
-_FIX = (
-    "Every process must make the same collective calls (no `if is_chief: return` before "
-    "a collective); work of one process alone (an export, an upload) may follow them, on "
-    "arrays of its own (jax.device_get a replicated state first)."
-)

@@ -49,6 +49,37 @@ RESOLVERS: tuple[type, ...] = (
     SingleProcessResolver,
 )
 
+MSG_TOO_LATE = """\
+spmd.initialize() must run before JAX starts its backends, and here they have
+already started (something called jax.devices(), created an array or ran a
+computation) while initialize() still had to change how they start.
+{received}
+To fix: call spmd.initialize() first thing, before any other JAX call:
+
+    import jax, spmd
+    x = jax.numpy.ones(3)     # wrong: this starts the backends
+    spmd.initialize()
+
+    import jax, spmd
+    spmd.initialize()         # right
+    x = jax.numpy.ones(3)
+"""
+_INFO: ClusterInfo | None = None  # what initialize() resolved in this process
+MSG_NOT_INITIALIZED = """\
+This process was started by `spmd launch` as process {index} of {count}, but
+spmd.initialize() was not called, so it would train alone as process 0 of 1 and
+every process would claim to be the chief: {count} independent jobs instead of one.
+{received}
+To fix: call spmd.initialize() first thing, before building a strategy:
+
+    import spmd
+    strategy = spmd.MultiWorkerMirroredStrategy()   # wrong: never joined the others
+
+    import spmd
+    spmd.initialize()                               # right
+    strategy = spmd.MultiWorkerMirroredStrategy()
+"""
+
 
 def _local_device_count(value: int | None) -> int | None:
     """The simulated CPU device count: the argument, else SPMD_DEVICES_PER_PROCESS."""
@@ -95,24 +126,6 @@ def resolve(
 
 
 # ------------------------------------------------------------------ initialize
-
-MSG_TOO_LATE = """\
-spmd.initialize() must run before JAX starts its backends, and here they have
-already started (something called jax.devices(), created an array or ran a
-computation) while initialize() still had to change how they start.
-{received}
-To fix: call spmd.initialize() first thing, before any other JAX call:
-
-    import jax, spmd
-    x = jax.numpy.ones(3)     # wrong: this starts the backends
-    spmd.initialize()
-
-    import jax, spmd
-    spmd.initialize()         # right
-    x = jax.numpy.ones(3)
-"""
-
-_INFO: ClusterInfo | None = None  # what initialize() resolved in this process
 
 
 def _cpu_devices_match(count: int) -> bool:
@@ -327,22 +340,6 @@ def cluster() -> ClusterInfo:
 
         return worker_info(jax.process_index(), jax.process_count(), None, "jax")
     return SingleProcessResolver().resolve()
-
-
-MSG_NOT_INITIALIZED = """\
-This process was started by `spmd launch` as process {index} of {count}, but
-spmd.initialize() was not called, so it would train alone as process 0 of 1 and
-every process would claim to be the chief: {count} independent jobs instead of one.
-{received}
-To fix: call spmd.initialize() first thing, before building a strategy:
-
-    import spmd
-    strategy = spmd.MultiWorkerMirroredStrategy()   # wrong: never joined the others
-
-    import spmd
-    spmd.initialize()                               # right
-    strategy = spmd.MultiWorkerMirroredStrategy()
-"""
 
 
 def check_initialized_under_launcher() -> None:

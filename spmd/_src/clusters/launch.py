@@ -18,15 +18,18 @@ from typing import IO
 
 from spmd._src.clusters.hang_watch import check_hang_timeout
 from spmd._src.clusters.launch_keeper import Keeper, group_alive, signal_groups
-from spmd._src.clusters.launch_printer import FOLLOWER_LINE, Printer, not_worth_restarting, summary
 from spmd._src.clusters.launch_results import (
     EXIT_GRACE,
+    FOLLOWER_LINE,
     GRACE_PERIOD,
     PREEMPTED_EXIT_CODE,
     TIMEOUT_EXIT_CODE,
     GroupResult,
+    Printer,
     ProcessResult,
+    not_worth_restarting,
     signal_name,
+    summary,
 )
 from spmd._src.clusters.spec import (
     ENV_COORDINATOR_ADDRESS,
@@ -55,6 +58,8 @@ _LEADER_WAIT = 3.0
 _PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
 OnLine = Callable[[int, str, str], None]  # (process index, "stdout" | "stderr", line)
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a closed terminal sends SIGHUP
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -269,20 +274,51 @@ def run_group(
             )
             procs.append(_start(command, child_env))
             keeper.watch(procs[i].pid)
-            streams = (("stdout", procs[i].stdout), ("stderr", procs[i].stderr))
-            for k, (name, stream) in enumerate(streams):
-                sink = sinks[2 * i + k] if capture else None
-                args = (stream, i, name, on_line, sink, closed)
-                threads.append(threading.Thread(target=_pump, args=args, daemon=True))
-                threads[-1].start()
+            threads += _readers(procs[i], i, on_line, sinks if capture else None, closed)
         deadline = None if timeout is None else time.monotonic() + timeout
         outcome = _watch(procs, deadline, exit_grace, (followers, closed))
     finally:
         _stop(procs, grace_period)
         keeper.release()
-        join_deadline = time.monotonic() + grace_period  # a grandchild holding a pipe open
-        for t in threads:  # must not hang us: the readers are daemons, left behind
-            t.join(timeout=max(0.0, join_deadline - time.monotonic()))
+        _join_readers(threads, grace_period)
+    return _group_result(procs, sinks, outcome, followers, closed)
+
+
+def _readers(
+    proc: subprocess.Popen[bytes],
+    index: int,
+    on_line: OnLine,
+    sinks: list[list[str]] | None,
+    closed: dict[int, float],
+) -> list[threading.Thread]:
+    """Started daemon threads that read process `index`'s stdout and stderr line by line
+    (into `sinks[2 * index]` and `sinks[2 * index + 1]` when capturing)."""
+    threads = []
+    for k, (name, stream) in enumerate((("stdout", proc.stdout), ("stderr", proc.stderr))):
+        sink = sinks[2 * index + k] if sinks is not None else None
+        args = (stream, index, name, on_line, sink, closed)
+        threads.append(threading.Thread(target=_pump, args=args, daemon=True))
+        threads[-1].start()
+    return threads
+
+
+def _join_readers(threads: list[threading.Thread], grace_period: float) -> None:
+    """Waits for the readers at most `grace_period` in all: a grandchild holding a pipe
+    open must not hang the launcher (the readers are daemons, left behind)."""
+    deadline = time.monotonic() + grace_period
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _group_result(
+    procs: list[subprocess.Popen[bytes]],
+    sinks: list[list[str]],
+    outcome: _Outcome,
+    followers: dict[int, int],
+    closed: dict[int, float],
+) -> GroupResult:
+    """The attempt's result; the failed processes ordered by who failed first (a process
+    that ended because a peer failed after the processes that did not)."""
     return GroupResult(
         tuple(
             ProcessResult(i, _returncode(p), "".join(sinks[2 * i]), "".join(sinks[2 * i + 1]))
@@ -400,9 +436,6 @@ class _TerminatedError(KeyboardInterrupt):
 
 def _raise_terminated(signum: int, frame: object) -> None:
     raise _TerminatedError(signum)
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # a closed terminal sends SIGHUP
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,29 @@ TF_CONFIG = "TF_CONFIG"
 # The task types TF_CONFIG may name.
 TASK_TYPES = ("chief", "worker", "evaluator", "ps")
 
+MSG_PS_TASK = """\
+{who}, but spmd runs no parameter server
+processes: spmd.ParameterServerStrategy shards the variables over the workers' own
+devices (ZeRO-3 / FSDP) and XLA gathers them where they are used.
+{received}
+To fix: start only the chief and worker tasks, each running the same script, and
+drop the 'ps' job from TF_CONFIG:
+
+    "cluster": {{"worker": ["host0:2222", "host1:2222"], "ps": ["host2:2222"]}}  # wrong
+    "cluster": {{"worker": ["host0:2222", "host1:2222"]}}                        # right
+
+A ClusterCoordinator loop ports as it is: spmd.ClusterCoordinator(strategy) runs
+schedule / join / fetch in every process. For training that tolerates slow links
+between groups of workers, as asynchronous parameter servers did, use
+spmd.DiLoCo(islands=..., sync_every=...): islands that average every H steps
+(docs/diloco.md).
+"""
+PS_TASK = "This process is a parameter server task"
+PS_JOB = (
+    "This {task} task's cluster lists parameter server tasks ('ps'), which its program\n"
+    "expects to hold the variables"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class ClusterInfo:
@@ -165,32 +188,6 @@ def _tf_cluster(config: Any) -> dict[str, list[str]]:
             )
         )
     return jobs
-
-
-MSG_PS_TASK = """\
-{who}, but spmd runs no parameter server
-processes: spmd.ParameterServerStrategy shards the variables over the workers' own
-devices (ZeRO-3 / FSDP) and XLA gathers them where they are used.
-{received}
-To fix: start only the chief and worker tasks, each running the same script, and
-drop the 'ps' job from TF_CONFIG:
-
-    "cluster": {{"worker": ["host0:2222", "host1:2222"], "ps": ["host2:2222"]}}  # wrong
-    "cluster": {{"worker": ["host0:2222", "host1:2222"]}}                        # right
-
-A ClusterCoordinator loop ports as it is: spmd.ClusterCoordinator(strategy) runs
-schedule / join / fetch in every process. For training that tolerates slow links
-between groups of workers, as asynchronous parameter servers did, use
-spmd.DiLoCo(islands=..., sync_every=...): islands that average every H steps
-(docs/diloco.md).
-"""
-
-
-PS_TASK = "This process is a parameter server task"
-PS_JOB = (
-    "This {task} task's cluster lists parameter server tasks ('ps'), which its program\n"
-    "expects to hold the variables"
-)
 
 
 def _tf_task(config: dict[str, Any], jobs: dict[str, list[str]]) -> tuple[str, int]:

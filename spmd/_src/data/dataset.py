@@ -52,6 +52,15 @@ __all__ = [
 
 logger = logging.getLogger("spmd.data")
 
+_MSG_ONE_SHOT = """\
+A one-shot iterator (a generator) gives its batches once, so it cannot be read again
+for a second epoch, nor replayed to resume a position (set_state) or restart after close().
+Received: dataset={name}, being read a second time
+To fix: pass something that starts over on each iter(): a list, an object whose
+__iter__ returns a new generator, strategy.make_numpy_dataset(...), or use
+strategy.distribute_datasets_from_function(lambda ctx: make_generator()), which
+calls the function again for each pass."""
+
 
 def distribute_dataset(
     strategy: Strategy, dataset: Iterable[Any], options: InputOptions | None = None
@@ -319,16 +328,6 @@ def _passes(dataset: Any) -> Callable[[], Iterable[Any]]:
         return dataset
 
     return once
-
-
-_MSG_ONE_SHOT = """\
-A one-shot iterator (a generator) gives its batches once, so it cannot be read again
-for a second epoch, nor replayed to resume a position (set_state) or restart after close().
-Received: dataset={name}, being read a second time
-To fix: pass something that starts over on each iter(): a list, an object whose
-__iter__ returns a new generator, strategy.make_numpy_dataset(...), or use
-strategy.distribute_datasets_from_function(lambda ctx: make_generator()), which
-calls the function again for each pass."""
 
 
 def _plan_numpy(ds: NumpyDataset, ctx: InputContext, policy, remainder, padding: Padding) -> Plan:

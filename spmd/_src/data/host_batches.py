@@ -30,6 +30,9 @@ __all__ = [
 
 NO_PADDING = Padding()  # a global batch the replicas do not split is an error
 
+_KINDS = {"U": "str", "S": "bytes", "O": "object", "V": "void", "M": "datetime", "m": "timedelta"}
+_SAMPLE_BYTES = 1 << 18  # a leaf bigger than this is fingerprinted by evenly spaced rows
+
 
 class HostBatch:
     """This process's rows of one global batch, still on the host.
@@ -329,9 +332,6 @@ def _check_numeric(batch: Any, index: int) -> None:
             raise BatchError(unholdable_message(leaf.dtype, index, jax.tree_util.keystr(path)))
 
 
-_KINDS = {"U": "str", "S": "bytes", "O": "object", "V": "void", "M": "datetime", "m": "timedelta"}
-
-
 @functools.lru_cache(maxsize=64)
 def holdable(dtype: np.dtype) -> bool:
     """Whether a jax.Array can hold this dtype: numbers and bool, ml_dtypes' bfloat16,
@@ -467,9 +467,6 @@ def batch_mask(size: int, real: int) -> np.ndarray:
     if real < size:
         return (np.arange(size) < real).astype(np.float32)
     return np.ones(size, np.float32)
-
-
-_SAMPLE_BYTES = 1 << 18  # a leaf bigger than this is fingerprinted by evenly spaced rows
 
 
 def fingerprint(tree: Any) -> str:

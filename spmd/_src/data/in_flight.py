@@ -13,6 +13,9 @@ from spmd._src.data.sources import PaddedBatch
 
 __all__ = ["Padded", "clear", "note", "padded"]
 
+# (the iterator that handed the batch out, the batch), in the thread that took it
+_LATEST: ContextVar[tuple[weakref.ref, Padded] | None] = ContextVar("spmd_padded", default=None)
+
 
 @dataclass(frozen=True)
 class Padded:
@@ -20,10 +23,6 @@ class Padded:
 
     rows: int
     batch_size: int
-
-
-# (the iterator that handed the batch out, the batch), in the thread that took it
-_LATEST: ContextVar[tuple[weakref.ref, Padded] | None] = ContextVar("spmd_padded", default=None)
 
 
 def note(iterator: Any, element: Any, batch_size: int) -> None:

@@ -33,6 +33,8 @@ FUNCTION = "FUNCTION"  # the policy named in the state of a dataset function's i
 # data with the same number of pipelines.
 _PER_PIPELINE = ("FILE", "OFF", FUNCTION)
 
+_MAX_SIGNATURES = 64  # batch signatures whose placement plans a _Placer keeps
+
 
 class SourcePositions(Protocol):
     """A source's own position at each of spmd's (a grain iterator's state), saved with it."""
@@ -428,9 +430,6 @@ class _Placer:
         if plans is None:
             return host_put(leaves, [self._sharding(x.ndim) for x in leaves])
         return put_planned(leaves, plans)
-
-
-_MAX_SIGNATURES = 64  # batch signatures whose placement plans a _Placer keeps
 
 
 def _record(batch: HostBatch | None, contents: bool) -> dict:

@@ -30,6 +30,12 @@ _JOIN_S = 10.0  # how long close() waits for the producer thread to end
 # service's key-value store meet under one name.
 _SERIALS = itertools.count()
 
+# An element produced in the consumer's next() in under this many seconds keeps the
+# pipeline there: a handover to and from a producer thread costs ~0.1-0.3 ms of GIL
+# waits on a dispatch-bound step. Two slower elements in a row start the thread.
+INLINE_S = 250e-6
+_SLOW_IN_A_ROW = 2
+
 
 class HostCheck(Agreement):
     """Checks, batch by batch, that every process has a batch and that they match.
@@ -139,13 +145,6 @@ class _Failure:
 
     def __init__(self, error: BaseException):
         self.error = error
-
-
-# An element produced in the consumer's next() in under this many seconds keeps the
-# pipeline there: a handover to and from a producer thread costs ~0.1-0.3 ms of GIL
-# waits on a dispatch-bound step. Two slower elements in a row start the thread.
-INLINE_S = 250e-6
-_SLOW_IN_A_ROW = 2
 
 
 class Prefetcher:

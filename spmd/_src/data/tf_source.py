@@ -30,6 +30,8 @@ __all__ = ["is_tf_dataset", "plan_tf"]
 
 logger = logging.getLogger("spmd.data")
 
+_INFINITE = -1  # tf.data.INFINITE_CARDINALITY
+
 
 def is_tf_dataset(dataset: Any) -> bool:
     """Whether `dataset` is a `tf.data.Dataset` (without importing TensorFlow otherwise)."""
@@ -67,9 +69,6 @@ def plan_tf(dataset: Any, ctx: InputContext, options: InputOptions) -> Plan:
         global_batch_size=batch_size,
         infinite=count == _INFINITE,
     )
-
-
-_INFINITE = -1  # tf.data.INFINITE_CARDINALITY
 
 
 def _cardinality(dataset: Any, remainder: str) -> int | None:

@@ -26,6 +26,13 @@ __all__ = ["DiLoCo", "DiLoCoState"]
 
 P = PartitionSpec
 
+NNX_STATE = (
+    "A DiLoCo state is a pytree of arrays: islands hold stacked copies of it.",
+    "Received: flax NNX objects from create_fn",
+    "return `nnx.split(model, ...)`'s state (e.g. {'params': nnx.state(model, nnx.Param), "
+    "'opt': tx.init(...)}) and merge it inside the step with nnx.merge(graphdef, ...).",
+)
+
 
 class DiLoCo:
     """Islands of devices that train apart for H steps, then average: DiLoCo (local SGD).
@@ -684,11 +691,3 @@ def _island_index(island: Any, islands: int) -> int:
             )
         )
     return int(island)
-
-
-NNX_STATE = (
-    "A DiLoCo state is a pytree of arrays: islands hold stacked copies of it.",
-    "Received: flax NNX objects from create_fn",
-    "return `nnx.split(model, ...)`'s state (e.g. {'params': nnx.state(model, nnx.Param), "
-    "'opt': tx.init(...)}) and merge it inside the step with nnx.merge(graphdef, ...).",
-)

@@ -21,7 +21,6 @@ __all__ = [
     "ISLAND",
     "DiLoCoState",
     "IslandsExplanation",
-    "check_strategy",
     "crossing",
     "island_strategies",
 ]
@@ -121,21 +120,6 @@ def island_strategies(
         mesh, batch_axes=(ISLAND, *inner_batch), name="DiLoCo.synchronous", **fields
     )
     return layout, synchronous
-
-
-def check_strategy(strategy: Any, user: str) -> Any:
-    """`strategy` if it is a `Strategy` (any named strategy); a `DiLoCo` is told to write its loop."""
-    if isinstance(strategy, Strategy):
-        return strategy
-    raise ConfigurationError(
-        message(
-            f"{user} runs on a spmd.Strategy (any named strategy).",
-            received(strategy=strategy),
-            "for spmd.DiLoCo write the loop: state = strategy.init(create, key); "
-            "step = strategy.step(train_step); state, metrics = step(state, x, y) "
-            "(docs/diloco.md).",
-        )
-    )
 
 
 def _all() -> list[Any]:

@@ -23,6 +23,9 @@ __all__ = [
     "updating",
 ]
 
+_RAW = operator.attrgetter("_raw_value")
+_SET = object.__setattr__
+
 
 def _is_object(x: Any) -> bool:
     """An NNX object with a graph (module, optimizer, Rngs); a bare Variable is a leaf's box."""
@@ -173,10 +176,6 @@ class Binding:
         for variable, array in zip(self.variables, arrays, strict=True):
             _SET(variable, "_raw_value", array)
         self.arrays = arrays
-
-
-_RAW = operator.attrgetter("_raw_value")
-_SET = object.__setattr__
 
 
 def _is_variable(x: Any) -> bool:

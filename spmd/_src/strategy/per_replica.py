@@ -49,6 +49,17 @@ _REDUCERS = {
     ReduceOp.MIN: jnp.min,
 }
 
+# What names a call of `run` the same way in every process running the same program:
+# fn's code -> the signature its calls agreed on last (bounded, least recently used first).
+_RUN_AGREED: collections.OrderedDict = collections.OrderedDict()
+# function identity -> program, and traced program -> program; bounded, LRU.
+_BY_FUNCTION: collections.OrderedDict = collections.OrderedDict()
+_BY_JAXPR: collections.OrderedDict = collections.OrderedDict()
+# Primitives whose callable parameters are derivative rules, run only when differentiated.
+_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")
+_SIGNATURE_BYTES = 512  # each process's shapes and dtypes, as one all-gather carries them
+
 
 def _is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
@@ -196,11 +207,6 @@ class _Static:
 def _short(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-# What names a call of `run` the same way in every process running the same program:
-# fn's code -> the signature its calls agreed on last (bounded, least recently used first).
-_RUN_AGREED: collections.OrderedDict = collections.OrderedDict()
 
 
 def _agree_on_run(
@@ -452,11 +458,6 @@ def _program(fn: Callable, structure: tuple, flat: list) -> Callable:
     return program
 
 
-# function identity -> program, and traced program -> program; bounded, LRU.
-_BY_FUNCTION: collections.OrderedDict = collections.OrderedDict()
-_BY_JAXPR: collections.OrderedDict = collections.OrderedDict()
-
-
 def _reads_traced_values(traced: Any, flat: list) -> bool:
     """Whether a traced program reads values of an enclosing trace besides `flat`.
 
@@ -555,10 +556,6 @@ def _nested_consts(jaxpr: Any) -> list:
     return found
 
 
-# Primitives whose callable parameters are derivative rules, run only when differentiated.
-_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
-
-
 class _Identity:
     """Wraps a value so that it compares by identity (and keeps it alive)."""
 
@@ -642,9 +639,6 @@ def _no_island_axis_name(axes: tuple[str, ...], axis_name: str) -> None:
     )
 
 
-_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,]+)")
-
-
 def _call_replica_fn(fn: Callable, args: Any, kwargs: dict, axes: tuple, axis_name: Any):
     """Calls `fn` for one replica; a collective over an axis `run` does not bind is a
     ConfigurationError that names the axis_name to pass (was JAX's NameError)."""
@@ -676,9 +670,6 @@ def reduce(op: ReduceOp, value: Any, axis: int | None, strategy: Strategy | None
     return jax.tree.map(
         lambda x: _reduce_one(op, x, axis, strategy), value, is_leaf=_is_per_replica
     )
-
-
-_SIGNATURE_BYTES = 512  # each process's shapes and dtypes, as one all-gather carries them
 
 
 def _agree_on_host_values(values: list) -> None:

@@ -28,6 +28,13 @@ __all__ = [
     "scale_regularization_loss",
 ]
 
+_CONTEXT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
+    "spmd_replica_context", default=None
+)
+# The strategy of the open scope, or of the `strategy.run` being traced (a Strategy).
+_STRATEGY: contextvars.ContextVar[Any] = contextvars.ContextVar("spmd_strategy", default=None)
+_ISLAND: contextvars.ContextVar[Island | None] = contextvars.ContextVar("spmd_island", default=None)
+
 
 class ReduceOp(enum.Enum):
     """How values from the replicas are combined. `SUM` and `MEAN` as in tf.distribute."""
@@ -101,11 +108,6 @@ class ReplicaContext:
 
 
 _DEFAULT_CONTEXT = ReplicaContext(num_replicas_in_sync=1, axis_names=())
-_CONTEXT: contextvars.ContextVar[ReplicaContext | None] = contextvars.ContextVar(
-    "spmd_replica_context", default=None
-)
-# The strategy of the open scope, or of the `strategy.run` being traced (a Strategy).
-_STRATEGY: contextvars.ContextVar[Any] = contextvars.ContextVar("spmd_strategy", default=None)
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,6 @@ class Island:
     strategy: Any
     islands: int
     batch: int | None
-
-
-_ISLAND: contextvars.ContextVar[Island | None] = contextvars.ContextVar("spmd_island", default=None)
 
 
 def current_island() -> Island | None:

@@ -56,6 +56,21 @@ STEP_CACHE_SIZE = 32  # programs one Step keeps (per state structure, data ranks
 _HAS_GRAPH: dict[Any, bool] = {}  # state structure -> holds NNX objects (bounded)
 _HAS_GRAPH_SIZE = 256
 
+_MISS = object()  # the fast path does not apply: take the checked one
+STEP_IN_RUN = (
+    "A step is called from the cross-replica context (outside strategy.run): it "
+    "compiles its own program over the global batch.",
+    "Received: a step called inside a replica function of strategy.run",
+    "call the step outside strategy.run, or, inside the replica function, compute "
+    "directly (use spmd.get_replica_context().all_reduce for the collectives).",
+)
+AMBIGUOUS_SCALAR_STATE = (
+    "A step whose state is scalars only must return (state, metrics): a bare scalar "
+    "return could be the new state or a loss.",
+    "Received: a step returning scalars of the state's structure, not a tuple",
+    "return `new_state, loss` (or `new_state, {}`), e.g. `return w - lr * g, loss`.",
+)
+
 
 class Step:
     """A train step compiled with its strategy's shardings; see `Strategy.step`.
@@ -577,9 +592,6 @@ def _done(out: Any) -> jax.Array | None:
     return None if jax.tree.leaves(out) else jnp.zeros((), jnp.int8)
 
 
-_MISS = object()  # the fast path does not apply: take the checked one
-
-
 def _graph_key(graphdef: Any) -> Any:
     """An NNX graphdef as a cache key; one holding unhashable static data (a plain
     dict attribute) by a snapshot of its repr, so that a changed value is a new key."""
@@ -588,15 +600,6 @@ def _graph_key(graphdef: Any) -> Any:
     except TypeError:
         return (type(graphdef), repr(graphdef))
     return graphdef
-
-
-STEP_IN_RUN = (
-    "A step is called from the cross-replica context (outside strategy.run): it "
-    "compiles its own program over the global batch.",
-    "Received: a step called inside a replica function of strategy.run",
-    "call the step outside strategy.run, or, inside the replica function, compute "
-    "directly (use spmd.get_replica_context().all_reduce for the collectives).",
-)
 
 
 def _leaf_key(x: Any) -> tuple:
@@ -640,14 +643,6 @@ def _split_output(out: Any, state: Any, donate: bool) -> tuple[str, Any, Any]:
             "step that only reads the state (evaluation, prediction).",
         )
     )
-
-
-AMBIGUOUS_SCALAR_STATE = (
-    "A step whose state is scalars only must return (state, metrics): a bare scalar "
-    "return could be the new state or a loss.",
-    "Received: a step returning scalars of the state's structure, not a tuple",
-    "return `new_state, loss` (or `new_state, {}`), e.g. `return w - lr * g, loss`.",
-)
 
 
 def _like(out: Any, state: Any) -> bool:

@@ -68,6 +68,8 @@ _AGREEMENTS = itertools.count()
 
 STEP, RUN = "a step", "strategy.run"  # who agrees on a signature, as its errors name it
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
 
 class _BatchSignatures(Agreement):
     """Every process passes a step batches of one signature: shapes, dtypes, structure,
@@ -273,9 +275,6 @@ def host_value(x: Any) -> str | None:
         digest = hashlib.blake2b(array.tobytes(), digest_size=8).hexdigest()
         return f"{array.dtype.name}#{digest}"
     return None
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _static_shown(value: Any) -> str:

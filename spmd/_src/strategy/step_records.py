@@ -15,6 +15,9 @@ from spmd._src.strategy import nnx_state
 
 __all__ = ["Call", "Hot", "Outcome", "Program", "Traced", "any_deleted", "hot", "signature"]
 
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+IS_DELETED = operator.methodcaller("is_deleted")
+
 
 @dataclass(frozen=True)
 class Traced:
@@ -192,9 +195,6 @@ def _spans_processes(mesh: Any) -> bool:
     return len({d.process_index for d in np.asarray(mesh.devices).flat}) > 1
 
 
-_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
-
-
 def signature(leaves: list) -> tuple:
     """Shape and dtype of each batch leaf: what must match for the fast path."""
     try:  # arrays, numpy or jax: the common case, without a Python loop
@@ -208,9 +208,6 @@ def signature(leaves: list) -> tuple:
 def any_deleted(leaves: list) -> bool:
     """Whether an array of `leaves` (jax.Arrays) was deleted: donated to another call since."""
     return any(map(IS_DELETED, leaves))
-
-
-IS_DELETED = operator.methodcaller("is_deleted")
 
 
 def arrays(tree: Any) -> list:

@@ -35,6 +35,9 @@ __all__ = [
 
 _ARRAY = (np.ndarray, jax.Array)
 
+_RANGE = jax.jit(lambda y: (jnp.min(y), jnp.max(y)))
+_KINDS = {"i": "int", "u": "uint", "f": "float", "b": "bool"}
+
 
 def _is_inputs(x: Any) -> bool:
     """An array, a dict of arrays (named inputs) or a list/tuple of arrays (Keras' inputs list)."""
@@ -332,9 +335,6 @@ def check_microbatches(batch: tuple, steps: int, replicas: int) -> None:
         )
 
 
-_RANGE = jax.jit(lambda y: (jnp.min(y), jnp.max(y)))
-
-
 def check_label_range(loss_name: str, outputs: jax.ShapeDtypeStruct, y: Any, what: str) -> None:
     """Checks a batch's labels lie in the loss's range (class ids, or 0..1 for binary).
 
@@ -392,9 +392,6 @@ class BatchSpecs:
 def _spec(x: Any, y: jax.ShapeDtypeStruct) -> tuple:
     inputs = tuple((tuple(v.shape[1:]), np.dtype(v.dtype).kind) for v in jax.tree.leaves(x))
     return jax.tree.structure(x), inputs, tuple(y.shape[1:]), np.dtype(y.dtype).kind
-
-
-_KINDS = {"i": "int", "u": "uint", "f": "float", "b": "bool"}
 
 
 def _show(spec: tuple) -> str:

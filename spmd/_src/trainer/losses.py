@@ -26,6 +26,9 @@ __all__ = [
 LossFn = Callable[[jax.Array, jax.Array], jax.Array]
 _REGRESSION = ("mse", "mean_squared_error", "mae", "mean_absolute_error")
 
+METRICS = ("accuracy", "mse", "mae")
+RESERVED = ("loss", "count", "weight_sum")  # keys of the Trainer's sums; "val_*" names its logs
+
 
 def per_example(fn: LossFn, what: str) -> LossFn:
     """`fn` with its values averaged over every axis but the batch axis: shape (batch,).
@@ -165,12 +168,6 @@ def _binary_accuracy(outputs: jax.Array, labels: jax.Array) -> jax.Array:
     """Keras' BinaryAccuracy(threshold=0.5): whether (output > 0.5) equals the 0/1 label."""
     hits = (outputs > 0.5).astype(jnp.float32) == labels.astype(jnp.float32)
     return hits.reshape(hits.shape[0], -1).mean(-1).astype(jnp.float32)
-
-
-METRICS = ("accuracy", "mse", "mae")
-
-
-RESERVED = ("loss", "count", "weight_sum")  # keys of the Trainer's sums; "val_*" names its logs
 
 
 def resolve_metrics(metrics: Sequence[str | Metric], loss_name: str) -> tuple[Metric, ...]:

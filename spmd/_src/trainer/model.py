@@ -28,6 +28,15 @@ __all__ = [
     "written",
 ]
 
+_TRAIN_VIEW = {"deterministic": False, "use_running_average": False}
+_EVAL_VIEW = {"deterministic": True, "use_running_average": True}
+# The parts of the train state a step writes, in `written`'s order, as errors name them.
+WRITTEN = {
+    "params": "the parameter",
+    "opt_state": "the optimizer state",
+    "rest": "the model's other state",
+}
+
 
 @dataclass
 class Model:
@@ -38,10 +47,6 @@ class Model:
     apply: Callable[[Any, Any, jax.Array, bool], tuple[jax.Array, Any]]
     module: nnx.Module | None
     graph: Any = None  # what `rest` and `params` are the state of: the module, and its rngs
-
-
-_TRAIN_VIEW = {"deterministic": False, "use_running_average": False}
-_EVAL_VIEW = {"deterministic": True, "use_running_average": True}
 
 
 def wrap_model(model: Any, seed: int, rngs: nnx.Rngs | None = None) -> Model:
@@ -102,12 +107,6 @@ def _wrap_module(model: nnx.Module, seed: int, rngs: nnx.Rngs | None) -> Model:
 # What made a step non-finite (`first_nan`): its loss, or its update of the written leaf
 # `cause - NAN_UPDATE` (`written`).
 NAN_LOSS, NAN_UPDATE = 1, 2
-# The parts of the train state a step writes, in `written`'s order, as errors name them.
-WRITTEN = {
-    "params": "the parameter",
-    "opt_state": "the optimizer state",
-    "rest": "the model's other state",
-}
 
 
 def cast(tree: Any, dtype: Any) -> Any:

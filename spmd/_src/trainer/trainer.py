@@ -16,7 +16,6 @@ from flax import nnx
 
 from spmd._src.errors import BatchError, ConfigurationError, SpmdError, message, received
 from spmd._src.strategy.base import Strategy, get_strategy
-from spmd._src.strategy.islands import check_strategy
 from spmd._src.trainer.batch_checks import BatchChecks
 from spmd._src.trainer.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
 from spmd._src.trainer.data import (
@@ -52,6 +51,14 @@ __all__ = ["NonFiniteLossError", "Trainer"]
 
 _NAN_READ_S = 0.05  # fit reads the NaN flag at most this often between epochs' ends
 _PRECISIONS = {None: None, "float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+_AMBIGUOUS_PREDICT = message(
+    "predict reads a list of arrays with batch_size as a model's several inputs (as Keras "
+    "does); without batch_size it could as well be a list of batches, so it is not guessed.",
+    received(x="a list of arrays", batch_size=None),
+    "for several inputs pass predict([x1, x2], batch_size=64); for batches of one input "
+    "pass [(b,) for b in batches].",
+)
 
 
 class NonFiniteLossError(SpmdError, FloatingPointError):
@@ -167,7 +174,7 @@ class Trainer:
                     'pass mixed_precision="bfloat16" or None.',
                 )
             )
-        self.strategy = check_strategy(strategy or get_strategy(), "A Trainer")
+        self.strategy = _check_strategy(strategy or get_strategy())
         self.optimizer = optimizer
         self.loss_name, self.loss_fn = resolve_loss(loss)
         self.metrics = resolve_metrics(metrics, self.loss_name)
@@ -677,15 +684,6 @@ class Trainer:
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
 
 
-_AMBIGUOUS_PREDICT = message(
-    "predict reads a list of arrays with batch_size as a model's several inputs (as Keras "
-    "does); without batch_size it could as well be a list of batches, so it is not guessed.",
-    received(x="a list of arrays", batch_size=None),
-    "for several inputs pass predict([x1, x2], batch_size=64); for batches of one input "
-    "pass [(b,) for b in batches].",
-)
-
-
 def _evaluated(totals: Any, dataset: Any, what: str) -> dict[str, float]:
     """The metrics of an evaluation's summed `totals`; raises if nothing was summed."""
     if totals is None:
@@ -718,3 +716,18 @@ def _like(values: Any, placed: Any) -> Any:
     """`values` placed as the arrays `placed` are (a reset of part of the train state,
     without resolving the strategy's rules again)."""
     return jax.device_put(values, jax.tree.map(lambda a: a.sharding, placed))
+
+
+def _check_strategy(strategy: Any) -> Strategy:
+    """`strategy` if it is a `Strategy` (any named strategy); a `DiLoCo` is told to write its loop."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    raise ConfigurationError(
+        message(
+            "A Trainer runs on a spmd.Strategy (any named strategy).",
+            received(strategy=strategy),
+            "for spmd.DiLoCo write the loop: state = strategy.init(create, key); "
+            "step = strategy.step(train_step); state, metrics = step(state, x, y) "
+            "(docs/diloco.md).",
+        )
+    )
