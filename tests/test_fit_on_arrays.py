@@ -135,7 +135,7 @@ def test_a_model_that_writes_state_drops_the_partial_batch_and_says_so(strategy,
     with caplog.at_level("WARNING", logger="spmd.trainer"):
         trainer.fit((x, y), batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert trainer.iterations == 2
-    [record] = [r for r in caplog.records if r.name == "spmd._src.trainer"]
+    [record] = [r for r in caplog.records if r.name == "spmd.trainer"]
     assert record.levelname == "WARNING"
     assert "fit drops the last partial batch of each epoch, 4 of 20 examples" in record.message
     assert "norm/" in record.message
