@@ -6,7 +6,9 @@ minus each island's, averaged over islands; the outer optimizer (SGD with Nester
 momentum) steps the global parameters; every island restarts from them and keeps
 its inner optimizer state. Streaming DiLoCo: the parameters are cut into
 fragments (contiguous runs of leaves), fragment f synchronised at steps
-f*H/F (mod H), each with its own outer optimizer state. Islands are a Python loop.
+f*H/F (mod H), each with its own outer optimizer state: the outer optimizer,
+wrapped in `optax.masked` to the fragment's leaves, sees the whole parameter tree
+(an optimizer choosing leaves by path works as written). Islands are a Python loop.
 """
 
 import jax
@@ -69,8 +71,10 @@ def reference(state, train_step, data, islands, sync_every, fragments=1, outer=O
     step = jax.jit(train_step)
     leaves, treedef = jax.tree.flatten(state["params"])
     frags = [list(f) for f in np.array_split(np.arange(len(leaves)), fragments)]
+    masks = [jax.tree.unflatten(treedef, [j in f for j in range(len(leaves))]) for f in frags]
+    outers = [optax.masked(outer, mask) for mask in masks]
     global_leaves = list(leaves)
-    outer_states = [outer.init(tuple(global_leaves[j] for j in f)) for f in frags]
+    outer_states = [o.init(state["params"]) for o in outers]
     isl = [state] * islands
     losses = []
     for t, (x, y) in enumerate(data, 1):
@@ -84,15 +88,19 @@ def reference(state, train_step, data, islands, sync_every, fragments=1, outer=O
         for f, frag in enumerate(frags):
             if t % sync_every != f * sync_every // fragments:
                 continue
-            current = tuple(global_leaves[j] for j in frag)
+            current = jax.tree.unflatten(treedef, global_leaves)
             island_leaves = [jax.tree.leaves(s["params"]) for s in isl]
-            deltas = tuple(
-                sum(current[n] - island_leaves[i][j] for i in range(islands)) / islands
-                for n, j in enumerate(frag)
+            deltas = jax.tree.unflatten(
+                treedef,
+                [
+                    sum(global_leaves[j] - island_leaves[i][j] for i in range(islands)) / islands
+                    for j in range(len(leaves))
+                ],
             )
-            updates, outer_states[f] = outer.update(deltas, outer_states[f], current)
-            for j, value in zip(frag, optax.apply_updates(current, updates), strict=True):
-                global_leaves[j] = value
+            updates, outer_states[f] = outers[f].update(deltas, outer_states[f], current)
+            new = jax.tree.leaves(optax.apply_updates(current, updates))
+            for j in frag:
+                global_leaves[j] = new[j]
             for i in range(islands):
                 own = jax.tree.leaves(isl[i]["params"])
                 for j in frag:

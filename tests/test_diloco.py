@@ -95,6 +95,49 @@ def test_streaming_fragments_sync_on_a_staggered_schedule():
     _check(state, want[0], want[1], losses, want[2])
 
 
+def _by_path(params):
+    """Nesterov SGD for the kernels, nothing for the biases: labels read from the paths."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "kernel" if "kernel" in jax.tree_util.keystr(path) else "bias", params
+    )
+
+
+OUTER_BY_PATH = {
+    "multi_transform": optax.multi_transform(
+        {"kernel": optax.sgd(0.7, momentum=0.9, nesterov=True), "bias": optax.set_to_zero()},
+        _by_path,
+    ),
+    "masked": optax.masked(
+        optax.sgd(0.7, momentum=0.9, nesterov=True),
+        {"dense": {"kernel": True, "bias": False}, "out": {"kernel": True, "bias": False}},
+    ),
+}
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+@pytest.mark.parametrize("outer", sorted(OUTER_BY_PATH))
+def test_an_outer_optimizer_choosing_leaves_by_path_sees_the_parameters_tree(outer, fragments):
+    strategy = spmd.DiLoCo(
+        islands=2, sync_every=2, fragments=fragments, outer_optimizer=OUTER_BY_PATH[outer]
+    )
+    state, losses = _train(strategy, "adamw", 5)
+    start = create(jax.random.key(0))
+    want = reference(start, make_step(), batches(5), 2, 2, fragments, OUTER_BY_PATH[outer])
+    _check(state, want[0], want[1], losses, want[2])
+    if outer == "multi_transform":  # the biases' outer update is zero: they never move
+        bias = spmd_params(state)["out"]["bias"]
+        np.testing.assert_array_equal(bias, start["params"]["out"]["bias"])
+    assert not np.allclose(spmd_params(state)["out"]["kernel"], start["params"]["out"]["kernel"])
+
+
+def test_an_outer_optimizer_needing_more_arguments_is_refused_at_init():
+    outer = optax.chain(optax.sgd(0.7), optax.contrib.reduce_on_plateau())
+    strategy = spmd.DiLoCo(islands=2, sync_every=3, outer_optimizer=outer)
+    with pytest.raises(spmd.ConfigurationError, match="needs no extra arguments") as caught:
+        strategy.init(create, jax.random.key(0))
+    assert "value" in str(caught.value)
+
+
 @pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_inner_tensor_parallel_and_inner_strategy_layouts():
     rules = [(r".*dense/kernel", P(None, "model")), (r".*out/kernel", P("model", None))]

@@ -17,7 +17,7 @@ from spmd._src.errors import CheckpointError, ConfigurationError, ContextError, 
 from spmd._src.strategy import nnx_state, per_replica
 from spmd._src.strategy.base import Strategy, bind_static
 from spmd._src.strategy.island_step import IslandStep, explain_islands
-from spmd._src.strategy.islands import ISLAND, DiLoCoState, island_strategies
+from spmd._src.strategy.islands import ISLAND, DiLoCoState, fragment_tree, island_strategies
 from spmd._src.strategy.replica import ReduceOp, current_island, running_strategy
 from spmd._src.topologies import check_runnable, eager_refused
 from spmd._src.validate import positive_int
@@ -261,11 +261,31 @@ class DiLoCo:
                 )
             )
         outer = tuple(
-            self.outer_optimizer.init(tuple(params[j] for j in frag))
+            self._outer_init(fragment_tree(params_def, [params[j] for j in frag], frag))
             for frag in self.fragment_leaves(len(positions))
         )
         islands = jax.tree.map(self._per_island, user)
         return DiLoCoState(params_def.unflatten(params), outer, islands, jnp.zeros((), jnp.int32))
+
+    def _outer_init(self, params: Any) -> Any:
+        """The outer optimizer's state for one fragment's parameters; its update is traced
+        once here, so that one needing more than (updates, state, params) fails at init,
+        not at the first sync hours later."""
+        state = self.outer_optimizer.init(params)
+        try:
+            jax.eval_shape(self.outer_optimizer.update, params, state, params)
+        except TypeError as error:
+            raise ConfigurationError(
+                message(
+                    "DiLoCo calls outer_optimizer.update(outer_gradient, state, params) with "
+                    "nothing else.",
+                    received(outer_optimizer=self.outer_optimizer, error=error),
+                    "pass an outer optimizer that needs no extra arguments (a transform "
+                    "such as optax.contrib.reduce_on_plateau needs value=, which a sync "
+                    "does not have).",
+                )
+            ) from error
+        return state
 
     def _per_island(self, x: Any) -> Any:
         """A leaf copied to every island; a typed PRNG key folded with the island's index,
@@ -346,7 +366,7 @@ class DiLoCo:
         islands = treedef.unflatten([P(ISLAND, *s) for s in specs])
         params = [specs[p] for p in positions]
         outer = tuple(
-            _outer_specs(self.outer_optimizer, o, tuple(params[j] for j in frag))
+            _outer_specs(self.outer_optimizer, o, params_def, params, frag)
             for o, frag in zip(state.outer, self.fragment_leaves(len(positions)), strict=True)
         )
         return DiLoCoState(params_def.unflatten(params), outer, islands, P())
@@ -665,9 +685,15 @@ def _path_getter(path: str) -> Callable[[Any], Any]:
     return get
 
 
-def _outer_specs(outer_optimizer: Any, outer_state: Any, specs: tuple) -> Any:
+def _outer_specs(
+    outer_optimizer: Any,
+    outer_state: Any,
+    params_def: Any,
+    specs: Sequence[P],
+    fragment: tuple[int, ...],
+) -> Any:
     """The outer optimizer state's specs: a parameter's spec where the state mirrors it."""
-    labels = tuple(range(len(specs)))
+    labels = fragment_tree(params_def, fragment, fragment)
     try:
         return optax.tree_map_params(
             outer_optimizer,

@@ -18,7 +18,13 @@ from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import ConfigurationError, ContextError, message, received
 from spmd._src.explain import explain_traced
-from spmd._src.strategy.islands import ISLAND, DiLoCoState, IslandsExplanation, crossing
+from spmd._src.strategy.islands import (
+    ISLAND,
+    DiLoCoState,
+    IslandsExplanation,
+    crossing,
+    fragment_tree,
+)
 from spmd._src.strategy.replica import Island, in_replica_context, island_context
 from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
 from spmd._src.strategy.step_checks import LastAgreed
@@ -234,16 +240,19 @@ class _Programs:
         k = self.strategy.islands
         leaves, treedef = jax.tree.flatten(state.islands)
         params, params_def = jax.tree.flatten(state.params)
-        current = tuple(params[j] for j in fragment)
-        local = tuple(leaves[positions[j]] for j in fragment)
+        current = [params[j] for j in fragment]
+        local = [leaves[positions[j]] for j in fragment]
         # The outer gradient: global - island, averaged over islands by one all-reduce
         # that each device of an island runs on its own part of every leaf (`_spread`).
-        grads = tuple(
+        grads = [
             self._constrain(jnp.mean(self._constrain(g[None] - x, j, ISLAND), axis=0), j)
             for j, g, x in zip(fragment, current, local, strict=True)
-        )
+        ]
+        # The outer optimizer sees the parameters' own tree (other fragments masked).
+        current = fragment_tree(params_def, current, fragment)
+        grads = fragment_tree(params_def, grads, fragment)
         updates, outer = self.strategy.outer_optimizer.update(grads, state.outer[index], current)
-        new = optax.apply_updates(current, updates)
+        new = jax.tree.leaves(optax.apply_updates(current, updates))
         for j, value in zip(fragment, new, strict=True):
             params[j] = value
             leaves[positions[j]] = jnp.broadcast_to(value, (k, *value.shape))

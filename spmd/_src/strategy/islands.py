@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import AxisType, Mesh
 
 from spmd._src.errors import ConfigurationError, message, received
@@ -261,3 +262,18 @@ class IslandsExplanation:
                 f"{self.synchronous_bytes_across_islands_per_step:,} B (ratio {self.ratio:.4f})",
             ]
         )
+
+
+def fragment_tree(params_def: Any, values: Sequence[Any], fragment: tuple[int, ...]) -> Any:
+    """One fragment's values in the parameters' own tree, as the outer optimizer sees them.
+
+    The fragment's leaves (`values`, in the order of `fragment`) stand where they
+    are in the tree; the other fragments' leaves are `optax.MaskedNode()`, as
+    `optax.masked` leaves a masked-out parameter, so that an outer optimizer
+    choosing leaves by path (`optax.multi_transform`, `optax.masked`) sees the
+    tree it was written for. With one fragment this is the parameters' tree.
+    """
+    chosen = dict(zip(fragment, values, strict=True))
+    return params_def.unflatten(
+        [chosen.get(i, optax.MaskedNode()) for i in range(params_def.num_leaves)]
+    )
