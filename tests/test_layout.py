@@ -4,9 +4,11 @@ import ast
 import functools
 import importlib
 import os
+import pickle
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -306,8 +308,18 @@ def test_every_public_name_lives_where_the_map_says():
             assert value is importlib.import_module(module), name
         else:
             assert value is getattr(importlib.import_module(module), name), name
-            # the module that defines it, not one that re-exports it
-            assert getattr(value, "__module__", module) == module, (name, value.__module__)
+            # the module that defines it, not one that re-exports it; an exception
+            # class is named by its public path, as tracebacks print it
+            shown = "spmd" if isinstance(value, type) and issubclass(value, Exception) else module
+            assert getattr(value, "__module__", module) == shown, (name, value.__module__)
+
+
+def test_a_traceback_names_an_error_by_its_public_path():
+    error = spmd.BatchError("no")
+    assert f"{type(error).__module__}.{type(error).__qualname__}" == "spmd.BatchError"
+    assert pickle.loads(pickle.dumps(spmd.NonFiniteLossError("x"))).args == ("x",)
+    text = "".join(traceback.format_exception_only(spmd.ContextError("here")))
+    assert text.startswith("spmd.ContextError: here")
 
 
 _FRESH = """

@@ -69,7 +69,7 @@ def test_state_with_one_array_twice_is_an_error_not_a_segfault():
         e = jnp.ones(4)
         try:
             step({"embed": e, "unembed": e}, np.ones((8, 2), np.float32))
-        except spmd._src.errors.ConfigurationError as error:
+        except spmd.ConfigurationError as error:
             print("CLEAR", error)
         except Exception as error:
             print("RAW", type(error).__name__, error)
@@ -491,7 +491,7 @@ def test_run_kwargs_not_a_dict_is_an_error(strategy, x):
 
 
 def test_context_errors_are_runtime_errors_and_configuration_errors(strategy, x):
-    with pytest.raises(spmd._src.errors.ContextError) as info:
+    with pytest.raises(spmd.ContextError) as info:
         strategy.run(lambda v: strategy.run(lambda w: w, args=(v,)), args=(x,))
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, ConfigurationError)
 

@@ -125,13 +125,13 @@ def test_keras_tutorial_cnn_matches_the_one_device_oracle(k, m):
 @pytest.mark.parametrize("name", ["count", "loss", "weight_sum", "val_loss"])
 def test_a_metric_named_like_a_key_of_the_logs_is_an_error(name):
     metric = spmd.losses.Metric(name, lambda out, lab: jnp.full(out.shape[0], 3.0))
-    with pytest.raises(spmd._src.errors.ConfigurationError, match=f"metric_name={name!r}"):
+    with pytest.raises(spmd.ConfigurationError, match=f"metric_name={name!r}"):
         _trainer(metrics=[metric])
 
 
 def test_two_metrics_with_one_name_are_an_error():
     metric = spmd.losses.Metric("accuracy", lambda out, lab: jnp.zeros(out.shape[0]))
-    with pytest.raises(spmd._src.errors.ConfigurationError, match="every other metric"):
+    with pytest.raises(spmd.ConfigurationError, match="every other metric"):
         _trainer(metrics=["accuracy", metric])
 
 
@@ -191,7 +191,7 @@ def test_steps_per_epoch_starts_a_new_pass_when_the_data_runs_out(kind):
     trainer = _trainer()
     data = {"list": batches, "arrays": (x, y), "generator": iter(batches)}[kind]
     if kind == "generator":
-        with pytest.raises(spmd._src.errors.ConfigurationError, match="one-shot"):
+        with pytest.raises(spmd.ConfigurationError, match="one-shot"):
             trainer.fit(data, epochs=2, steps_per_epoch=2, verbose=0)
         assert trainer.iterations == 3
         return
@@ -235,7 +235,7 @@ def test_evaluate_reports_the_weighted_loss_over_every_example():
 
 def test_evaluate_with_every_sample_weight_zero_is_an_error():
     x, y = _data()
-    with pytest.raises(spmd._src.errors.BatchError, match="sample_weight_sum=0.0"):
+    with pytest.raises(spmd.BatchError, match="sample_weight_sum=0.0"):
         _trainer().evaluate((x, y, np.zeros(len(x), np.float32)), batch_size=16)
 
 
@@ -305,7 +305,7 @@ def test_padded_batches_with_batchnorm_statistics_are_an_error_before_any_step()
         strategy.make_numpy_dataset((x, y), 32, drop_remainder=False)
     )
     trainer = _trainer(BNNet(nnx.Rngs(0)), strategy=strategy)
-    with pytest.raises(spmd._src.errors.BatchError, match="BatchNorm statistics"):
+    with pytest.raises(spmd.BatchError, match="BatchNorm statistics"):
         trainer.fit(padded, epochs=1, verbose=0)
     assert trainer.iterations == 0
 
@@ -346,7 +346,7 @@ def test_a_named_loss_or_builtin_metric_on_two_outputs_is_an_error(loss, metric)
     y = np.zeros((len(x), 3), np.float32)
     trainer = _trainer(TwoHeads(nnx.Rngs(0)), loss, metrics=[metric] if metric else [])
     name = f"metric {metric!r}" if metric else "loss 'mse'"
-    with pytest.raises(spmd._src.errors.ConfigurationError, match=name):
+    with pytest.raises(spmd.ConfigurationError, match=name):
         trainer.fit((x, y), batch_size=16, verbose=0)
     assert trainer.iterations == 0
 
@@ -379,7 +379,7 @@ def test_keras_list_of_inputs_is_the_models_inputs():
     _close(_params(trainer), params)
     want = np.asarray(trainer.model([jnp.asarray(x), jnp.asarray(x2)]))
     _close(trainer.predict([x, x2], batch_size=16), want)
-    with pytest.raises(spmd._src.errors.ConfigurationError, match="batch_size"):
+    with pytest.raises(spmd.ConfigurationError, match="batch_size"):
         trainer.predict([x, x2])  # a list of inputs, or a list of batches: not guessed
 
 
@@ -391,13 +391,13 @@ def test_a_zero_row_batch_in_an_iterable_is_a_batch_error(loss):
     x, _ = _data()
     y = np.zeros((0,), np.int32) if loss.startswith("sparse") else np.zeros((0, CLASSES))
     trainer = _trainer(loss=loss)
-    with pytest.raises(spmd._src.errors.BatchError, match="batch_size=0"):
+    with pytest.raises(spmd.BatchError, match="batch_size=0"):
         trainer.evaluate([(x[:0], y)])
-    with pytest.raises(spmd._src.errors.BatchError, match="has rows"):
+    with pytest.raises(spmd.BatchError, match="has rows"):
         trainer.fit([(x[:0], y)] * 3, verbose=0)
     assert trainer.iterations == 0
     batches = [(x[:16], np.zeros(16, np.int32) if loss.startswith("sparse") else x[:16, :3])]
-    with pytest.raises(spmd._src.errors.BatchError, match="has rows"):  # a later one, too
+    with pytest.raises(spmd.BatchError, match="has rows"):  # a later one, too
         trainer.fit([*batches, (x[:0], y)], verbose=0)
     assert trainer.iterations == 0
 
@@ -405,7 +405,7 @@ def test_a_zero_row_batch_in_an_iterable_is_a_batch_error(loss):
 @pytest.mark.parametrize("call", ["fit", "evaluate"])
 def test_zero_row_arrays_are_a_batch_error(call):
     x, y = _data()
-    with pytest.raises(spmd._src.errors.BatchError, match=f"{call}_examples=0"):
+    with pytest.raises(spmd.BatchError, match=f"{call}_examples=0"):
         getattr(_trainer(), call)((x[:0], y[:0]), batch_size=16)
 
 
@@ -421,7 +421,7 @@ def test_fewer_examples_than_batch_size_train_one_partial_batch_as_keras_does():
 def test_fewer_examples_than_batch_size_for_a_model_that_writes_state_names_both():
     """Its partial batch is never padded (BatchNorm statistics), so it would train on nothing."""
     x, y = _data()
-    with pytest.raises(spmd._src.errors.BatchError, match="batch_size=16, examples=10"):
+    with pytest.raises(spmd.BatchError, match="batch_size=16, examples=10"):
         _trainer(BNNet(nnx.Rngs(0))).fit((x[:10], y[:10]), batch_size=16, verbose=0)
 
 
@@ -430,14 +430,14 @@ def test_validation_arrays_without_batch_size_fail_before_the_first_step():
     strategy = _strategy()
     train = strategy.distribute_dataset(strategy.make_numpy_dataset((x, y), 16))
     trainer = _trainer(strategy=strategy)
-    with pytest.raises(spmd._src.errors.BatchError, match="needs batch_size"):
+    with pytest.raises(spmd.BatchError, match="needs batch_size"):
         trainer.fit(train, validation_data=(x, y), verbose=0)
     assert trainer.iterations == 0
 
 
 def test_string_labels_are_a_batch_error():
     x, y = _data()
-    with pytest.raises(spmd._src.errors.BatchError):
+    with pytest.raises(spmd.BatchError):
         _trainer().fit((x, y.astype(str)), batch_size=16, verbose=0)
 
 
@@ -450,7 +450,7 @@ def test_a_dataset_that_drops_its_remainder_is_an_error_for_evaluation(call):
     data = strategy.distribute_dataset(strategy.make_numpy_dataset((x, y), 16))
     assert data.num_dropped == 8
     trainer = _trainer(strategy=strategy)
-    with pytest.raises(spmd._src.errors.BatchError, match='remainder="pad"'):
+    with pytest.raises(spmd.BatchError, match='remainder="pad"'):
         if call == "evaluate":
             trainer.evaluate(data)
         else:
@@ -473,7 +473,7 @@ def test_nan_inputs_stop_fit_with_iterations_the_steps_applied():
 def test_a_generator_over_two_epochs_is_a_one_shot_error():
     x, y = _data()
     batches = ((x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16))
-    with pytest.raises(spmd._src.errors.ConfigurationError, match="one-shot"):
+    with pytest.raises(spmd.ConfigurationError, match="one-shot"):
         _trainer().fit(batches, epochs=2, verbose=0)
 
 

@@ -112,7 +112,7 @@ def test_batch_form_is_checked_once_per_signature(monkeypatch):
 def test_a_new_batch_shape_is_still_checked():
     x, y = _data()
     batches = [(x[:16], y[:16]), (x[16:32], y[16:32]), (x[32:32], y[32:32])]  # last has no rows
-    with pytest.raises(spmd._src.errors.BatchError, match="has rows"):
+    with pytest.raises(spmd.BatchError, match="has rows"):
         _trainer().fit(batches, verbose=0)
 
 

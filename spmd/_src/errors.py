@@ -65,6 +65,31 @@ class OutOfRangeError(SpmdError, StopIteration):
     """
 
 
+def shown_as_public(error: type[BaseException]) -> None:
+    """Names an exception class by its public path (`spmd.BatchError`) in tracebacks.
+
+    A traceback prints `type.__module__`; the class is defined here, but a user
+    catches it as `spmd.<name>`, which also pickles it (the name resolves there).
+    """
+    error.__module__ = "spmd"
+
+
+for _error in (
+    SpmdError,
+    ConfigurationError,
+    ArgumentTypeError,
+    ClusterError,
+    BatchError,
+    ScopeError,
+    ContextError,
+    InitializationError,
+    LaunchError,
+    CheckpointError,
+    OutOfRangeError,
+):
+    shown_as_public(_error)
+
+
 def received(**values: Any) -> str:
     """Formats the `Received: name=value` part of a message."""
     return "Received: " + ", ".join(_value(name, value) for name, value in values.items())

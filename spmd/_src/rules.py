@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.errors import ConfigurationError, message, received, shown_as_public
 from spmd._src.logical import Annotation, LogicalRules, annotations, check_mapped, to_spec
 from spmd._src.validate import positive_int
 
@@ -328,6 +328,9 @@ class LeafLayout:
 
 class LayoutConflictWarning(UserWarning):
     """A state rule overrides a flax annotation that would lay the leaf out differently."""
+
+
+shown_as_public(LayoutConflictWarning)
 
 
 def matches(regex: re.Pattern, path: str) -> bool:

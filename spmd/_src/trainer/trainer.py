@@ -14,7 +14,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from spmd._src.errors import BatchError, ConfigurationError, SpmdError, message, received
+from spmd._src.errors import (
+    BatchError,
+    ConfigurationError,
+    SpmdError,
+    message,
+    received,
+    shown_as_public,
+)
 from spmd._src.strategy.base import Strategy, get_strategy
 from spmd._src.trainer.batch_checks import BatchChecks
 from spmd._src.trainer.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
@@ -64,6 +71,9 @@ _AMBIGUOUS_PREDICT = message(
 class NonFiniteLossError(SpmdError, FloatingPointError):
     """`Trainer.fit` met a NaN or infinite loss, or an update that made a leaf of the train
     state so (raised unless `terminate_on_nan=False`)."""
+
+
+shown_as_public(NonFiniteLossError)
 
 
 def _non_finite_message(cause: int, epoch: int, batch_in_epoch: int, step: int, state: dict) -> str:
