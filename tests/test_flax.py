@@ -91,9 +91,10 @@ def test_state_spec_says_where_each_layout_came_from():
 @pytest.mark.cpu_mesh
 def test_a_rule_that_overrides_an_annotation_warns():
     strategy = two_d(rules=[(r"up/kernel", P("model"))])
-    with pytest.warns(LayoutConflictWarning, match="overriding its annotation"):
+    with pytest.warns(LayoutConflictWarning, match="overriding its annotation") as caught:
         specs = strategy.state_spec(strategy.abstract_state(create))
     assert specs[0]["up"]["kernel"] == P("model")
+    assert caught[0].filename == __file__  # the user's line, not spmd's or jax's
 
 
 @pytest.mark.cpu_mesh

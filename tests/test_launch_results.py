@@ -77,6 +77,8 @@ def _printer_with(index: int, *lines: str) -> Printer:
         "[Gloo] Rank [Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected "
         "peer ranks is : 3",  # two devices' threads wrote at once
         "3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3",
+        "7 peer ranks. Expected number of connected peer ranks is : 7",  # a line's tail
+        "[Gloo] Rank 5 is connected to [Gloo] Rank ",  # a line's head
     ],
 )
 def test_gloo_s_connected_lines_are_hidden_even_interleaved(capsys, line):

@@ -366,6 +366,7 @@ def test_compute_average_loss_on_a_padded_batch_without_the_mask_or_real_rows_wa
         for xb, yb, mask in dist:
             w = step(w, xb, yb, mask)
     text = str(caught[0].message)
+    assert caught[0].filename == __file__  # the step's line that called it
     assert "batch_rows=8, data_global_batch_size=6" in text, text
     assert "global_batch_size=6, sample_weight=mask" in text, text
     # The loop is over: a step on batches that are not padded warns no more.

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from enum import Enum
 from typing import Any, TypeVar
 
 E = TypeVar("E", bound=Enum)
+
+# Frames a warning skips to reach the user's line: spmd's own, and the libraries a
+# call of spmd's passes through (jax's tracing, flax's modules, optax's transforms).
+_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_THROUGH = ("jax", "jaxlib", "flax", "optax", "orbax")
 
 
 class SpmdError(Exception):
@@ -88,6 +96,26 @@ for _error in (
     OutOfRangeError,
 ):
     shown_as_public(_error)
+
+
+def warn(text: str, category: type[Warning] = UserWarning) -> None:
+    """Warns at the user's line that led here, however deep spmd's own calls go.
+
+    The warning's place is the first frame outside spmd and the libraries its
+    calls pass through (jax tracing a step, flax, optax): the line a user wrote.
+    """
+    skip = [_SPMD_DIR + os.sep]
+    for name in _THROUGH:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            skip.append(os.path.dirname(module.__file__) + os.sep)
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(tuple(skip))
+        or frame.f_code.co_filename.startswith("<frozen ")
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, category, stacklevel=level)
 
 
 def received(**values: Any) -> str:

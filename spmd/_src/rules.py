@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -13,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from spmd._src.errors import ConfigurationError, message, received, shown_as_public
+from spmd._src.errors import ConfigurationError, message, received, shown_as_public, warn
 from spmd._src.logical import Annotation, LogicalRules, annotations, check_mapped, to_spec
 from spmd._src.validate import positive_int
 
@@ -429,12 +428,11 @@ def _choose(path, leaf, rule, pattern, noted, annotated, shard_axes):
     if rule is None or isinstance(rule, PartitionSpec):
         spec = rule or PartitionSpec()
         if noted is not None and noted != _trim(spec):
-            warnings.warn(
+            warn(
                 f"The rule {pattern!r} lays out '{path}' as {_trim(spec)}, overriding its "
                 f"annotation {annotated} (which gives {noted}). Rules win over annotations; "
                 "drop the rule or the annotation to silence this.",
                 LayoutConflictWarning,
-                stacklevel=5,
             )
         return spec, f"rule {pattern!r}"
     if noted is not None and (len(noted) or rule is _UNMATCHED):

@@ -13,13 +13,18 @@ spmd.initialize()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     spmd.{name}()
-print("WARNED" if any("MultiWorkerMirroredStrategy()" in str(w.message) for w in caught) else "QUIET")
+said = [w for w in caught if "MultiWorkerMirroredStrategy()" in str(w.message)]
+print("WARNED" if said else "QUIET", *{{w.filename for w in said}})
 """
 
 
 @pytest.mark.parametrize(
     "name, said",
-    [("MirroredStrategy", "WARNED"), ("MultiWorkerMirroredStrategy", "QUIET")],
+    [
+        ("MirroredStrategy", "WARNED <string>"),  # at the user's line (python -c: <string>)
+        ("MultiWorkerMirroredStrategy", "QUIET"),
+        ("OneDeviceStrategy", "QUIET"),  # one device by name: a local run, as asked
+    ],
 )
 def test_a_local_strategy_under_several_processes_warns_naming_multi_worker(name, said):
     results = run_processes(CODE.format(name=name), 2, devices_per_process=2)

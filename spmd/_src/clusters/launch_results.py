@@ -234,8 +234,10 @@ class Printer:
 
 
 def gloo_connected(line: str) -> bool:
-    """Whether `line` is made of gloo's "is connected" lines, whole or in interleaved pieces."""
-    return "is connected to" in line and not _GLOO_PIECES.sub("", line)
+    """Whether `line` is made of gloo's "is connected" lines, whole or in interleaved pieces
+    (a thread's newline may cut another's line: "7 peer ranks. Expected ... is : 7")."""
+    marked = "is connected to" in line or "peer ranks" in line or "[Gloo] Rank" in line
+    return marked and not _GLOO_PIECES.sub("", line)
 
 
 def summary(result: GroupResult, printer: Printer) -> str | None:

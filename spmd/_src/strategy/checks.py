@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.errors import ConfigurationError, message, received, warn
 
 __all__ = [
     "check_batch_axis",
@@ -153,12 +152,9 @@ def check_host_memory(mesh: Mesh, placement: str = "host") -> None:
 
 def warn_if_one_process_of_many(mesh: Mesh, name: str | None) -> None:
     """Warns when a strategy spans only this process's devices in a job of several."""
-    if name == "DefaultStrategy" or jax.process_count() == 1:
+    if name in ("DefaultStrategy", "OneDeviceStrategy") or jax.process_count() == 1:
         return
     me = jax.process_index()
     devices = list(mesh.devices.flat)
     if all(getattr(d, "process_index", me) == me for d in devices):
-        warnings.warn(
-            ONE_PROCESS_OF_MANY.format(me=me, n=len(devices), count=jax.process_count()),
-            stacklevel=4,
-        )
+        warn(ONE_PROCESS_OF_MANY.format(me=me, n=len(devices), count=jax.process_count()))

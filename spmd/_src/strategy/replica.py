@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd._src.data import in_flight
-from spmd._src.errors import ArgumentTypeError, ConfigurationError, enum_member, message, received
+from spmd._src.errors import (
+    ArgumentTypeError,
+    ConfigurationError,
+    enum_member,
+    message,
+    received,
+    warn,
+)
 from spmd._src.validate import is_integer
 
 __all__ = [
@@ -250,7 +256,7 @@ def compute_average_loss(
         )
     padded = in_flight.padded()
     if padded is not None and (global_batch_size is None or sample_weight is None):
-        warnings.warn(_padded_call(padded, global_batch_size, sample_weight), stacklevel=2)
+        warn(_padded_call(padded, global_batch_size, sample_weight))
     if sample_weight is not None:
         loss = (loss * _weights_like(jnp.asarray(sample_weight), loss)).astype(loss.dtype)
     if global_batch_size is None:

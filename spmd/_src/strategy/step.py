@@ -6,7 +6,6 @@ import collections
 import functools
 import operator
 import re
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ import numpy as np
 
 from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
-from spmd._src.errors import ConfigurationError, ContextError, message, received
+from spmd._src.errors import ConfigurationError, ContextError, message, received, warn
 from spmd._src.rules import path_str
 from spmd._src.strategy import nnx_state
 from spmd._src.strategy import step_checks as checks
@@ -416,7 +415,7 @@ class Step:
         traced = _Outcome()
         fn, tag, donate = self.fn, self._tag, self.donates(graphdef is not None)
         if strategy.placement == "offload_optimizer" and not any(host) and donate:
-            warnings.warn(_nothing_offloaded(pure), stacklevel=4)
+            warn(_nothing_offloaded(pure))
 
         in_def = jax.tree.structure(state_sharding)
 
