@@ -245,6 +245,31 @@ def test_a_restore_told_another_island_count_than_saved_says_which_to_pass(tmp_p
     ckpt.close()
 
 
+def test_a_manager_restore_into_another_island_count_says_to_use_strategy_restore(tmp_path):
+    """ckpt.restore(target=) of a 2-island checkpoint into a 4-island abstract state: the
+    same create function, so the fix names strategy.restore(..., islands=2), not the model."""
+    before = spmd.DiLoCo(islands=2, sync_every=3)
+    ckpt = spmd.CheckpointManager(tmp_path, async_save=False)
+    ckpt.save(1, before.init(create, jax.random.key(0)))
+    after = spmd.DiLoCo(islands=4, sync_every=3)
+    with pytest.raises(spmd.CheckpointError, match="shape_or_dtype_differs") as info:
+        ckpt.restore(target=after.abstract_state(create, jax.random.key(0)))
+    fix = str(info.value).split("To fix: ")[1]
+    assert "holds 2 islands" in fix and "the target 4" in fix
+    assert "strategy.restore(manager, create_fn, key, islands=2)" in fix
+
+    def wider(key):  # another model too: the island count is not all that differs
+        state = create(key)
+        state["params"]["out"]["bias"] = jnp.zeros(7)
+        return state
+
+    with pytest.raises(spmd.CheckpointError) as info:
+        ckpt.restore(target=after.abstract_state(wider, jax.random.key(0)))
+    fix = str(info.value).split("To fix: ")[1]
+    assert "same create function" in fix and "islands=" not in fix
+    ckpt.close()
+
+
 def test_islands_a_restore_adds_draw_their_own_random_numbers(tmp_path):
     """2 -> 4 islands: islands 0, 1 keep their saved keys; 2, 3 fold theirs with their index."""
     two = spmd.DiLoCo(islands=2, sync_every=2)
