@@ -179,6 +179,22 @@ def test_inner_steps_move_nothing_across_islands_and_the_sync_one_all_reduce():
     assert sum(c.bytes for c in gathered.inner_crossing.values()) <= 2 * 4 * 2
 
 
+@pytest.mark.parametrize("sync_every", [4, 10, 1000])
+def test_explain_prints_every_programs_bytes_in_one_column(sync_every):
+    from spmd._src.strategy.islands import IslandsExplanation
+
+    reduce = {"all-reduce": spmd.Collective("all-reduce", 1, 4840)}
+    report = IslandsExplanation(None, (), None, sync_every, {}, reduce, reduce)
+    rows = str(report).splitlines()[1:4]
+    assert [r.split(":")[0].strip() for r in rows] == [
+        "inner step",
+        f"sync (every {sync_every})",
+        "synchronous step",
+    ]
+    columns = {len(r) - len(r.split(":", 1)[1].lstrip()) for r in rows}
+    assert len(columns) == 1, rows
+
+
 @pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_state_checkpoints_and_resumes_exactly(tmp_path):
     strategy = spmd.DiLoCo(islands=2, sync_every=3)
