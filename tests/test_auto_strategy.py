@@ -433,6 +433,62 @@ def test_a_batch_some_layouts_cannot_split_drops_them_with_the_reason():
     assert dp.dropped.startswith("cannot be laid out: The global batch must split evenly")
 
 
+def _small_create(key):  # matrices of 8,192 elements: under MIN_SHARDED_ELEMENTS
+    k1, k2 = jax.random.split(key)
+    params = {"w1": jax.random.normal(k1, (64, 128)), "w2": jax.random.normal(k2, (128, 64))}
+    return {"params": params, "opt": optax.adam(1e-3).init(params)}
+
+
+SMALL_X = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+
+
+def test_tensor_parallel_that_splits_no_leaf_is_dropped_not_ranked():
+    # No matrix is large enough to split: "TP over 8" would be data=1 x model=8 with every
+    # leaf replicated, each device computing the whole batch (and no all-reduce to pay).
+    only = ["data parallel", "TP over 8", "FSDP 2 x TP 4"]
+    best, plan = spmd.auto_strategy(_small_create, _step, SMALL_X, only=only)
+    assert [c.name for c in plan.ranked] == ["data parallel"], str(plan)
+    assert dict(best.mesh.shape) == {"data": 8}
+    dropped = {c.name: c.dropped for c in plan.dropped}
+    assert sorted(dropped) == ["FSDP 2 x TP 4", "TP over 8"]
+    assert dropped["TP over 8"].startswith("splits no work: no leaf of the state is split over")
+    assert "model=8" in dropped["TP over 8"] and "16,384 elements" in dropped["TP over 8"]
+    assert "model=4" in dropped["FSDP 2 x TP 4"]
+    assert "TP over 8 (data=1 x model=8): splits no work" in str(plan)
+
+
+def test_tensor_parallel_that_a_users_rule_splits_is_kept():
+    rules = [("params/w1", P(None, "model"))]  # small, but the user asks for it split
+    _, plan = spmd.auto_strategy(_small_create, _step, SMALL_X, only="TP over 8", rules=rules)
+    assert [c.name for c in plan.ranked] == ["TP over 8"], str(plan)
+
+
+def test_a_batch_of_negative_size_is_a_batch_error():
+    with pytest.raises(spmd.BatchError, match="0 or more") as info:
+        spmd.auto_strategy(_create, _step, jax.ShapeDtypeStruct((-4, 256), jnp.float32))
+    assert "leaf='batch[0]', shape=(-4, 256)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"create_fn": 123}, "Received: create_fn=123, type='int'"),
+        ({"step": "step"}, "Received: step='step', type='str'"),
+    ],
+)
+def test_a_create_fn_or_step_that_is_no_function_is_an_error_naming_it(kwargs, said):
+    kwargs = {"create_fn": _create, "step": _step, "batch": X} | kwargs
+    with pytest.raises(spmd.ConfigurationError, match="is a function") as info:
+        spmd.auto_strategy(**kwargs)
+    assert said in str(info.value)
+
+
+def test_only_an_empty_list_is_an_error():
+    with pytest.raises(spmd.ConfigurationError, match="an empty list keeps none") as info:
+        spmd.auto_strategy(_create, _step, X, only=[])
+    assert "only=None for every candidate" in str(info.value)
+
+
 def test_only_is_a_name_or_a_list_of_names():
     _, plan = spmd.auto_strategy(_create, _step, X, "v5e:2x2", only="FSDP over 4")
     assert [c.name for c in plan.candidates] == [
@@ -490,6 +546,9 @@ def plan_inputs():
 def plan_raises():
     raise RuntimeError("my data path is missing")
 
+def plan_without_step():
+    return dict(create_fn=create, batch=(jax.ShapeDtypeStruct((32, 512), jnp.float32),))
+
 if __name__ == "__main__":
     pathlib.Path(sys.argv[0]).with_suffix(".trained").write_text("the training ran")
 """
@@ -534,6 +593,14 @@ def test_a_plan_function_that_raises_shows_its_traceback_under_one_line(tmp_path
     assert "Traceback (most recent call last)" in err and 'raise RuntimeError("my data path' in err
     assert rest[-1] == "RuntimeError: my data path is missing"
     assert "plan_command.py" not in err  # the traceback is the user's code's
+
+
+def test_a_plan_function_whose_dict_lacks_a_piece_names_it(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    code, out, err = _plan(["--target", "v5e:2x2", f"{script}:plan_without_step"], capsys)
+    assert code == 1 and not out
+    assert "missing=['step'], keys=['create_fn', 'batch']" in err
 
 
 def test_a_module_that_raises_on_import_shows_its_traceback(tmp_path, capsys, monkeypatch):

@@ -179,6 +179,22 @@ def test_inner_steps_move_nothing_across_islands_and_the_sync_one_all_reduce():
     assert sum(c.bytes for c in gathered.inner_crossing.values()) <= 2 * 4 * 2
 
 
+@pytest.mark.parametrize("sync_every", [4, 10, 1000])
+def test_explain_prints_every_programs_bytes_in_one_column(sync_every):
+    from spmd._src.strategy.islands import IslandsExplanation
+
+    reduce = {"all-reduce": spmd.Collective("all-reduce", 1, 4840)}
+    report = IslandsExplanation(None, (), None, sync_every, {}, reduce, reduce)
+    rows = str(report).splitlines()[1:4]
+    assert [r.split(":")[0].strip() for r in rows] == [
+        "inner step",
+        f"sync (every {sync_every})",
+        "synchronous step",
+    ]
+    columns = {len(r) - len(r.split(":", 1)[1].lstrip()) for r in rows}
+    assert len(columns) == 1, rows
+
+
 @pytest.mark.slow  # compiles several programs: seconds on 2 shared cores
 def test_state_checkpoints_and_resumes_exactly(tmp_path):
     strategy = spmd.DiLoCo(islands=2, sync_every=3)
@@ -242,6 +258,31 @@ def test_a_restore_told_another_island_count_than_saved_says_which_to_pass(tmp_p
     text = str(info.value)
     assert "pass islands=2" in text and "saved_islands=2" in text
     assert ("as islands= was not passed" in text) == (islands is None)
+    ckpt.close()
+
+
+def test_a_manager_restore_into_another_island_count_says_to_use_strategy_restore(tmp_path):
+    """ckpt.restore(target=) of a 2-island checkpoint into a 4-island abstract state: the
+    same create function, so the fix names strategy.restore(..., islands=2), not the model."""
+    before = spmd.DiLoCo(islands=2, sync_every=3)
+    ckpt = spmd.CheckpointManager(tmp_path, async_save=False)
+    ckpt.save(1, before.init(create, jax.random.key(0)))
+    after = spmd.DiLoCo(islands=4, sync_every=3)
+    with pytest.raises(spmd.CheckpointError, match="shape_or_dtype_differs") as info:
+        ckpt.restore(target=after.abstract_state(create, jax.random.key(0)))
+    fix = str(info.value).split("To fix: ")[1]
+    assert "holds 2 islands" in fix and "the target 4" in fix
+    assert "strategy.restore(manager, create_fn, key, islands=2)" in fix
+
+    def wider(key):  # another model too: the island count is not all that differs
+        state = create(key)
+        state["params"]["out"]["bias"] = jnp.zeros(7)
+        return state
+
+    with pytest.raises(spmd.CheckpointError) as info:
+        ckpt.restore(target=after.abstract_state(wider, jax.random.key(0)))
+    fix = str(info.value).split("To fix: ")[1]
+    assert "same create function" in fix and "islands=" not in fix
     ckpt.close()
 
 

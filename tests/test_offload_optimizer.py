@@ -267,6 +267,8 @@ def test_on_a_tpu_slice_the_compiler_needs_less_hbm_with_the_optimizer_offloaded
             "Each offload regex compiles",
         ),
         ({"placement": "offload_optimizer", "offload": [3]}, "offload is a regex"),
+        ({"placement": "offload_optimizer", "offload": []}, "offload names at least one regex"),
+        ({"placement": "offload_optimizer", "offload": ()}, "pass offload=None for the default"),
         ({"placement": "optimizer"}, "placement is one of"),
     ],
 )

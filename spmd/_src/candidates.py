@@ -24,7 +24,14 @@ from spmd._src.strategy import nnx_state
 from spmd._src.strategy.base import Strategy
 from spmd._src.strategy.offload import offloaded
 
-__all__ = ["MIN_SHARDED_ELEMENTS", "ModelLayout", "candidates", "model_layout", "tensor_axis"]
+__all__ = [
+    "MIN_SHARDED_ELEMENTS",
+    "ModelLayout",
+    "candidates",
+    "idle_axes",
+    "model_layout",
+    "tensor_axis",
+]
 
 MIN_SHARDED_ELEMENTS = 1 << 14  # smaller leaves stay replicated: splitting them costs more
 TENSOR_AXIS = "model"
@@ -183,6 +190,22 @@ def model_layout(
         path for (path, _), host in zip(leaves, offloaded(state, ()), strict=True) if host
     )
     return ModelLayout(leaves, annotated, tuple(a for a in axes if a != DATA_AXIS), optimizer)
+
+
+def idle_axes(strategy: Strategy, state: Any) -> list[str]:
+    """The mesh axes of more than one device that split no work: outside the batch axes
+    (so every device along one gets the same rows), and splitting no leaf of `state` (an
+    abstract state: `strategy.abstract_state`).
+
+    A tensor-parallel candidate of a model whose matrices are all under
+    `MIN_SHARDED_ELEMENTS` (or not divisible by the axis) is such a layout: its
+    devices would each compute the whole step of their rows.
+    """
+    used = set(strategy.batch_axes)
+    for leaf in jax.tree.leaves(nnx_state.pure(state)):
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None) or ()
+        used.update(a for entry in spec for a in _names(entry))
+    return [a for a, size in strategy.mesh.shape.items() if size > 1 and a not in used]
 
 
 def tensor_axis(model_axes: Sequence[str]) -> str:

@@ -10,6 +10,7 @@ machine, see `measured_chip`).
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -18,8 +19,15 @@ from typing import Any
 
 import jax
 
-from spmd._src.candidates import candidates, model_layout
-from spmd._src.errors import ConfigurationError, SpmdError, message, received
+from spmd._src.candidates import MIN_SHARDED_ELEMENTS, candidates, idle_axes, model_layout
+from spmd._src.errors import (
+    ArgumentTypeError,
+    BatchError,
+    ConfigurationError,
+    SpmdError,
+    message,
+    received,
+)
 from spmd._src.explain import Explanation, _human
 from spmd._src.logical import LogicalRules
 from spmd._src.mesh import make_mesh
@@ -274,8 +282,41 @@ def _args(args: Any) -> tuple:
     return tuple(args)
 
 
+def _callables(create_fn: Any, step: Any) -> None:
+    """`create_fn` and the step are functions (a `Step` is one)."""
+    for name, value, example in (
+        ("create_fn", create_fn, "create_fn=create, where create(key) returns the train state"),
+        ("step", step, "step=train_step, where train_step(state, *batch) -> (state, metrics)"),
+    ):
+        if not callable(value):
+            raise ArgumentTypeError(
+                message(
+                    f"auto_strategy's {name} is a function.",
+                    received(**{name: value}, type=type(value).__name__),
+                    f"pass the function itself, e.g. {example}.",
+                )
+            )
+
+
+def _batch(batch: Any) -> tuple:
+    """The step's data arguments as a tuple, every leaf's shape of sizes >= 0."""
+    batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = tuple(getattr(leaf, "shape", ()))
+        if any(isinstance(d, int) and d < 0 for d in shape):
+            raise BatchError(
+                message(
+                    "Every size of a batch leaf's shape is 0 or more (the global batch's shape).",
+                    received(leaf=f"batch{jax.tree_util.keystr(path)}", shape=shape),
+                    "give the global batch's own shape, e.g. "
+                    "jax.ShapeDtypeStruct((1024, 2048), jnp.int32).",
+                )
+            )
+    return batch
+
+
 def _only(only: Any) -> tuple[str, ...]:
-    """`only` as names to look for: a string is one name."""
+    """`only` as names to look for: a string is one name; None, every candidate."""
     if only is None:
         return ()
     names = (only,) if isinstance(only, str) else only
@@ -288,7 +329,17 @@ def _only(only: Any) -> tuple[str, ...]:
                 'pass e.g. only=["FSDP"] or only="TP over 4".',
             )
         )
-    return tuple(names)
+    names = tuple(names)
+    if not names:
+        raise ConfigurationError(
+            message(
+                "only keeps the candidates whose names contain one of its strings; an empty "
+                "list keeps none.",
+                received(only=only),
+                'pass only=None for every candidate, or the names to keep, e.g. only=["FSDP"].',
+            )
+        )
+    return names
 
 
 def _extra(extra: Any, devices: Sequence[Any]) -> list[tuple[str, Strategy]]:
@@ -327,12 +378,12 @@ def _devices(devices: Sequence[Any]) -> str:
 
 
 def _matching(built: list, only: tuple[str, ...]) -> list:
-    kept = [(name, b) for name, b in built if any(o in name for o in only)] if only else built
+    kept = [entry for entry in built if any(o in entry[0] for o in only)] if only else built
     if not kept:
         raise ConfigurationError(
             message(
                 "only keeps the candidates whose names contain one of its strings; none does.",
-                received(only=list(only), candidates=[name for name, _ in built]),
+                received(only=list(only), candidates=[entry[0] for entry in built]),
                 'pass parts of the names above, e.g. only=["FSDP"] or only=["TP over 4"].',
             )
         )
@@ -372,6 +423,13 @@ def auto_strategy(
     size 1): an error there is a bug in `create_fn`, the step or the batch,
     raised at once (with a note), not a layout that does not fit.
 
+    A candidate of spmd's with a mesh axis that splits no work (outside the
+    batch axes, and no leaf of the state split over it: tensor parallelism
+    over a model whose matrices are all under `MIN_SHARDED_ELEMENTS`) is
+    dropped before it is compiled ("splits no work: ..."): its devices along
+    that axis would each compute the same rows. `extra=` layouts are kept
+    as given.
+
     A flax model's annotations are kept: every candidate's mesh has the mesh
     axes they name (through `logical_axis_rules`), tensor parallelism splits
     the one that is not data or fsdp, and a leaf keeps its annotation wherever
@@ -390,7 +448,8 @@ def auto_strategy(
         default.
       slices: with a topology name, how many slices.
       only: keep the candidates whose names contain this string, or one of
-        these strings (e.g. `["FSDP"]`); all of them by default.
+        these strings (e.g. `["FSDP"]`); all of them by default (None; an
+        empty list is an error).
       extra: more candidates to compare, name -> `Strategy` on the target's
         devices (e.g. a tuned tensor-parallel layout).
       rules: state rules given to every candidate, ahead of its own.
@@ -404,7 +463,9 @@ def auto_strategy(
     Raises:
       ConfigurationError: the target, `args`, `only`, `extra` or `slices` is
         not understood, `only` keeps no candidate, or no candidate fits (the
-        message holds the table).
+        message holds the table); `ArgumentTypeError` (a ConfigurationError)
+        where `create_fn` or `step` is not a function.
+      BatchError: a batch leaf's shape has a negative size.
       Exception: what `create_fn` or the step raises when traced on one
         device, as raised, with a note that says so.
 
@@ -412,9 +473,10 @@ def auto_strategy(
       >>> best, plan = spmd.auto_strategy(create, train_step, (tokens,), "v5p-256")
       >>> print(plan)
     """
+    _callables(create_fn, step)
     devices, target, n_slices = _target(devices_or_topology, slices)
     args = _args(args)
-    batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
+    batch = _batch(batch)
     wanted = _only(only)
     extras = _extra(extra, devices)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
@@ -430,10 +492,14 @@ def auto_strategy(
         rules=rules,
         logical_axis_rules=logical_axis_rules,
     )
-    built += [(name, (lambda s=s: s)) for name, s in extras]
+    built = [(name, build, True) for name, build in built]
+    built += [(name, (lambda s=s: s), False) for name, s in extras]
     built = _matching(built, wanted)
     chip = chip_of(devices[0])
-    results = [_try(name, b, create_fn, step, batch, args, chip, len(devices)) for name, b in built]
+    results = [
+        _try(name, b, own, create_fn, step, batch, args, chip, len(devices))
+        for name, b, own in built
+    ]
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
     plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
     if plan.best is None:
@@ -499,7 +565,23 @@ def _nothing_fits(target: str, plan: Plan) -> ConfigurationError:
     )
 
 
-def _try(name, build, create_fn, step, batch, args, chip, n_devices) -> Candidate:
+def _idle(strategy: Strategy, state: Any) -> str | None:
+    """Why a candidate of spmd's splits no work over one of its axes; None where it does."""
+    axes = idle_axes(strategy, state)
+    if not axes:
+        return None
+    sizes = strategy.mesh.shape
+    named = " x ".join(f"{a}={sizes[a]}" for a in axes)
+    devices = math.prod(sizes[a] for a in axes)
+    return (
+        f"splits no work: no leaf of the state is split over {named} (tensor parallelism "
+        f"splits a matrix's last dimension where it holds at least {MIN_SHARDED_ELEMENTS:,} "
+        f"elements and the axis divides it), so the {devices} devices along it would each "
+        "compute the same rows"
+    )
+
+
+def _try(name, build, own, create_fn, step, batch, args, chip, n_devices) -> Candidate:
     try:
         strategy = build()
     except Exception as e:  # a layout this mesh cannot make
@@ -508,6 +590,8 @@ def _try(name, build, create_fn, step, batch, args, chip, n_devices) -> Candidat
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             state = strategy.abstract_state(create_fn, *args)
+            if own and (idle := _idle(strategy, state)):
+                return Candidate(name, strategy, dropped=idle)
             e = strategy.explain(step, state, *batch)
     except SpmdError as err:  # spmd's checks of this layout: the batch, the rules
         return Candidate(name, strategy, dropped=f"cannot be laid out: {_first_line(err)}")

@@ -23,6 +23,7 @@ from spmd._src.checkpoint.store import forget_listings, make_store
 from spmd._src.clusters.initialize import check_initialized_under_launcher
 from spmd._src.errors import CheckpointError, ConfigurationError, message, received
 from spmd._src.strategy.base import get_strategy
+from spmd._src.strategy.islands import DiLoCoState
 from spmd._src.topologies import check_placeable
 from spmd._src.validate import boolean, positive_int, positive_number
 
@@ -503,7 +504,7 @@ class CheckpointManager:
         abstract = {p: ct.abstract_leaf(leaf, shardings[p]) for p, leaf in flat.items()}
         wanted = {p: (a.shape, np.dtype(a.dtype)) for p, a in abstract.items()}
         saved = self._read(step, "tree", lambda: self._store.saved_tree(step))
-        ct.check_match(saved, wanted, step, partial)
+        ct.check_match(saved, wanted, step, partial, diloco=isinstance(target, DiLoCoState))
         restore = lambda: self._store.restore_placed(step, abstract, partial)  # noqa: E731
         values = self._read(step, "arrays", restore)
         ct.check_restored_dtypes(saved, values, step)  # before the checksum: not damage

@@ -205,7 +205,11 @@ def check_restored_dtypes(saved: dict[str, tuple], values: Flat, step: int) -> N
 
 
 def check_match(
-    saved: dict[str, tuple], wanted: dict[str, tuple], step: int, partial: bool = False
+    saved: dict[str, tuple],
+    wanted: dict[str, tuple],
+    step: int,
+    partial: bool = False,
+    diloco: bool = False,
 ) -> None:
     """Raises a CheckpointError naming the paths where a checkpoint and a target differ.
 
@@ -214,11 +218,15 @@ def check_match(
       wanted: path -> (shape, dtype) the target asks for.
       step: the checkpoint's step, for the message.
       partial: the target may leave out paths of the checkpoint.
+      diloco: the target is a `DiLoCoState`: where it differs from the
+        checkpoint only in the island count (the leading axis of its `islands`
+        leaves), the message says to restore with `strategy.restore(...,
+        islands=<saved>)`.
     """
     missing = sorted(set(wanted) - set(saved))
     extra = [] if partial else sorted(set(saved) - set(wanted))
     differ = [
-        f"{p}: saved {_describe(*saved[p])}, target {_describe(*wanted[p])}"
+        p
         for p in sorted(set(saved) & set(wanted))
         if tuple(saved[p][0]) != tuple(wanted[p][0]) or np.dtype(saved[p][1]) != wanted[p][1]
     ]
@@ -227,19 +235,55 @@ def check_match(
     parts = {
         "in_target_not_in_checkpoint": missing,
         "in_checkpoint_not_in_target": extra,
-        "shape_or_dtype_differs": differ,
+        "shape_or_dtype_differs": [
+            f"{p}: saved {_describe(*saved[p])}, target {_describe(*wanted[p])}" for p in differ
+        ],
     }
     got = received(step=step, **{k: _clip(v) for k, v in parts.items() if v})
+    counts = _island_counts(saved, wanted, differ) if diloco and not (missing or extra) else None
+    fix = (
+        "build the target with the same create function and model config as the saved "
+        "run (e.g. strategy.abstract_state(create_fn, ...)), or restore with target=None "
+        "to inspect the checkpoint as numpy arrays."
+    )
+    if counts is not None:
+        found, target = counts
+        fix = (
+            f"this DiLoCo checkpoint holds {found} islands (the leading axis of "
+            f"state.islands) and the target {target}: restore it with "
+            f"strategy.restore(manager, create_fn, key, islands={found}), which restores it "
+            f"into the strategy's {target} islands (each restarting from the global "
+            "parameters; the inner steps since the last sync are dropped)."
+        )
     raise CheckpointError(
         message(
             "The restore target must have the checkpoint's tree: the same paths, each with "
             "the saved shape and dtype.",
             got,
-            "build the target with the same create function and model config as the saved "
-            "run (e.g. strategy.abstract_state(create_fn, ...)), or restore with target=None "
-            "to inspect the checkpoint as numpy arrays.",
+            fix,
         )
     )
+
+
+def _island_counts(
+    saved: dict[str, tuple], wanted: dict[str, tuple], differ: list[str]
+) -> tuple[int, int] | None:
+    """(saved, target) island counts where a DiLoCo checkpoint and its target differ in
+    that alone: every differing leaf under `islands/`, of the same dtype and shape but
+    for its leading (island) axis, one count on each side; else None."""
+    counts = set()
+    for p in differ:
+        (was, was_dtype), (now, now_dtype) = saved[p], wanted[p]
+        if (
+            not p.startswith("islands/")
+            or not was
+            or len(was) != len(now)
+            or tuple(was[1:]) != tuple(now[1:])
+            or np.dtype(was_dtype) != np.dtype(now_dtype)
+        ):
+            return None
+        counts.add((int(was[0]), int(now[0])))
+    return counts.pop() if len(counts) == 1 else None
 
 
 def _describe(shape: tuple, dtype: Any) -> str:

@@ -252,16 +252,27 @@ def _load_script(path: str, argv: Sequence[str]) -> Any:
     return module
 
 
+_KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold; args optional
+
+
 def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any]:
-    if isinstance(pieces, dict) and {"create_fn", "step", "batch"} <= set(pieces):
+    if isinstance(pieces, dict) and set(_KEYS) <= set(pieces):
         return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args")
     if isinstance(pieces, tuple) and len(pieces) in (3, 4):
         return (*pieces, None) if len(pieces) == 3 else pieces
+    what = {"returned": type(pieces).__name__}
+    if isinstance(pieces, dict):
+        what |= {
+            "missing": [k for k in _KEYS if k not in pieces],
+            "keys": [str(k) for k in pieces],
+        }
+    elif isinstance(pieces, tuple):
+        what |= {"length": len(pieces)}
     raise ConfigurationError(
         message(
             f"{entry}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
             "tuple (create_fn, step, batch[, args]).",
-            received(entry=entry, returned=type(pieces).__name__),
+            received(entry=entry, **what),
             _FIX,
         )
     )

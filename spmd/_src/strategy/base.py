@@ -103,7 +103,7 @@ class Strategy:
         listing them all (the named strategies replicate them instead); a rule
         `(spmd.logical.REST, None)` replicates every name the others do not map.
       offload: with placement="offload_optimizer", the leaves to keep in host
-        memory: a regex or a list of regexes over '/'-joined state paths,
+        memory: a regex or a non-empty list of regexes over '/'-joined state paths,
         matched as a rule's regex (the whole path or a '/'-suffix of it), e.g.
         `r"opt/.*"`, or `r"opt/.*/nu/.*"` for Adam's second moment alone. None: the optimizer state, found as the
         leaves under an `opt_state` entry (spmd.Trainer's state, flax's

@@ -252,12 +252,16 @@ class IslandsExplanation:
         def kinds(found: Mapping[str, Collective]) -> str:
             return ", ".join(f"{c.kind} x{c.count} {c.bytes:,} B" for c in found.values()) or "none"
 
+        rows = {
+            "inner step:": self.inner_crossing,
+            f"sync (every {self.sync_every}):": self.sync_crossing,
+            "synchronous step:": self.synchronous_crossing,
+        }
+        width = max(len(label) for label in rows) + 2  # the values in one column
         return "\n".join(
             [
                 "DiLoCo, bytes across islands per device:",
-                f"  inner step:        {kinds(self.inner_crossing)}",
-                f"  sync (every {self.sync_every}):  {kinds(self.sync_crossing)}",
-                f"  synchronous step:  {kinds(self.synchronous_crossing)}",
+                *(f"  {label.ljust(width)}{kinds(found)}" for label, found in rows.items()),
                 f"  per step: {self.bytes_across_islands_per_step:,.1f} B vs synchronous "
                 f"{self.synchronous_bytes_across_islands_per_step:,} B (ratio {self.ratio:.4f})",
             ]

@@ -34,8 +34,9 @@ def check_offload(offload: Any, placement: str) -> tuple[str, ...]:
     """`offload` as a tuple of regexes, each compiled once to check it.
 
     Raises:
-      ConfigurationError: `offload` is not a string or a sequence of strings, a
-        regex does not compile, or it is given with another placement.
+      ConfigurationError: `offload` is not a string or a sequence of strings, is
+        an empty sequence, a regex does not compile, or it is given with another
+        placement.
     """
     if offload is None:
         return ()
@@ -47,6 +48,16 @@ def check_offload(offload: Any, placement: str) -> tuple[str, ...]:
                 "offload is a regex, or a list of regexes, over '/'-joined state paths.",
                 received(offload=offload),
                 fix,
+            )
+        )
+    if not patterns:
+        raise ConfigurationError(
+            message(
+                "offload names at least one regex: a list of none would offload nothing, "
+                "and None (the default) offloads the optimizer state.",
+                received(offload=offload),
+                "pass offload=None for the default (the optimizer state), or at least one "
+                'regex, e.g. offload=r"opt/.*".',
             )
         )
     if placement != "offload_optimizer":
