@@ -195,6 +195,13 @@ def test_a_batch_of_zero_rows_is_a_batch_error():
         step(_state(), np.zeros((0, 4), np.float32))
 
 
+def test_an_abstract_batch_of_negative_size_is_a_batch_error_not_jaxs():
+    strategy = _mirrored()
+    with pytest.raises(spmd.BatchError, match="0 or more") as info:
+        strategy.explain(_sgd, _state(), jax.ShapeDtypeStruct((-8, 4), jnp.float32))
+    assert "shapes=[(-8, 4)]" in str(info.value)
+
+
 @pytest.mark.parametrize(
     "batch", [np.array(["a"] * 8), np.array([object()] * 8, dtype=object)], ids=["str", "object"]
 )

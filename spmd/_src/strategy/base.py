@@ -452,6 +452,16 @@ class Strategy:
           BatchError: leading sizes differ between leaves, or do not divide by
             `num_replicas_in_sync`.
         """
+        negative = [np.shape(x) for x in jax.tree.leaves(data) if min(np.shape(x), default=0) < 0]
+        if negative:  # only an abstract batch (jax.ShapeDtypeStruct) can say so
+            raise BatchError(
+                message(
+                    "Every size of a batch leaf's shape is 0 or more.",
+                    received(shapes=negative),
+                    "give the global batch's own shape, e.g. "
+                    "jax.ShapeDtypeStruct((1024, 2048), jnp.int32).",
+                )
+            )
         sizes = {np.shape(x)[axis] for x in jax.tree.leaves(data) if np.ndim(x) > axis}
         if 0 in sizes:
             raise BatchError(
