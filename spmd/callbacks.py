@@ -1,6 +1,7 @@
 """`spmd.callbacks`: the Trainer's callbacks (public name; they live in spmd/_src/trainer/)."""
 
 from spmd._src.trainer.callbacks import BackupAndRestore as BackupAndRestore
+from spmd._src.trainer.callbacks import BatchLogs as BatchLogs
 from spmd._src.trainer.callbacks import Callback as Callback
 from spmd._src.trainer.callbacks import CallbackList as CallbackList
 from spmd._src.trainer.callbacks import EarlyStopping as EarlyStopping
@@ -12,6 +13,7 @@ from spmd._src.trainer.tensorboard import TensorBoard as TensorBoard
 
 __all__ = [
     "BackupAndRestore",
+    "BatchLogs",
     "Callback",
     "CallbackList",
     "EarlyStopping",

@@ -390,6 +390,31 @@ def test_run_args_not_a_tuple_is_a_clear_error(strategy, x):
         strategy.run(lambda v: v, args=x)
 
 
+@pytest.mark.parametrize(
+    "fn, leaf, kind",
+    [
+        (lambda v: (v.sum(), "tag"), "out[1]", "str"),
+        (lambda v: {"sum": v.sum(), "names": np.array(["a", "b"])}, "out['names']", "ndarray"),
+        (lambda v: [v, object()], "out[1]", "object"),
+    ],
+)
+def test_run_output_that_is_not_an_array_names_its_path_and_type(strategy, x, fn, leaf, kind):
+    with pytest.raises(ConfigurationError, match="returns arrays and numbers") as caught:
+        strategy.run(fn, args=(x,))
+    assert f"output_leaf={leaf!r}" in str(caught.value) and kind in str(caught.value)
+    assert _clear(caught.value)
+
+
+def test_run_output_of_numbers_and_bools_comes_back_per_replica(strategy, x):
+    out = strategy.run(lambda v: (v.sum(), 2, 0.5, True, np.float32(1)), args=(x,))
+    assert [np.asarray(o.values).tolist() for o in out[1:]] == [
+        [2] * 8,
+        [0.5] * 8,
+        [True] * 8,
+        [1.0] * 8,
+    ]
+
+
 # -- 7. TF programs that run right (translations kept as regression tests) --------
 
 

@@ -105,6 +105,46 @@ def test_accuracy_with_a_loss_of_your_own_follows_the_label_shapes():
     assert result["accuracy"] == pytest.approx(float(np.mean(logits.argmax(-1) == y)))
 
 
+# -- the Trainer's arguments: what a Keras user passes, an error naming spmd's --------------
+
+
+@pytest.mark.parametrize(
+    "name, equivalent",
+    [
+        ("adam", "optax.adam(0.001)"),
+        ("SGD", "optax.sgd(0.01)"),
+        ("rmsprop", "optax.rmsprop(0.001)"),
+    ],
+)
+def test_a_keras_optimizer_name_is_an_error_naming_optax_s_equivalent(name, equivalent):
+    with pytest.raises(spmd.ConfigurationError, match="optax GradientTransformation") as info:
+        spmd.Trainer(MLP(nnx.Rngs(0)), name, "mse", strategy=spmd.MirroredStrategy())
+    assert f"optimizer={name!r}" in str(info.value) and f"pass {equivalent}" in str(info.value)
+
+
+@pytest.mark.parametrize("optimizer", ["adamx", None, 0.1])
+def test_an_optimizer_without_init_and_update_is_an_error_at_construction(optimizer):
+    with pytest.raises(spmd.ConfigurationError, match="optax GradientTransformation") as info:
+        spmd.Trainer(MLP(nnx.Rngs(0)), optimizer, "mse", strategy=spmd.MirroredStrategy())
+    assert "optax.adam(1e-3)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "strategy, call",
+    [
+        ("mirrored", "spmd.MirroredStrategy()"),
+        ("OneDeviceStrategy", "spmd.OneDeviceStrategy()"),
+        (spmd.MirroredStrategy, "spmd.MirroredStrategy()"),  # the constructor, not called
+        (8, "spmd.MirroredStrategy()"),
+    ],
+)
+def test_a_strategy_name_or_constructor_is_an_error_naming_the_call_to_pass(strategy, call):
+    with pytest.raises(spmd.ConfigurationError, match="runs on a spmd.Strategy") as info:
+        spmd.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), "mse", strategy=strategy)
+    assert f"pass a strategy, e.g. strategy={call}" in str(info.value)
+    assert "DiLoCo" not in str(info.value)  # its loop is said for a spmd.DiLoCo only
+
+
 # -- fit's arguments -------------------------------------------------------------------------
 
 
@@ -137,6 +177,68 @@ def test_named_inputs_are_a_dict_as_x():
     trainer.fit((named, y), batch_size=16, epochs=1, shuffle=False, verbose=0)
     logits = np.asarray(trainer.model({k: jnp.asarray(v) for k, v in named.items()}))
     np.testing.assert_allclose(trainer.predict(named, batch_size=16), logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make, received",
+    [
+        (lambda x, y: (x, list(y)), "y='a list of 128 numbers'"),
+        (
+            lambda x, y: (x.tolist(), y.tolist()),
+            "x='a list of 128 lists', y='a list of 128 numbers'",
+        ),
+        (lambda x, y: (x, tuple(y.tolist())), "y='a tuple of 128 numbers'"),
+    ],
+)
+def test_python_lists_of_examples_are_an_error_saying_to_convert_them(make, received):
+    """A list is read as an iterable of batches: a list of numbers is not guessed to be y."""
+    x, y = _data()
+    trainer = _trainer()
+    with pytest.raises(spmd.ConfigurationError, match="read as an iterable of batches") as info:
+        trainer.fit(make(x, y), batch_size=16, verbose=0)
+    assert received in str(info.value) and "np.asarray(" in str(info.value)
+    with pytest.raises(spmd.ConfigurationError, match="read as an iterable of batches"):
+        trainer.evaluate(make(x, y), batch_size=16)
+    assert trainer.iterations == 0
+
+
+def test_predict_on_a_python_list_of_rows_is_an_error_saying_to_convert_it():
+    x, _ = _data()
+    with pytest.raises(spmd.ConfigurationError, match=r"predict\(np.asarray\(x\)") as info:
+        _trainer().predict(x.tolist(), batch_size=16)
+    assert "x='a list of 128 lists'" in str(info.value)
+
+
+def test_inputs_the_first_layer_does_not_take_are_a_batch_error_naming_shape_and_layer():
+    x, y = _data()
+    trainer = _trainer()
+    with pytest.raises(spmd.BatchError, match=r"x_shape=\(16, 5\)") as info:
+        trainer.fit((x[:, :5], y), batch_size=16, verbose=0)
+    assert "layer='Linear(in_features=6)'" in str(info.value)
+    cause = info.value.__cause__  # JAX's own error, kept
+    assert isinstance(cause, TypeError) and "contracting dimensions" in str(cause)
+    assert trainer.iterations == 0
+    with pytest.raises(spmd.BatchError, match=r"x_shape=\(16, 4\)") as info:
+        trainer.predict(x[:, :4], batch_size=16)
+    assert "Linear(in_features=6)" in str(info.value)
+
+
+class _Broken(nnx.Module):
+    """A model whose own code has a bug: a TypeError that is no shape error."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.out = nnx.Linear(FEATURES, CLASSES, rngs=rngs)
+        self.scale = None
+
+    def __call__(self, x):
+        return self.out(x) * self.scale()
+
+
+def test_a_type_error_of_the_models_own_code_is_left_as_it_is():
+    x, y = _data()
+    with pytest.raises(TypeError, match="not callable") as info:
+        _trainer(_Broken(nnx.Rngs(0))).fit((x, y), batch_size=16, verbose=0)
+    assert not isinstance(info.value, spmd.SpmdError)
 
 
 # -- grad accumulation, validation data checked before the first epoch ------------------------

@@ -166,6 +166,79 @@ def test_history_holds_one_value_per_epoch_as_keras():
     assert all(len(v) == 3 for v in history.history.values())
 
 
+# -- callbacks as Keras' read them: one alone, logs a dict at every hook ---------------------
+
+
+class KerasLogs(spmd.callbacks.Callback):
+    """What a Keras callback reads: `logs["loss"]` at each batch's end, logs at every hook."""
+
+    def __init__(self):
+        self.losses, self.begins, self.kept = [], [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.begins.append(logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.begins.append(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.losses.append(logs["loss"])
+        self.kept.append(logs)
+
+
+def test_a_keras_callback_reads_the_running_loss_at_every_batch():
+    x, y = _data()
+    callback = KerasLogs()  # one callback alone, not in a list: Keras takes it so
+    history = _trainer().fit((x, y), batch_size=16, shuffle=False, verbose=0, callbacks=callback)
+    _, losses = _oracle(
+        MLP(nnx.Rngs(0)), [(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)]
+    )
+    running = np.cumsum(losses) / np.arange(1, 5)  # Keras' logs: the epoch's mean so far
+    np.testing.assert_allclose(callback.losses, running, rtol=1e-5)
+    assert callback.losses[-1] == pytest.approx(history.history["loss"][0])
+    assert callback.begins == [{}] * 5  # the epoch's and each batch's begin: empty dicts
+
+
+class KeepsLogs(spmd.callbacks.Callback):
+    """Keeps each batch's logs without looking at them in the hook."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(logs)
+
+
+def test_batch_logs_looked_at_after_the_next_step_are_an_error_saying_to_copy_them():
+    x, y = _data()
+    callback = KeepsLogs()
+    history = _trainer().fit((x, y), batch_size=16, verbose=0, callbacks=[callback])
+    with pytest.raises(spmd.ContextError, match=r"self.seen = dict\(logs\)"):
+        callback.logs[0]["loss"]  # the step after it reused their memory
+    assert dict(callback.logs[-1]) == {"loss": pytest.approx(history.history["loss"][0])}
+
+
+@pytest.mark.parametrize("verbose", [3, -1, "1", 1.0, None])
+def test_verbose_is_one_of_keras_values(verbose):
+    x, y = _data()
+    trainer = _trainer()
+    with pytest.raises(spmd._src.errors.ConfigurationError, match=f"verbose={verbose!r}"):
+        trainer.fit((x, y), batch_size=16, verbose=verbose)
+    with pytest.raises(spmd._src.errors.ConfigurationError, match=f"verbose={verbose!r}"):
+        trainer.evaluate((x, y), batch_size=16, verbose=verbose)
+
+
+@pytest.mark.parametrize("callbacks", [3, "History", {"h": spmd.callbacks.History()}])
+def test_callbacks_neither_a_callback_nor_a_list_of_them_are_an_error(callbacks):
+    x, y = _data()
+    with pytest.raises(
+        spmd._src.errors.ConfigurationError, match="list of spmd.callbacks.Callback"
+    ):
+        _trainer().fit((x, y), batch_size=16, verbose=0, callbacks=callbacks)
+    with pytest.raises(spmd._src.errors.ConfigurationError, match="Callback instances"):
+        _trainer().fit((x, y), batch_size=16, verbose=0, callbacks=[spmd.callbacks.History(), 3])
+
+
 # -- the data: steps_per_epoch, sample weights -----------------------------------------------
 
 
@@ -416,6 +489,14 @@ def test_fewer_examples_than_batch_size_train_one_partial_batch_as_keras_does():
     assert trainer.iterations == 1
     params, _ = _oracle(MLP(nnx.Rngs(0)), [(x[:10], y[:10])])
     _close(_params(trainer), params)
+
+
+def test_x_and_y_of_different_lengths_are_an_error_naming_both_sizes():
+    x, y = _data()
+    with pytest.raises(spmd._src.errors.BatchError) as info:
+        _trainer().fit((x, y[:-1]), batch_size=16, verbose=0)
+    assert "Every array of the data must have the same leading (batch) size" in str(info.value)
+    assert "leading_sizes=[63, 64]" in str(info.value)
 
 
 def test_fewer_examples_than_batch_size_for_a_model_that_writes_state_names_both():

@@ -1,5 +1,6 @@
 """Trainer.fit's per-step work: hooks dispatched only to the callbacks that override them
-(on the class or the instance, set before or during training), batch checks once per
+(on the class or the instance, set before or during training), batch logs read from the
+devices only when a callback looks at them, batch checks once per
 batch signature, and the NaN flag read at most every interval yet naming the step, the
 epoch and the batch of the first NaN (also at an epoch's end, and after the state is
 replaced)."""
@@ -94,6 +95,30 @@ def test_a_subclass_override_and_an_instance_override_are_called():
     _trainer().fit(_data(64), batch_size=16, epochs=2, verbose=0, callbacks=[child, patched])
     assert child.ends == [("child", b) for b in range(4)] * 2
     assert calls == [0, 1]
+
+
+class Looks(Batches):
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(logs["loss"])
+
+
+@pytest.mark.parametrize("callback, reads", [(Batches, 2), (Looks, 2 + 2 * 4)])
+def test_batch_logs_are_read_from_the_devices_only_when_a_callback_looks(
+    monkeypatch, callback, reads
+):
+    """Each epoch's end reads the metrics once; a batch's logs, only when looked at."""
+    trainer, callback = _trainer(), callback()
+    metric_reads = []
+    get = jax.device_get
+
+    def counting(tree):
+        if isinstance(tree, dict) and "weight_sum" in tree:  # the metric sums
+            metric_reads.append(tree)
+        return get(tree)
+
+    monkeypatch.setattr(trainer_module.jax, "device_get", counting)
+    trainer.fit(_data(64), batch_size=16, epochs=2, verbose=0, callbacks=[callback])
+    assert len(callback.ends) == 8 and len(metric_reads) == reads
 
 
 @pytest.mark.slow

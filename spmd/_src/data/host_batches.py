@@ -507,7 +507,7 @@ def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
         shapes = [list(np.shape(x)) for x in leaves[:4]]
         raise BatchError(
             message(
-                f"Every array of a {what} has a leading (batch) axis: an element of the data "
+                f"Every array of the {what} has a leading (batch) axis: an element of the data "
                 "is a whole global batch, not one example.",
                 received(**where, leaf_shapes=shapes, num_leaves=len(leaves)),
                 "batch the examples: end a grain or tf.data pipeline with "
@@ -517,7 +517,7 @@ def leading_size(tree: Any, *, what: str, index: int | None = None) -> int:
         )
     raise BatchError(
         message(
-            f"Every array of a {what} must have the same leading (batch) size.",
+            f"Every array of the {what} must have the same leading (batch) size.",
             received(**where, leading_sizes=sorted(sizes)),
             "give x, y and every other leaf the same number of examples.",
         )

@@ -116,7 +116,7 @@ class NumpyDataset:
         drop_remainder: bool = True,
     ):
         self.arrays = jax.tree.map(_device_ready, arrays)
-        self.num_examples = leading_size(self.arrays, what="arrays")
+        self.num_examples = leading_size(self.arrays, what="data")
         if self.num_examples == 0:
             raise BatchError(
                 message(

@@ -599,6 +599,7 @@ def _jitted(fn: Callable, structure: tuple) -> Callable:
             rules_without((*strategy.batch_axes, *axes)),
         ):
             out = _call_replica_fn(fn, args, kwargs, axes, axis_name)
+        _check_outputs(out)
         return jax.tree.map(lambda y: jnp.asarray(y)[None], out)
 
     mapped = jax.shard_map(
@@ -637,6 +638,36 @@ def _no_island_axis_name(axes: tuple[str, ...], axis_name: str) -> None:
             "spmd.get_replica_context().all_reduce, and pass axis_name=None.",
         )
     )
+
+
+def _check_outputs(out: Any) -> None:
+    """Raises where a leaf of fn's output is not an array or a number (a string, an object):
+    each leaf comes back stacked over the replicas, which only arrays can be.
+
+    Raises:
+      ConfigurationError: naming the leaf's path in the output and its type.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+        if isinstance(leaf, jax.Array) or hasattr(leaf, "__jax_array__"):
+            continue
+        if isinstance(leaf, np.ndarray | np.generic):
+            if leaf.dtype.kind not in "OUSmM":  # not objects, text, dates
+                continue
+        elif isinstance(leaf, bool | int | float | complex):
+            continue
+        raise ConfigurationError(
+            message(
+                "strategy.run's fn returns arrays and numbers (any pytree of them): each "
+                "output leaf comes back as the PerReplica of its replicas' values.",
+                received(
+                    output_leaf=f"out{jax.tree_util.keystr(path)}",
+                    leaf_type=type(leaf).__name__
+                    + (f" of dtype {leaf.dtype}" if isinstance(leaf, np.ndarray) else ""),
+                ),
+                "return only arrays (or numbers) from fn; keep Python values such as names "
+                "and tags outside it: out = strategy.run(fn, args=(x,)); tag = 'tag'.",
+            )
+        )
 
 
 def _call_replica_fn(fn: Callable, args: Any, kwargs: dict, axes: tuple, axis_name: Any):

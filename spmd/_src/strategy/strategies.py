@@ -36,6 +36,7 @@ __all__ = [
     "ParameterServerStrategy",
     "TPUStrategy",
     "by_name",
+    "constructor_name",
 ]
 
 logger = logging.getLogger("spmd.strategy")
@@ -474,5 +475,24 @@ def by_name(name: str) -> Strategy:
         )
     return _BY_NAME[key]()
 
+
+def constructor_name(name: str) -> str | None:
+    """The named strategy a name stands for, in any spelling ("mirrored",
+    "OneDeviceStrategy", "one-device" -> "OneDeviceStrategy"); None where it names none."""
+    key = "".join(c for c in name.lower() if c.isalnum()).removesuffix("strategy")
+    for built in _CONSTRUCTORS:
+        if built.__name__.lower().removesuffix("strategy") == key:
+            return built.__name__
+    return None
+
+
+_CONSTRUCTORS = (
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    TPUStrategy,
+    CentralStorageStrategy,
+    OneDeviceStrategy,
+    ParameterServerStrategy,
+)
 
 NAMES: tuple[str, ...] = tuple(_BY_NAME)

@@ -4,17 +4,19 @@ EarlyStopping, checkpoints (TensorBoard is in spmd/_src/trainer/tensorboard.py).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from spmd._src.checkpoint.manager import CheckpointManager
-from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.errors import ConfigurationError, ContextError, message, received
+from spmd._src.trainer.model import averages
 from spmd._src.validate import positive_int
 
 if TYPE_CHECKING:
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackupAndRestore",
+    "BatchLogs",
     "Callback",
     "CallbackList",
     "EarlyStopping",
@@ -29,6 +32,7 @@ __all__ = [
     "History",
     "ModelCheckpoint",
     "ProgressBar",
+    "as_callbacks",
     "check_freq",
 ]
 
@@ -38,9 +42,10 @@ class Callback:
 
     Hooks, as in Keras: `on_train_begin/end`, `on_epoch_begin/end`,
     `on_train_batch_begin/end`, `on_test_begin/end`, `on_test_batch_begin/end`,
-    `on_predict_begin/end`, `on_predict_batch_begin/end`. `logs` is a dict of
-    floats (epoch and test hooks), `{"outputs": ...}` (`on_predict_batch_end`)
-    or None.
+    `on_predict_begin/end`, `on_predict_batch_begin/end`. `logs` is always a
+    dict, as in Keras: of floats (epoch and test hooks; `on_train_batch_end`'s
+    is a `BatchLogs`, the epoch's running metrics read when first looked at),
+    `{"outputs": ...}` (`on_predict_batch_end`), or empty (the begin hooks).
     Every process runs every callback; write files from the chief only
     (`spmd.cluster().is_chief`), or through `spmd.CheckpointManager`, which
     coordinates the processes itself.
@@ -78,7 +83,12 @@ class Callback:
         """Before a training call (of `steps_per_execution` batches)."""
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        """After a training call; `batch` counts batches of the epoch, 0-based, the last one run."""
+        """After a training call; `batch` counts batches of the epoch, 0-based, the last one run.
+
+        `logs` (a `BatchLogs`) holds the epoch's running metrics, `logs["loss"]`, ...:
+        read from the devices when first looked at (waiting for the steps run so far),
+        so a callback that does not look costs no read.
+        """
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         """At the start of evaluate (also fit's validation)."""
@@ -108,6 +118,97 @@ class Callback:
 
 _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 _BATCH_HOOKS = [name for name in _HOOKS if "_batch_" in name]
+# Where each hook that takes logs has them among its positional arguments.
+_LOGS_AT = {
+    name: params.index("logs")
+    for name in _HOOKS
+    if "logs" in (params := list(inspect.signature(getattr(Callback, name)).parameters)[1:])
+}
+
+
+def as_callbacks(callbacks: Any) -> list[Callback]:
+    """`callbacks` as a list: one `Callback` alone is a list of it (Keras reads it so), None none.
+
+    Raises:
+      ConfigurationError: neither a `Callback` nor an iterable (a list) of them
+        (`CallbackList` checks each element).
+    """
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, Callback):
+        return [callbacks]
+    if isinstance(callbacks, Iterable) and not isinstance(callbacks, str | bytes | dict):
+        return list(callbacks)
+    raise ConfigurationError(
+        message(
+            "callbacks is a list of spmd.callbacks.Callback (one Callback alone is read as a "
+            "list of it, as Keras does).",
+            received(callbacks=callbacks),
+            "pass e.g. callbacks=[spmd.callbacks.EarlyStopping(patience=2)].",
+        )
+    )
+
+
+_STALE_LOGS = (
+    "on_train_batch_end's logs are read from the devices when first looked at, and the "
+    "step after their batch reuses the memory they were read from."
+)
+
+
+class BatchLogs(MutableMapping):
+    """`on_train_batch_end`'s logs: the epoch's running metrics (`trainer.running_metrics()`
+    after the batch: `logs["loss"]`, ...), read from the devices when first looked at.
+
+    Keras hands every batch hook a dict of the metrics, read from the devices at
+    every batch; this one reads them only when a callback looks (`logs["loss"]`,
+    `logs.get`, `in`, `len`, `dict(logs)`, ...), waiting then for the steps run so
+    far, so callbacks that never look (the progress bar, checkpoints) cost no read.
+    A dict but for its type: `copy()` gives a plain one; items may be set.
+    Look within the hook (or keep `dict(logs)`): once the next step ran, the values
+    are gone, and looking then is a `ContextError`.
+    """
+
+    def __init__(self, sums: dict) -> None:
+        self._sums = sums  # the metric sums after the batch, as device arrays
+        self._values: dict | None = None
+
+    def _read(self) -> dict:
+        if self._values is None:
+            leaves = jax.tree.leaves(self._sums)
+            if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
+                raise ContextError(
+                    message(
+                        _STALE_LOGS,
+                        received(logs="read after the next training step ran"),
+                        "read them within on_train_batch_end, or keep a copy there: "
+                        "self.seen = dict(logs).",
+                    )
+                )
+            self._values = averages(jax.device_get(self._sums))
+        return self._values
+
+    def __getitem__(self, key: str) -> Any:
+        return self._read()[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._read()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._read()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def copy(self) -> dict:
+        """The logs as a plain dict."""
+        return dict(self._read())
+
+    def __repr__(self) -> str:
+        shown = "not read yet" if self._values is None else repr(self._values)
+        return f"BatchLogs({shown})"
 
 
 class CallbackList:
@@ -145,7 +246,15 @@ class CallbackList:
             setattr(self, name, _dispatch([m for c in self.callbacks if (m := _hook(c, name))]))
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Calls hook `name` on every callback that has it now, then rebuilds the batch hooks."""
+        """Calls hook `name` on every callback that has it now, then rebuilds the batch hooks.
+
+        A hook that takes logs and is given none gets an empty dict, as in Keras.
+        """
+        at = _LOGS_AT.get(name)
+        if at is not None and len(args) > at:
+            args = (*args[:at], {} if args[at] is None else args[at], *args[at + 1 :])
+        elif at is not None and kwargs.get("logs") is None:
+            kwargs["logs"] = {}
         for callback in self.callbacks:
             method = _hook(callback, name)
             if method is not None:

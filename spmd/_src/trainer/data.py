@@ -24,6 +24,7 @@ __all__ = [
     "check_distributed",
     "check_examples",
     "check_label_range",
+    "check_lists",
     "check_microbatches",
     "check_rows",
     "host_first",
@@ -96,7 +97,8 @@ def as_dataset(
       BatchError: arrays without a batch size, or without examples (or, for
         training, fewer than one batch); a distributed dataset known to yield
         nothing, or (with `pad`) to drop examples.
-      ConfigurationError: data of a kind the Trainer does not read (e.g. a dict).
+      ConfigurationError: data of a kind the Trainer does not read (a dict; Python
+        lists of numbers, `check_lists`).
     """
 
     if isinstance(data, DistributedDataset):
@@ -119,6 +121,7 @@ def as_dataset(
             arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=not (pad or keep_partial)
         )
         return strategy.distribute_dataset(ds, InputOptions(**uneven))
+    check_lists(data, what)
     if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
         options = InputOptions(remainder="pad" if pad else None, **uneven)
         return strategy.distribute_dataset(data, options)
@@ -132,6 +135,47 @@ def as_dataset(
             '({"image": ..., "text": ...}, y).',
         )
     )
+
+
+def _is_numbers(value: Any) -> bool:
+    """A Python list or tuple of numbers (or of such lists): a column of examples, which
+    no batch is (a batch is a tuple of arrays)."""
+    if not isinstance(value, list | tuple) or not value:
+        return False
+    while isinstance(value, list | tuple) and value:
+        value = value[0]
+    return isinstance(value, bool | int | float | complex | np.number | np.bool_)
+
+
+def check_lists(data: Any, what: str) -> None:
+    """Raises for (x, y) (or x alone, for predict) given as Python lists of numbers.
+
+    Raises:
+      ConfigurationError: a list of numbers where an array of examples goes: read
+        as an iterable of batches, each number or row would be taken for a batch.
+    """
+    parts = tuple(data) if isinstance(data, tuple | list) and 1 <= len(data) <= 3 else ()
+    names = ("x", "y", "sample_weight")[: len(parts)]
+    lists = {n: v for n, v in zip(names, parts, strict=True) if _is_numbers(v)}
+    if what == "predict" and _is_numbers(data):
+        lists = {"x": data}
+    elif not lists or not all(_is_numbers(v) or _is_inputs(v) for v in parts):
+        return
+    shown = ", ".join(f"np.asarray({n})" for n in lists)
+    call = "predict(np.asarray(x)" if what == "predict" else "fit((np.asarray(x), np.asarray(y))"
+    raise ConfigurationError(
+        message(
+            f"{what} takes its examples as arrays: a Python list is read as an iterable of "
+            "batches, so a list of numbers would be read as batches, not as examples.",
+            received(**{n: _list_kind(v) for n, v in lists.items()}),
+            f"convert the lists to arrays ({shown}); e.g. trainer.{call}, batch_size=64).",
+        )
+    )
+
+
+def _list_kind(value: list | tuple) -> str:
+    inner = "lists" if isinstance(value[0], list | tuple) else "numbers"
+    return f"a {type(value).__name__} of {len(value)} {inner}"
 
 
 def check_examples(data: tuple, batch_size: int | None, *, pad: bool, what: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ __all__ = [
     "cast",
     "example_weights",
     "first_nan",
+    "forward_failed",
     "stack",
     "wrap_model",
     "written",
@@ -102,6 +104,37 @@ def _wrap_module(model: nnx.Module, seed: int, rngs: nnx.Rngs | None) -> Model:
 
     rest = {"model": rest, "rngs": rngs_state}
     return Model(params, rest, apply_rngs, model, (model, rngs))
+
+
+def forward_failed(x: Any, error: Exception) -> str:
+    """Why the model's forward pass failed on inputs of `x`'s shapes (a shape error of
+    JAX's, raised as the step was traced), naming the layer it failed in where it can."""
+    layer = _failing_layer(error)
+    named = {"layer": layer} if layer else {}
+    return message(
+        "The model's forward pass runs on the inputs it is given; it failed on inputs of "
+        f"these shapes{' at its layer ' + layer if layer else ''} (a layer's input size fixes "
+        "the per-example shape the data must have).",
+        received(x_shape=jax.tree.map(jnp.shape, x), **named, error=str(error)),
+        "give the data the per-example shape the model was built for (for a Linear first "
+        "layer, x.shape[-1] == in_features), or build the model for these inputs (e.g. "
+        "nnx.Linear(x.shape[-1], ...)). JAX's error is this one's __cause__.",
+    )
+
+
+def _failing_layer(error: Exception) -> str | None:
+    """The innermost NNX module whose method the error went through, e.g.
+    "Linear(in_features=6)"; None where no module's frame is in its traceback."""
+    layer = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        module = frame.f_locals.get("self")
+        if isinstance(module, nnx.Module):
+            layer = module
+    if layer is None:
+        return None
+    sizes = ("in_features", "num_embeddings")
+    fields = ", ".join(f"{k}={getattr(layer, k)}" for k in sizes if hasattr(layer, k))
+    return f"{type(layer).__name__}({fields})"
 
 
 # What made a step non-finite (`first_nan`): its loss, or its update of the written leaf

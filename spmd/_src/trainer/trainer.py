@@ -23,12 +23,22 @@ from spmd._src.errors import (
     shown_as_public,
 )
 from spmd._src.strategy.base import Strategy, get_strategy
+from spmd._src.trainer.arguments import check_optimizer, check_strategy, check_verbose
 from spmd._src.trainer.batch_checks import BatchChecks
-from spmd._src.trainer.callbacks import Callback, CallbackList, EpochLogger, History, ProgressBar
+from spmd._src.trainer.callbacks import (
+    BatchLogs,
+    Callback,
+    CallbackList,
+    EpochLogger,
+    History,
+    ProgressBar,
+    as_callbacks,
+)
 from spmd._src.trainer.data import (
     as_dataset,
     check_count,
     check_endless,
+    check_lists,
     check_rows,
     host_first,
     is_arrays,
@@ -49,6 +59,7 @@ from spmd._src.trainer.model import (
     cast,
     example_weights,
     first_nan,
+    forward_failed,
     stack,
     wrap_model,
     written,
@@ -184,8 +195,8 @@ class Trainer:
                     'pass mixed_precision="bfloat16" or None.',
                 )
             )
-        self.strategy = _check_strategy(strategy or get_strategy())
-        self.optimizer = optimizer
+        self.strategy = check_strategy(strategy or get_strategy())
+        self.optimizer = check_optimizer(optimizer)
         self.loss_name, self.loss_fn = resolve_loss(loss)
         self.metrics = resolve_metrics(metrics, self.loss_name)
         self.steps_per_execution = steps_per_execution
@@ -282,7 +293,12 @@ class Trainer:
     def _forward(self, params, rest, x, training):
         if self.compute_dtype is not None:
             params, x = cast(params, self.compute_dtype), cast(x, self.compute_dtype)
-        out, rest = self._model.apply(params, rest, x, training)
+        try:
+            out, rest = self._model.apply(params, rest, x, training)
+        except (TypeError, ValueError) as error:  # at trace time: shapes are all it knows
+            if isinstance(error, SpmdError) or "shape" not in str(error).lower():
+                raise
+            raise BatchError(forward_failed(x, error)) from error
         return jax.tree.map(lambda o: o.astype(jnp.float32), out), rest
 
     def _sums(self, out, y, real, weights, per_example) -> dict:
@@ -433,7 +449,7 @@ class Trainer:
         shuffle: bool = True,
         validation_data: Any = None,
         validation_batch_size: int | None = None,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[Callback] | Callback = (),
         verbose: int | str = "auto",
         initial_epoch: int = 0,
     ) -> History:
@@ -464,6 +480,8 @@ class Trainer:
         """
         check_count("steps_per_epoch", steps_per_epoch, allow_none=True)
         check_count("epochs", epochs, allow_none=False)
+        check_verbose(verbose)
+        callbacks = as_callbacks(callbacks)
         self.build()
         self.dataset = self._dataset(data, batch_size, shuffle=shuffle, pad=False, what="fit")
         check_endless(self.dataset, steps_per_epoch)
@@ -582,7 +600,7 @@ class Trainer:
             iterator.close()
 
     def _run_group(self, hooks: CallbackList, group: list[tuple], ran: int) -> int:
-        hooks.on_train_batch_begin(ran)
+        hooks.on_train_batch_begin(ran, {})
         if len(group) == self.steps_per_execution > 1:
             stacked = stack(self.strategy, group)
             self.state = self._step("many")(self.state, *stacked)
@@ -592,7 +610,7 @@ class Trainer:
         ran += len(group)
         self.iterations += len(group)  # applied, whether or not the check below raises
         self._check_finite(wait=False)
-        hooks.on_train_batch_end(ran - 1)
+        hooks.on_train_batch_end(ran - 1, BatchLogs(self.state["metrics"]))
         return ran
 
     def evaluate(
@@ -600,7 +618,7 @@ class Trainer:
         data: Any,
         batch_size: int | None = None,
         verbose: int = 0,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[Callback] | Callback = (),
     ) -> dict[str, float]:
         """The loss and metrics over every example of `data`, each counted once.
 
@@ -620,6 +638,7 @@ class Trainer:
         Raises:
           BatchError: no example, a dropping dataset, or sample weights all 0.
         """
+        check_verbose(verbose)
         self.build()
         dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="evaluate")
         return self._evaluate_dataset(dataset, "evaluate", self._hooks(callbacks, dataset, verbose))
@@ -627,7 +646,9 @@ class Trainer:
     def _hooks(self, callbacks: Sequence[Callback], dataset: Any, verbose: int) -> CallbackList:
         """The callbacks of an evaluate or predict: one epoch of the dataset's batches."""
         steps = getattr(dataset, "num_batches", None)
-        return CallbackList(callbacks, self, {"epochs": 1, "steps": steps, "verbose": verbose})
+        return CallbackList(
+            as_callbacks(callbacks), self, {"epochs": 1, "steps": steps, "verbose": verbose}
+        )
 
     def _evaluate_dataset(self, dataset: Any, what: str, hooks: CallbackList) -> dict[str, float]:
         """Evaluates every batch of `dataset`, calling the test hooks as Keras does."""
@@ -635,18 +656,18 @@ class Trainer:
         step, totals = self._step("eval"), None
         batch_logs = hooks.overrides("on_test_batch_end")  # else no per-batch read
         for index, batch in enumerate(dataset):
-            hooks.on_test_batch_begin(index)
+            hooks.on_test_batch_begin(index, {})
             batch = train_args(batch, what)
             self._check_batch(batch, what, first=totals is None)
             sums = step(self.state, *batch)
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-            hooks.on_test_batch_end(index, averages(jax.device_get(totals)) if batch_logs else None)
+            hooks.on_test_batch_end(index, averages(jax.device_get(totals)) if batch_logs else {})
         logs = _evaluated(totals, dataset, what)
         hooks.on_test_end(logs)
         return logs
 
     def predict(
-        self, x: Any, batch_size: int | None = None, callbacks: Sequence[Callback] = ()
+        self, x: Any, batch_size: int | None = None, callbacks: Sequence[Callback] | Callback = ()
     ) -> Any:
         """The model's outputs for every row of `x`, in input order, on every process.
 
@@ -671,6 +692,7 @@ class Trainer:
           ConfigurationError: a list of arrays without batch_size.
         """
         self.build()
+        check_lists(x, "predict")
         if is_bare_arrays(x) and batch_size is None:
             raise ConfigurationError(_AMBIGUOUS_PREDICT)
         data = (list(x),) if is_bare_arrays(x) else (x,) if is_arrays((x,)) else x
@@ -679,7 +701,7 @@ class Trainer:
         hooks.on_predict_begin()
         step, rows = self._step("predict"), []
         for index, batch in enumerate(dataset):
-            hooks.on_predict_batch_begin(index)
+            hooks.on_predict_batch_begin(index, {})
             elements, mask = split_batch(batch)
             check_rows(elements[0], "predict")
             out, mask = jax.device_get(step(self.state, elements[0], mask))
@@ -726,18 +748,3 @@ def _like(values: Any, placed: Any) -> Any:
     """`values` placed as the arrays `placed` are (a reset of part of the train state,
     without resolving the strategy's rules again)."""
     return jax.device_put(values, jax.tree.map(lambda a: a.sharding, placed))
-
-
-def _check_strategy(strategy: Any) -> Strategy:
-    """`strategy` if it is a `Strategy` (any named strategy); a `DiLoCo` is told to write its loop."""
-    if isinstance(strategy, Strategy):
-        return strategy
-    raise ConfigurationError(
-        message(
-            "A Trainer runs on a spmd.Strategy (any named strategy).",
-            received(strategy=strategy),
-            "for spmd.DiLoCo write the loop: state = strategy.init(create, key); "
-            "step = strategy.step(train_step); state, metrics = step(state, x, y) "
-            "(docs/diloco.md).",
-        )
-    )
