@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import spmd
 from spmd._src.clusters.initialize import (
     ClusterInfo,
     parse_tf_config,
@@ -256,6 +257,23 @@ def test_explicit_arguments_malformed(kwargs, field, value):
     with pytest.raises(ClusterError) as e:
         resolve(**kwargs)
     assert f"{field}={value!r}" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"heartbeat_timeout": 0}, "heartbeat_timeout=0"),  # every process dead at once: a hang
+        ({"heartbeat_timeout": 0.5}, "heartbeat_timeout=0.5"),  # JAX's whole seconds: 0
+        ({"heartbeat_timeout": -1}, "heartbeat_timeout=-1"),
+        ({"initialization_timeout": -1}, "initialization_timeout=-1"),
+        ({"initialization_timeout": "300"}, "initialization_timeout='300'"),
+        ({"exit_timeout": -1}, "exit_timeout=-1"),
+    ],
+)
+def test_initialize_s_timeouts_that_cannot_work_are_errors_before_joining(kwargs, field):
+    with pytest.raises(ClusterError, match="To fix") as e:
+        spmd.initialize(**kwargs)
+    assert field in str(e.value)
 
 
 def test_jax_detection_slurm(monkeypatch):

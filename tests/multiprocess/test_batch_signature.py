@@ -144,7 +144,8 @@ def test_a_process_going_back_alone_to_an_earlier_signature_ends_every_process(
     ), output[-3000:]
     assert "unchanged since its previous call of this step" in output, output[-3000:]
     follower = f"spmd: ending: process {alone} failed (BatchError: Every process passes a step"
-    assert kept.returncode != 0 and follower in kept.stderr, (kept.returncode, kept.stderr[-3000:])
+    assert kept.returncode == CONFIGURATION_EXIT_CODE, (kept.returncode, kept.stderr[-3000:])
+    assert follower in kept.stderr, kept.stderr[-3000:]
     assert not out.exists()
 
 

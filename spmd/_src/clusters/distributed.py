@@ -432,11 +432,25 @@ def _end_following(culprit: int | str, reason: str) -> None:
     _linger_if_host()
     stalled = reason.startswith((hang_watch.HUNG, hang_watch.GONE))
     code = HANG_EXIT_CODE if stalled else _EXIT_CODE_PEER
+    if _configuration_error(reason):  # the peer's restart would raise it again: so would ours
+        code = CONFIGURATION_EXIT_CODE
     own = ""
     if reason.startswith(hang_watch.HUNG):  # named with it: this one's stack too
         with contextlib.suppress(Exception):
             own = hang_watch.named_stack(_client(), _state["process"])
     _end(code, f"{FOLLOWER} {culprit} failed ({reason}); ending this one too.{own}")
+
+
+def _configuration_error(reason: str) -> bool:
+    """Whether a peer's recorded failure ("BatchError: ...") is spmd's ConfigurationError or
+    BatchError (a subclass too), which ends a process with CONFIGURATION_EXIT_CODE."""
+    name, found = reason.split(":", 1)[0], set()
+    kinds = [ConfigurationError, BatchError]
+    while kinds:
+        kind = kinds.pop()
+        found.add(kind.__name__)
+        kinds.extend(kind.__subclasses__())
+    return name in found
 
 
 def _end_if_a_peer_caused(error: BaseException) -> None:

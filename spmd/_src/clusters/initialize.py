@@ -29,6 +29,7 @@ from spmd._src.clusters.spec import (
 )
 from spmd._src.clusters.tpu_backend import skip_without_chips
 from spmd._src.errors import ClusterError, InitializationError, message, received
+from spmd._src.validate import non_negative_number, positive_int
 
 __all__ = [
     "ClusterInfo",
@@ -273,13 +274,25 @@ def initialize(
     skip_without_chips()  # libtpu is not started (nor heard) on a host with no TPU chip
     _check_cpu_collectives(cpu_collectives)
     interface = check_interface(interface)
+    timeouts = (
+        positive_int(initialization_timeout, "initialization_timeout", error=ClusterError),
+        positive_int(
+            heartbeat_timeout,
+            "heartbeat_timeout",
+            fix="pass whole seconds >= 1, e.g. heartbeat_timeout=100 (JAX's coordination "
+            "service counts its heartbeats in whole seconds; below 1 every process would "
+            "look dead at once).",
+            error=ClusterError,
+        ),
+        non_negative_number(exit_timeout, "exit_timeout", error=ClusterError),
+        _hang(hang_timeout),
+    )
     args = (coordinator_address, num_processes, process_id, local_device_count)
     if _INFO is not None and all(a is None for a in args):
         return _INFO
     info = resolve(*args[:3], local_device_count=local_device_count)
     if _INFO is not None:
         return _same_as_before(_INFO, info)
-    timeouts = (initialization_timeout, heartbeat_timeout, exit_timeout, _hang(hang_timeout))
     _INFO = _set_up(info, cpu_collectives, timeouts, interface)
     return _INFO
 
