@@ -162,7 +162,7 @@ def test_damaged_steps_are_skipped_with_a_log_line(trained, tmp_path, caplog):
     assert list(history) == [9]
     assert "skipping checkpoint step 3: not a complete checkpoint" in caplog.text
     assert "missing state/_METADATA" in caplog.text
-    assert "skipping checkpoint step 6: damaged" in caplog.text
+    assert "skipping checkpoint step 6: damaged: The files of checkpoint step 6 must" in caplog.text
     assert "the training run ended at step 9" in caplog.text
 
 
@@ -649,6 +649,7 @@ def test_a_custom_loops_model_state_nested_under_its_own_keys(tmp_path):
         ({"poll_interval": 3600}, "poll_interval is at most 600"),
         ({"poll_interval": 0}, "poll_interval must be"),
         ({"steps": 0}, "steps"),
+        ({"batch_size": 0}, "Received: batch_size=0"),  # at construction, not at start()
         ({"max_evaluations": 1.5}, "max_evaluations"),
         ({"timeout": -1}, "timeout"),
         ({"final_grace": -1}, "final_grace must be a number of seconds >= 0"),
@@ -666,6 +667,20 @@ def test_a_custom_loops_model_state_nested_under_its_own_keys(tmp_path):
 def test_bad_arguments_are_clear_errors(tmp_path, kwargs, match):
     with pytest.raises(spmd.ConfigurationError, match=match):
         _sidecar(_trainer(_one_device()), VAL, **{"checkpoint_dir": str(tmp_path), **kwargs})
+
+
+def test_a_checkpoint_dir_that_never_appears_is_a_warning_at_the_timeout(tmp_path, caplog):
+    """A typo in the path is said, not an evaluator that 'found no new checkpoint'."""
+    missing = tmp_path / "no" / "such" / "run"
+    evaluator = _sidecar(
+        _trainer(_one_device()), VAL, str(missing), batch_size=32, poll_interval=0.05, timeout=0.3
+    )
+    with caplog.at_level(logging.INFO, logger="spmd.evaluator"):
+        assert evaluator.start() == {}
+    [warning] = [r for r in caplog.records if r.name == "spmd.evaluator" and r.levelno >= 30]
+    assert f"{missing} never appeared in 0 s (timeout)" in warning.getMessage()
+    assert "Check the path" in warning.getMessage()
+    assert "no new checkpoint" not in caplog.text
 
 
 def test_a_log_dir_that_cannot_be_written_is_an_error_before_any_evaluation(trained, tmp_path):

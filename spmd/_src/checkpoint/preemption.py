@@ -220,7 +220,9 @@ def sigterm_line(grace: float) -> str:
     happen, which depends on whether the program makes its next save (a process stopped by a
     launcher after a peer failed, or blocked in a collective, never does)."""
     return (
-        "spmd: SIGTERM caught; at the next CheckpointManager.save() that every process "
+        "spmd: SIGTERM caught (a preemption's notice, or a launcher stopping the job, as "
+        "spmd launch does once a peer failed); at the next CheckpointManager.save() that "
+        "every process "
         f"reaches, that step is saved and the process exits with code {PREEMPTED_EXIT_CODE}; "
         f"if no such save comes within {grace:g} s (grace_period), it ends with code 143, "
         "saving nothing."

@@ -173,7 +173,8 @@ class SidecarEvaluator:
         rest_key: str | None = "rest",
     ) -> None:
         self.trainer = as_trainer(model_or_trainer, loss, metrics, strategy)
-        self.data, self.batch_size = check_data(data), batch_size
+        self.data = check_data(data)
+        self.batch_size = optional_count(batch_size, "batch_size", "examples per batch")
         self.checkpoint_dir = check_directory(checkpoint_dir)
         self.steps = optional_count(steps, "steps", "batches per evaluation")
         self.max_evaluations = optional_count(max_evaluations, "max_evaluations", "evaluations")
@@ -278,6 +279,14 @@ class SidecarEvaluator:
                 return None
             waited = time.monotonic() - last_new
             if self.timeout is not None and agreed(waited >= self.timeout, "timeout"):
+                if done < 0 and not steps and not _appeared(self.checkpoint_dir):
+                    _log.warning(
+                        "%s never appeared in %.0f s (timeout): done, having evaluated "
+                        "nothing. Check the path: it is the training job's checkpoint_dir.",
+                        self.checkpoint_dir,
+                        waited,
+                    )
+                    return None
                 _log.info("no new checkpoint in %.0f s (timeout): done", waited)
                 return None
             pause = self.poll_interval
@@ -340,9 +349,21 @@ class _first:
         return itertools.islice(iter(self.dataset), self.count)
 
 
-def _why(error: BaseException) -> str:
-    lines = str(error).splitlines()
-    return lines[1] if len(lines) > 1 else lines[0] if lines else type(error).__name__
+def _appeared(directory: str) -> bool:
+    """Whether `directory` exists (an error asking counts as yes: no false alarm)."""
+    try:
+        return epath.Path(directory).exists()
+    except Exception:  # noqa: BLE001 (a store's own errors: say nothing rather than guess)
+        return True
+
+
+def _why(error: BaseException, most: int = 400) -> str:
+    """An error's first line (what was expected) and its second (what was received), the
+    second cut at `most` characters (Orbax's errors quote whole tensorstore specs)."""
+    lines = str(error).splitlines()[:2] or [type(error).__name__]
+    if len(lines) > 1 and len(lines[1]) > most:
+        lines[1] = lines[1][:most] + " ..."
+    return " ".join(lines)
 
 
 # -- the checks of the arguments: each a clear error at construction
