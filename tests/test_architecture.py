@@ -20,6 +20,7 @@ def _graph():
     return module
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_the_picture_is_drawn_from_the_current_code():
     graph = _graph()
     text = graph.DOC.read_text()
@@ -30,6 +31,7 @@ def test_the_picture_is_drawn_from_the_current_code():
     assert graph.main(["--check"]) == 0
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_stale_picture_is_caught():
     graph = _graph()
     text = graph.DOC.read_text()

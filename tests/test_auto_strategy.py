@@ -113,6 +113,7 @@ def _deep(layers, width):
     return create, step
 
 
+@pytest.mark.slow  # 6 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_model_plain_fsdp_cannot_hold_is_kept_with_its_optimizer_in_host_memory():
     # 24 GiB of float32 weights and 48 GiB of Adam's moments on 4 v5e chips (15.75 GiB
     # each): FSDP holds 18 GiB of state per chip; with the moments in host memory, 6 GiB.
@@ -149,6 +150,7 @@ def test_a_small_model_on_a_small_slice_is_ranked_in_seconds():
     assert best is plan.best.strategy and best.mesh.devices.flat[0].platform == "tpu"
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_tensor_parallel_layouts_are_built_and_ranked_on_a_slice():
     # v5e:4x4: an axis of 2 takes half of a physical axis of 4
     best, plan = spmd.auto_strategy(
@@ -316,6 +318,7 @@ def _explained(strategy, create, step, batch, args=()):
     return strategy.explain(step, strategy.abstract_state(create, *args), *batch)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_an_nnx_model_annotated_in_mesh_axes_is_planned_with_its_annotations():
     topo = spmd.topology("v5e-8")
     xs = jax.ShapeDtypeStruct((64, 256), jnp.float32)
@@ -334,6 +337,7 @@ def test_an_nnx_model_annotated_in_mesh_axes_is_planned_with_its_annotations():
     assert both.state_bytes < got.state_bytes
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_linen_logical_model_is_planned_through_logical_axis_rules():
     topo = spmd.topology("v5e-8")
     logical = [("embed", None), ("mlp", "model")]
@@ -354,6 +358,7 @@ def test_a_linen_logical_model_is_planned_through_logical_axis_rules():
     assert tp.explanation.state_bytes == want.state_bytes
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_rules_given_to_auto_strategy_lay_out_every_candidate():
     topo = spmd.topology("v5e-8")
     _, plan = spmd.auto_strategy(
@@ -386,6 +391,7 @@ def test_extra_that_is_no_dict_of_strategies_is_an_error(extra):
         spmd.auto_strategy(_create, _step, X, "v5e-8", extra=extra)
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_extra_layouts_on_the_target_are_ranked_beside_the_candidates():
     topo = spmd.topology("v5e-8")
     mine = spmd.TPUStrategy(topology=topo)

@@ -98,6 +98,7 @@ def _cases() -> list:
     ]
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("steps_per_execution, stop_at", _cases())
 def test_a_fit_stopped_after_any_call_resumes_to_the_uninterrupted_fit(
     tmp_path, uninterrupted, steps_per_execution, stop_at

@@ -244,6 +244,7 @@ def create_small(key):
     return {"kernel": jax.random.normal(key, (8, 2)), "key": key}
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.cpu_mesh
 def test_restore_or_init_starts_fresh_then_resumes(ckpt):
     strategy = spmd.MirroredStrategy()

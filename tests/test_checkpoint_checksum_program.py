@@ -27,6 +27,7 @@ def many_leaves(count: int, seed: int = 0) -> dict:
     return out
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_the_checksum_programs_compile_once_per_leaf_kind_whatever_the_leaf_count(monkeypatch):
     monkeypatch.setattr(integrity, "_programs", {})  # none compiled by earlier tests
     state = many_leaves(2000)  # four kinds of leaf (shape, dtype)
@@ -116,6 +117,7 @@ VALUES = {
 }
 
 
+@pytest.mark.slow  # 19 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.cpu_mesh
 @pytest.mark.parametrize("mesh", sorted(MESHES))
 @pytest.mark.parametrize("spec", SPECS, ids=str)
@@ -140,6 +142,7 @@ def test_checksums_of_arrays_in_host_memory_and_on_another_device_are_those_of_n
     assert checksums({"x": elsewhere})["x"] == want["x"]
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.cpu_mesh
 def test_a_replicated_array_is_folded_on_one_device_and_a_sharded_one_on_each(monkeypatch):
     monkeypatch.setattr(integrity, "_programs", {})

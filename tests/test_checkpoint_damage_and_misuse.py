@@ -68,6 +68,7 @@ def _child_env() -> dict[str, str]:
 # -- a damaged data position crash-loops the job (issue 11 item 2) ---------------------------
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_truncated_data_position_falls_back_instead_of_a_raw_crash(tmp_path):
     """Truncating step 2's `data/metadata` (the input position) is damage like any other.
 

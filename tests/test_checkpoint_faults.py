@@ -202,6 +202,7 @@ def test_two_managers_on_one_directory_is_an_error(tmp_path):
         assert second.save(1, make_state(1))
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_manager_in_another_process_holds_the_directory(tmp_path):
     holder = subprocess.Popen(
         [
@@ -258,6 +259,7 @@ def test_a_full_disk_is_reported_naming_the_step(small_disk, async_save):
         ckpt.close()
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("keep", [None, 3], ids=["keep_all", "keep_3"])
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
 def test_a_full_disk_names_only_the_steps_that_failed(small_disk, async_save, keep):
@@ -303,6 +305,7 @@ print("LISTING", sorted(os.listdir(folder)), flush=True)
 """
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_full_disk_is_said_once_per_step_in_spmd_s_words_and_its_space_freed(small_disk):
     """Orbax's own logs of the failed save (ERROR:absl with tracebacks) and its late writes'
     'Event loop is closed' tracebacks stay out of the output; each failed step is named by

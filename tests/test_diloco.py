@@ -46,8 +46,22 @@ def spmd_params(state):
     return jax.tree.map(np.asarray, state.params)
 
 
-@pytest.mark.parametrize("islands", [1, 2, 4])
-@pytest.mark.parametrize("inner", ["sgd", "adamw"])
+# Two islands of AdamW in the fast tier; the other counts and SGD in the slow one.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "islands, inner",
+    [
+        pytest.param(2, "adamw"),
+        *(
+            pytest.param(i, n, marks=_SLOW)
+            for i in (1, 2, 4)
+            for n in ("sgd", "adamw")
+            if (i, n) != (2, "adamw")
+        ),
+    ],
+)
 def test_equals_the_paper_on_one_device(islands, inner):
     strategy = spmd.DiLoCo(islands=islands, sync_every=3)
     state, losses = _train(strategy, inner, 7)
@@ -56,6 +70,7 @@ def test_equals_the_paper_on_one_device(islands, inner):
     assert int(state.step) == 7
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_0d_batch_argument_is_replicated_to_every_island_as_a_step_replicates_it():
     """A 0-d data argument (a rate passed positionally) is one value every island sees,
     as Strategy.step takes it; the oracle is the same step with the value closed over."""
@@ -76,6 +91,7 @@ def test_a_0d_batch_argument_is_replicated_to_every_island_as_a_step_replicates_
     assert_trees_allclose(spmd_params(got), spmd_params(want), **TOL)
 
 
+@pytest.mark.slow  # 9 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("inner", ["sgd", "adamw"])
 def test_islands_run_the_step_unchanged_bit_for_bit(inner):
     """One device per island, before the first sync, from the state init makes (under
@@ -114,6 +130,7 @@ OUTER_BY_PATH = {
 }
 
 
+@pytest.mark.slow  # 16 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("fragments", [1, 2])
 @pytest.mark.parametrize("outer", sorted(OUTER_BY_PATH))
 def test_an_outer_optimizer_choosing_leaves_by_path_sees_the_parameters_tree(outer, fragments):
@@ -245,6 +262,7 @@ def test_restores_into_another_island_count(tmp_path, saved, restored):
     ckpt.close()
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("islands", [None, 4, 1])
 def test_a_restore_told_another_island_count_than_saved_says_which_to_pass(tmp_path, islands):
     """A 2-island checkpoint restored by a 4-island DiLoCo without islands= (or with a
@@ -261,6 +279,7 @@ def test_a_restore_told_another_island_count_than_saved_says_which_to_pass(tmp_p
     ckpt.close()
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_manager_restore_into_another_island_count_says_to_use_strategy_restore(tmp_path):
     """ckpt.restore(target=) of a 2-island checkpoint into a 4-island abstract state: the
     same create function, so the fix names strategy.restore(..., islands=2), not the model."""
@@ -286,6 +305,7 @@ def test_a_manager_restore_into_another_island_count_says_to_use_strategy_restor
     ckpt.close()
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_islands_a_restore_adds_draw_their_own_random_numbers(tmp_path):
     """2 -> 4 islands: islands 0, 1 keep their saved keys; 2, 3 fold theirs with their index."""
     two = spmd.DiLoCo(islands=2, sync_every=2)
@@ -335,6 +355,7 @@ def test_bad_arguments_say_what_to_do(kwargs, fragment):
         spmd.DiLoCo(**kwargs)
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_bad_states_and_calls_say_what_to_do():
     strategy = spmd.DiLoCo(islands=2, sync_every=2, params="weights")
     with pytest.raises(spmd.ConfigurationError, match="params names the part"):
@@ -353,6 +374,7 @@ def test_bad_states_and_calls_say_what_to_do():
         spmd.DiLoCo(spmd.MirroredStrategy(), islands=3)
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_outer_optimizer_lr_one_plain_sgd_is_averaging():
     """With outer SGD at lr 1 the global parameters are the islands' average (local SGD)."""
     strategy = spmd.DiLoCo(islands=2, sync_every=2, outer_optimizer=optax.sgd(1.0))
@@ -370,6 +392,7 @@ def test_outer_optimizer_lr_one_plain_sgd_is_averaging():
     assert not np.allclose(before["out"]["kernel"][0], before["out"]["kernel"][1])
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_unusable_states_say_what_to_do():
     strategy = spmd.DiLoCo(islands=2, sync_every=2)
     step = strategy.step(make_step())
@@ -569,6 +592,7 @@ def _paper(steps, islands=2):
     return reference(create(jax.random.key(0)), make_step(), batches(steps), islands, 3)
 
 
+@pytest.mark.slow  # 8 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("global_batch_size", [None, ISLAND_BATCH], ids=["default", "island"])
 def test_compute_average_loss_over_the_islands_batch_equals_the_paper(global_batch_size):
     strategy = spmd.DiLoCo(islands=2, sync_every=3)
@@ -582,6 +606,7 @@ def test_compute_average_loss_over_the_islands_batch_equals_the_paper(global_bat
     _check(state, want[0], want[1], losses, want[2])
 
 
+@pytest.mark.slow  # 7 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("tokens", [1, 4], ids=["per_example", "per_token"])
 def test_compute_average_loss_over_the_batch_across_islands_says_to_pass_the_islands(tokens):
     """32 rows over 2 islands: dividing each island's sum by 32 would halve its loss (and,
@@ -600,6 +625,7 @@ def test_compute_average_loss_over_the_batch_across_islands_says_to_pass_the_isl
     one.step(averaging_step(len(x) * tokens, tokens))(one.init(create, jax.random.key(0)), x, y)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("through", ["closure", "get_strategy"])
 def test_num_replicas_in_sync_inside_a_step_says_to_read_replicas_per_island(through):
     strategy = spmd.DiLoCo(islands=2, sync_every=3)
@@ -617,6 +643,7 @@ def test_num_replicas_in_sync_inside_a_step_says_to_read_replicas_per_island(thr
     assert "read strategy.replicas_per_island inside the step" in str(caught.value)
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_run_and_reduce_inside_a_step_are_the_islands_per_replica_view_and_equal_the_paper():
     strategy = spmd.DiLoCo(islands=2, sync_every=3)
     state = strategy.init(create, jax.random.key(0))
@@ -663,6 +690,7 @@ def noisy_step(state, x):
     return new, {"kept": mask.mean()}
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_each_island_draws_its_own_random_numbers():
     """A typed PRNG key in the state is folded with the island's index at init."""
     strategy = spmd.DiLoCo(islands=2, sync_every=2)

@@ -24,6 +24,7 @@ def _fit(devices: int, backup: Path, out: Path, kill_at: int, per_execution: int
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
+@pytest.mark.slow  # 26 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_fit_with_dropout_and_steps_per_execution_killed_on_4_devices_resumes_on_2(tmp_path):
     """Killed mid-epoch 2 (iteration 11 of 16, 3 batches per call), resumed on half the devices.
 

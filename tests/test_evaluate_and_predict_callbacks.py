@@ -91,6 +91,7 @@ def test_evaluate_calls_the_test_hooks_in_keras_order_with_each_batchs_logs():
     assert recorder.calls[-2][2] == pytest.approx(result)
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_fit_validates_with_its_callbacks_before_on_epoch_end():
     x, y = _data(64)
     recorder = Recorder()

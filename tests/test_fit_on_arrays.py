@@ -103,6 +103,7 @@ def test_fit_on_arrays_a_batch_size_not_dividing_the_examples(strategy, shuffle,
     _close(trainer, _oracle(Plain, x, y, w if weighted else None, 16, 3, shuffle))
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_fit_on_arrays_trains_on_the_last_partial_batch_as_keras_does(strategy, shuffle):
     """10 examples in batches of 4: 3 steps an epoch (Keras' count), the last on 2 examples,
@@ -127,6 +128,7 @@ class Normed(nnx.Module):
         return self.out(self.norm(x))
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_model_that_writes_state_drops_the_partial_batch_and_says_so(strategy, caplog):
     """Padded rows would enter BatchNorm's statistics, so the partial batch is never padded
     for such a model: it is dropped, as before, and a WARNING says so (docs/migration.md)."""

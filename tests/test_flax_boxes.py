@@ -96,6 +96,7 @@ def _spec(leaf):
     return spec + (None,) * (leaf.ndim - len(spec))
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_bridged_nnx_layer_is_laid_out_as_flax_reads_its_annotation():
     strategy = _strategy()
     state = strategy.init(create_bridged, jax.random.key(0))
@@ -115,6 +116,7 @@ def test_a_bridged_nnx_layer_is_laid_out_as_flax_reads_its_annotation():
         assert leaf.sharding.is_equivalent_to(sharding, len(leaf.shape))
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_bridged_nnx_layer_trains_as_on_one_device():
     strategy = _strategy()
     state = strategy.init(create_bridged, jax.random.key(0))

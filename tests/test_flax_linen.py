@@ -78,6 +78,7 @@ def _check_leaf_by_leaf(state, expected):
         )
 
 
+@pytest.mark.slow  # 22 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("mesh", ["data4_model2", "fsdp8"])
 def test_boxed_trainstate_is_laid_out_as_flax_maps_its_boxes(doc, mesh):
     strategy = _strategies(doc)[mesh]
@@ -95,7 +96,10 @@ def test_boxed_trainstate_is_laid_out_as_flax_maps_its_boxes(doc, mesh):
         assert leaf.sharding.is_equivalent_to(sharding, len(leaf.shape))
 
 
-@pytest.mark.parametrize("mesh", ["data4_model2", "fsdp8"])
+@pytest.mark.parametrize(
+    "mesh",
+    ["data4_model2", pytest.param("fsdp8", marks=pytest.mark.slow)],  # one in the fast tier
+)
 def test_boxed_trainstate_losses_equal_one_device(doc, mesh):
     strategy = _strategies(doc)[mesh]
     state = strategy.init(doc["create"], jax.random.key(0))
@@ -132,6 +136,7 @@ def _maxtext_state(create, mesh, rules):
     return _unboxed(state)
 
 
+@pytest.mark.slow  # 16 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("mesh", ["data4_model2", "fsdp8"])
 def test_maxtext_unboxed_state_keeps_its_layout_through_put_and_steps(doc, mesh):
     """The unboxed, pre-sharded state of MaxText's setup_initial_state: its leaves' own
@@ -174,6 +179,7 @@ def test_an_unboxed_state_on_a_host_placed_strategy_keeps_its_layout_in_host_mem
     assert wi.sharding.memory_kind == "pinned_host"
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_an_unboxed_state_placed_on_another_device_order_keeps_its_layout(doc):
     """A mesh of the same axes over the devices in another order (MaxText builds its
     own): the layout is read by axis names and laid out on the strategy's mesh."""
@@ -222,6 +228,7 @@ def test_a_rule_or_a_named_strategy_wins_over_an_unboxed_leafs_sharding(doc):
     assert all(leaf.sharding.spec == P() for leaf in jax.tree.leaves(mirrored))
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_the_docs_unboxed_state_runs_as_written(doc, capsys):
     namespace = dict(doc)
     exec(compile(_doc_snippets()[1], str(DOC), "exec"), namespace)
@@ -242,6 +249,7 @@ def test_partitioned_boxes_name_mesh_axes(doc):
     assert state["kernel"].value.sharding.spec == P(None, "model")
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_create_fn_that_unboxes_itself_keeps_its_boxes_layout(doc):
     """nn.meta.unbox inside create_fn constrains each leaf to its box's layout: kept."""
     strategy = _strategies(doc)["data4_model2"]
@@ -261,6 +269,7 @@ def test_create_fn_that_unboxes_itself_is_an_error_on_a_named_strategy(doc):
         strategy.init(lambda key: nn.meta.unbox(doc["create"](key)), jax.random.key(0))
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_rule_over_the_path_lays_out_an_unboxed_leaf(doc):
     strategy = spmd.Strategy(
         spmd.make_mesh({"data": 4, "model": 2}),
@@ -283,6 +292,7 @@ def test_logical_constraints_in_a_step_follow_the_strategy_rules(doc):
     assert eqn.params["sharding"].spec == P("data", "model", None)
 
 
+@pytest.mark.slow  # 10 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "mesh, hidden",
     [("data4_model2", '[{"data"}, {}, {"model"}]'), ("fsdp8", '[{"fsdp"}, {}, {}]')],
@@ -314,6 +324,7 @@ class _Probe(nn.Module):
         return jnp.tanh(hidden).sum(axis=-1)
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "mesh, want", [("data4_model2", P("data", "model")), ("fsdp8", P("fsdp", None))]
 )
@@ -346,6 +357,7 @@ def test_a_logical_constraint_lays_out_the_activation_in_the_compiled_step(doc, 
     assert compiled[0].is_equivalent_to(NamedSharding(strategy.mesh, want), 2), compiled[0]
 
 
+@pytest.mark.slow  # 17 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_boxed_state_round_trips_through_a_checkpoint(doc, tmp_path):
     """Saved after a step and restored into abstract_state: the boxes, every leaf's
     layout and value come back, and training goes on as if never stopped."""
@@ -379,6 +391,7 @@ def test_every_unmapped_name_is_listed_in_one_error(doc):
     assert "REST" in text
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_rest_rule_replicates_the_names_no_other_rule_maps(doc):
     strategy = spmd.Strategy(
         spmd.make_mesh({"data": 4, "model": 2}),
@@ -495,6 +508,7 @@ class _ConstrainedInRun(nn.Module):
         return hidden.sum(-1)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_logical_constraint_in_a_model_run_per_replica_inside_a_step_keeps_its_other_axes():
     """Inside strategy.run the batch axes are manual: the constraint's batch name drops out
     and its mlp name still lays the activation over the model axis, inside the step and
@@ -532,6 +546,7 @@ class _Factored(nn.Module):
         return jnp.tanh(x @ self.param("w", init, (16, 32))).sum(-1)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_adafactor_on_a_boxed_linen_train_state_trains_as_on_one_device():
     """optax maps over the boxed params, so its factored moments (v_row, v_col: rank 1)
     carry their kernel's two names, as nnx.Optimizer's inherit them: they take the
@@ -569,6 +584,7 @@ def test_adafactor_on_a_boxed_linen_train_state_trains_as_on_one_device():
         np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("kind", ["strategy", "diloco"])
 def test_init_passes_a_module_and_an_optimizer_among_its_arguments_as_they_are(kind):
     """flax's guide writes init_fn(key, x, model, optimizer) under jax.jit with
@@ -602,6 +618,7 @@ def _logical_kernel(names, shape=(8, 16)):
     return create
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_logical_name_that_is_also_a_mesh_axis_is_mapped_by_the_rules_alone_as_in_flax():
     """('embed', 'model') with no rule for 'model': flax's nn.logical_to_mesh_sharding
     replicates it (the oracle); so does spmd under (REST, None); without it the name is

@@ -79,6 +79,7 @@ STRATEGIES = [
 ]
 
 
+@pytest.mark.slow  # 7 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("make", STRATEGIES)
 def test_a_pytree_adam_state_with_its_optimizer_in_host_memory_matches_one_device(make):
     want_losses, want, _ = _run(spmd.OneDeviceStrategy())
@@ -93,6 +94,7 @@ def test_a_pytree_adam_state_with_its_optimizer_in_host_memory_matches_one_devic
     assert step.cache_size() == 1
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_the_parameters_are_donated_and_the_host_leaves_kept():
     strategy = _one_device()
     state = strategy.init(_create, jax.random.key(0))
@@ -102,6 +104,7 @@ def test_the_parameters_are_donated_and_the_host_leaves_kept():
     assert not any(m.is_deleted() for m in moments)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_offload_keeps_in_host_memory_only_the_leaves_its_regex_names():
     strategy = _one_device(offload=r"opt/.*/nu/.*")  # Adam's second moment alone
     want_losses, want, _ = _run(spmd.OneDeviceStrategy())
@@ -112,6 +115,7 @@ def test_offload_keeps_in_host_memory_only_the_leaves_its_regex_names():
     assert on_host == [f"opt/0/nu/w{i}" for i in range(LAYERS)]
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_clipped_optimizer_and_a_step_reading_its_moments_match_one_device():
     tx = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
 
@@ -138,6 +142,7 @@ def test_a_clipped_optimizer_and_a_step_reading_its_moments_match_one_device():
     assert_trees_allclose(results[1], results[0], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_an_nnx_optimizer_is_found_by_its_opt_state_path():
     def run(strategy):
         model = MLP(nnx.Rngs(0), features=6, hidden=16, outputs=3)
@@ -168,6 +173,7 @@ def test_an_nnx_optimizer_is_found_by_its_opt_state_path():
     assert {kinds[p] for p in kinds if p.startswith("0/")} == {"device"}  # the model
 
 
+@pytest.mark.slow  # 6 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("options", [{}, {"steps_per_execution": 2}])
 def test_the_trainer_with_its_optimizer_in_host_memory_follows_one_device(options):
     x, y = labelled(256)
@@ -194,6 +200,7 @@ def test_the_trainer_with_its_optimizer_in_host_memory_follows_one_device(option
     )
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_checkpoint_restores_the_optimizer_into_host_memory(tmp_path):
     strategy = _one_device()
     state = strategy.init(_create, jax.random.key(0))
@@ -208,6 +215,7 @@ def test_a_checkpoint_restores_the_optimizer_into_host_memory(tmp_path):
     strategy.step(_step)(restored, _batches(1)[0])  # and it trains on
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_named_strategy_takes_the_placement_by_replace():
     strategy = dataclasses.replace(spmd.OneDeviceStrategy(), placement="offload_optimizer")
     want_losses, _, _ = _run(spmd.OneDeviceStrategy())
@@ -225,6 +233,7 @@ def _explained(strategy, layers=8, width=256):
     return strategy.explain(_step, abstract, x)
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_explain_counts_the_moments_in_host_memory_and_a_lower_device_peak_on_cpu():
     mesh = spmd.make_mesh({"data": 1}, jax.devices()[:1])
     device = _explained(spmd.Strategy(mesh))
@@ -240,6 +249,7 @@ def test_explain_counts_the_moments_in_host_memory_and_a_lower_device_peak_on_cp
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_on_a_tpu_slice_the_compiler_needs_less_hbm_with_the_optimizer_offloaded():
     topo = spmd.topology("v5e:2x2")
     mesh = spmd.make_mesh({"fsdp": 4}, topo)

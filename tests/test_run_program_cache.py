@@ -179,6 +179,7 @@ def _doubling_with_backward_scale(k):
     return double
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_functions_of_equal_jaxprs_differentiated_through_run_use_their_own_rules(strategy):
     """fn closes over the value jax.grad differentiates (w): each function's gradient is
     its own backward rule's, in any order, after its program ran (and was shared)
@@ -301,6 +302,7 @@ def _one_device_oracle(structure):
         return jax.jit(jax.vmap(replica, axis_name="replicas"))(X)
 
 
+@pytest.mark.slow  # 9 s of CPU: over the fast tier's share (tests/tiers.py)
 @settings(max_examples=25, deadline=None)
 @given(structures=st.lists(_structures(), min_size=2, max_size=4), order=st.randoms())
 def test_any_structures_in_any_order_match_the_oracle(strategy, structures, order):
@@ -364,6 +366,7 @@ def _apply_of(w):
     return functools.partial(model.apply, jax.tree.map(lambda p: p * w.sum(), params))
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "make",
     [_jit_closing_over, _jit_in_jit_closing_over, _pjit_closing_over, _jitted_apply_of, _apply_of],

@@ -91,6 +91,7 @@ def _oracle(state):
     return trainer.evaluate(VAL, batch_size=32)
 
 
+@pytest.mark.slow  # 4 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_each_step_is_evaluated_as_evaluate_does_on_one_device(trained, tmp_path):
     directory, saved = trained
     assert spmd.CheckpointManager(directory, read_only=True).final_step() == 9
@@ -120,6 +121,7 @@ def test_each_step_is_evaluated_as_evaluate_does_on_one_device(trained, tmp_path
         assert got == pytest.approx(metrics["accuracy"])
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_an_evaluator_on_eight_devices_and_a_steps_limit(trained):
     directory, saved = trained
     history = _sidecar(
@@ -198,6 +200,7 @@ def restored_steps(monkeypatch):
     return asked
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "uncommit, why",
     [
@@ -217,6 +220,7 @@ def test_a_step_folder_never_committed_is_never_read(
     assert why in caplog.text
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_newest_step_not_yet_committed_is_read_once_its_commit_lands(
     trained, tmp_path, caplog, restored_steps, monkeypatch
 ):
@@ -282,6 +286,7 @@ def test_a_step_removed_while_it_is_read_is_skipped_as_removed_not_damaged(
     assert "damaged" not in caplog.text
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("removed", [True, False], ids=["then-gone", "still-there"])
 def test_an_incomplete_step_folder_is_logged_as_what_the_next_look_finds(
     trained, tmp_path, caplog, monkeypatch, removed
@@ -307,6 +312,7 @@ def test_an_incomplete_step_folder_is_logged_as_what_the_next_look_finds(
     assert f"skipping checkpoint step 6: {want}" in caplog.text
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_without_a_final_step_it_waits_until_the_timeout(tmp_path, caplog):
     trainer = _trainer(_one_device())
     trainer.fit(
@@ -349,6 +355,7 @@ class _Between:
         time.sleep(seconds)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_second_fit_call_goes_on_past_the_first_ones_final_step(tmp_path, monkeypatch):
     """Keras' two fit() calls with one ModelCheckpoint (a warm-up, then more epochs): the first
     fit marks its last step final; the evaluator waits out its grace, and the second fit
@@ -367,6 +374,7 @@ def test_a_second_fit_call_goes_on_past_the_first_ones_final_step(tmp_path, monk
     assert list(evaluator.start()) == [2, 4, 6, 8]
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_resumed_run_keeps_the_evaluator_going_from_before_its_first_save(tmp_path, monkeypatch):
     """A finished run resumed for more epochs (BackupAndRestore) with an evaluator started
     beside it: the old run's final mark goes when the resumed run opens the directory, long
@@ -438,6 +446,7 @@ def _new_run(directory, states):
     trainer.fit(_data(64, 2), batch_size=32, verbose=0, callbacks=[checkpoint, Remember()])
 
 
+@pytest.mark.slow  # 6 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("seen_gone", [True, False], ids=["seen-removed", "replaced-between-looks"])
 def test_a_directory_removed_and_recreated_by_a_new_run_is_followed_from_its_start(
     trained, tmp_path, caplog, monkeypatch, seen_gone
@@ -464,6 +473,7 @@ def test_a_directory_removed_and_recreated_by_a_new_run_is_followed_from_its_sta
     assert "the training run ended at step 2" in caplog.text
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_run_whose_newest_steps_go_is_the_same_run(trained, tmp_path, caplog, monkeypatch):
     """Steps 6 and 9 set aside (a relaunched writer's restore_newest) or being deleted: the
     steps left are checkpoints the evaluator read, so it is the same run, evaluated once."""
@@ -484,6 +494,7 @@ def test_a_run_whose_newest_steps_go_is_the_same_run(trained, tmp_path, caplog, 
     assert "new run" not in caplog.text
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_the_optimizer_and_metrics_may_differ_from_trainings(trained):
     """Only the model is read (never the optimizer state): any optimizer, other metrics."""
     directory, saved = trained
@@ -513,6 +524,7 @@ class Renamed(nnx.Module):
         return self.out(jax.nn.relu(self.dense(x)))
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "model, match",
     [
@@ -545,6 +557,7 @@ def test_a_checkpoint_of_another_model_is_an_error_naming_the_leaves(trained, mo
     assert evaluator.history == {}  # nothing evaluated with a part of the weights
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_dataset_that_never_ends_needs_steps(trained):
     tf = pytest.importorskip("tensorflow")
     directory, saved = trained
@@ -574,6 +587,7 @@ def _linear_apply(params, x):
     return x @ params["w"] + params["b"]
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_custom_loops_checkpoints_are_evaluated_as_evaluate_does(tmp_path):
     """examples/06's layout, {"params", "opt"} and no step counter, from a loop with its own
     optimizer: the evaluator reads "params" and evaluates each step as Trainer.evaluate."""
@@ -617,6 +631,7 @@ class _Normed(nnx.Module):
         return self.out(jax.nn.relu(self.norm(self.dense(x))))
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_custom_loops_model_state_nested_under_its_own_keys(tmp_path):
     """A loop that saves {"model": {"weights", "stats"}, "opt"}: params_key and rest_key say
     where; the BatchNorm statistics are the saved ones, not the evaluator model's own."""
@@ -778,6 +793,7 @@ for directory in sys.argv[1:]:
 """
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_directory_under_a_file_or_an_unreadable_folder_is_spmd_s_error_naming_it(tmp_path):
     """checkpoint_dir below a file (it can never be a folder), and below a folder of mode 000
     (it cannot be looked at): a ConfigurationError naming the file, a CheckpointError naming
@@ -812,6 +828,7 @@ def test_a_one_shot_iterator_is_a_clear_error_before_any_evaluation(tmp_path):
         _sidecar(_trainer(_one_device()), batches, str(tmp_path))
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_bare_model_with_loss_and_metrics_is_evaluated_as_keras_does(trained, tmp_path):
     """Keras' form: the model, with what model.compile gave it (loss, metrics); its weights
     are each checkpoint's, and a TensorBoard callback gets Keras' tags at each train step."""
@@ -945,6 +962,7 @@ def test_an_evaluator_racing_a_writer_that_keeps_one_step(tmp_path):
         np.testing.assert_allclose(metrics["loss"], _oracle(states[step])["loss"], rtol=1e-6)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "make",
     [
@@ -960,6 +978,7 @@ def test_fit_marks_its_last_save_final_even_while_it_is_in_flight(tmp_path, make
     assert spmd.CheckpointManager(directory, read_only=True).final_step() == 2
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_each_evaluation_is_on_disk_when_on_test_end_returns_and_batch_hooks_run(trained, tmp_path):
     """A TensorBoard among the callbacks flushes each evaluation's scalars in on_test_end
     (nothing closes it at the end), and the test batch hooks run per batch, as in evaluate."""

@@ -180,6 +180,7 @@ STATES = {
 }
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("donate", [None, pytest.param(False, marks=SLOW)])
 @pytest.mark.parametrize("strategy", [pytest.param("one", marks=SLOW), "mirrored", "central"])
 @pytest.mark.parametrize("kind", sorted(STATES))
@@ -299,6 +300,7 @@ def _mutated_run(strategy, kind, donate):
     )
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("donate", [None, pytest.param(False, marks=SLOW)])
 @pytest.mark.parametrize("kind", ["replace", "add", "swap", "numpy", "remove", "placed"])
 @pytest.mark.parametrize("strategy", ["mirrored", pytest.param("ps", marks=SLOW)])
@@ -449,6 +451,7 @@ METRICS = {
 }
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("after", ["keep", "delete"])
 @pytest.mark.parametrize("donate", [True, pytest.param(False, marks=SLOW)])
 @pytest.mark.parametrize("strategy", ["mirrored", pytest.param("one", marks=SLOW)])

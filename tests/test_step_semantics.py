@@ -73,6 +73,7 @@ def _signed(state, x, config):
     return state, {"value": jnp.copysign(1.0, config.sign) * x.sum() * doubled}
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "configs",
     [

@@ -348,6 +348,7 @@ def test_a_step_that_does_not_donate_may_return_only_metrics():
     assert not state["params"]["hidden"]["kernel"].is_deleted()
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_many_queued_steps_on_cpu_finish():
     """A thousand steps without reading a result: on XLA:CPU the queue stays bounded."""
     strategy = spmd.MirroredStrategy()

@@ -167,6 +167,7 @@ def test_a_path_holding_no_record_is_a_usage_error(text, tmp_path, capsys):
     )
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_the_recorder_writes_each_tests_modules_cpu_and_wall(tmp_path):
     """A pytest run under SPMD_TEST_RECORD writes a record tiers.py reads."""
     probe = tmp_path / "test_probe.py"

@@ -461,6 +461,7 @@ def test_explain_on_a_topology_reports_hbm_traffic_and_a_roofline():
         assert re.search(rf"^  {re.escape(row)} +{re.escape(_human(value))}$", text, re.M), row
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_loop_collective_counts_once_per_iteration():
     counts = {}
     for layers in (2, 8):
@@ -482,6 +483,7 @@ def test_two_slices_send_over_dcn():
     assert e.roofline.dcn_s == pytest.approx(e.roofline.dcn_bytes / (2 * 100e9 / 64))
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_every_collective_of_a_two_slice_data_parallel_step_is_counted():
     # XLA gives this program's reduce-scatters and all-gathers the same channel ids.
     def create(key):

@@ -57,6 +57,7 @@ def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 @no_chip
 def test_a_program_on_a_host_without_a_tpu_hears_nothing_from_libtpu_and_compiles_for_one():
     pytest.importorskip("libtpu", reason="libtpu speaks only where it is installed")
@@ -68,6 +69,7 @@ def test_a_program_on_a_host_without_a_tpu_hears_nothing_from_libtpu_and_compile
     assert "COMPILED ['tpu'] True" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.slow  # 6 s of CPU: over the fast tier's share (tests/tiers.py)
 @no_chip
 @pytest.mark.parametrize(
     "imports",

@@ -159,6 +159,7 @@ def test_accuracy_of_one_output_is_keras_binary_accuracy_at_threshold_half(label
     assert result["accuracy"] == pytest.approx(hand, abs=1e-7)
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_history_holds_one_value_per_epoch_as_keras():
     history = _trainer(strategy=_strategy()).fit(_data(), batch_size=16, epochs=3, verbose=0)
     assert history.epoch == [0, 1, 2]
@@ -186,6 +187,7 @@ class KerasLogs(spmd.callbacks.Callback):
         self.kept.append(logs)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_keras_callback_reads_the_running_loss_at_every_batch():
     x, y = _data()
     callback = KerasLogs()  # one callback alone, not in a list: Keras takes it so
@@ -482,6 +484,7 @@ def test_zero_row_arrays_are_a_batch_error(call):
         getattr(_trainer(), call)((x[:0], y[:0]), batch_size=16)
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_fewer_examples_than_batch_size_train_one_partial_batch_as_keras_does():
     x, y = _data()
     trainer = _trainer()

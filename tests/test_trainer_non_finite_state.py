@@ -43,6 +43,7 @@ class HugeGradient(nnx.Module):
         return self.out(x) + (boost - jax.lax.stop_gradient(boost))  # 0, with its gradient
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("steps_per_execution", [1, 4])
 def test_an_optimizer_state_made_infinite_by_a_finite_loss_stops_fit_naming_it(
     steps_per_execution,
@@ -104,6 +105,7 @@ def _keeps_infinity() -> optax.GradientTransformation:
     )
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_optimizer_state_infinite_from_its_init_is_no_alarm():
     trainer = _trainer(optimizer=optax.chain(_keeps_infinity(), optax.adam(1e-2)))
     history = trainer.fit(_data(), batch_size=16, epochs=2, verbose=0)
@@ -111,6 +113,7 @@ def test_optimizer_state_infinite_from_its_init_is_no_alarm():
     assert float(trainer.state["opt_state"][0]["best"]) == np.inf
 
 
+@pytest.mark.slow  # 5 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "kwargs",
     [

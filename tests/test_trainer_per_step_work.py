@@ -88,6 +88,7 @@ class Child(Base):
         self.ends.append(("child", batch))
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_subclass_override_and_an_instance_override_are_called():
     child, patched = Child(), spmd.callbacks.Callback()
     calls = []
@@ -102,6 +103,7 @@ class Looks(Batches):
         self.ends.append(logs["loss"])
 
 
+@pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("callback, reads", [(Batches, 2), (Looks, 2 + 2 * 4)])
 def test_batch_logs_are_read_from_the_devices_only_when_a_callback_looks(
     monkeypatch, callback, reads
@@ -177,6 +179,7 @@ def test_a_nan_at_an_epochs_last_batch_is_named_there():
         _trainer().fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
 
 
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_a_nan_in_the_second_one_batch_epoch_is_named_there():
     x, y = _data(64)
     x[16] = np.nan  # the second batch: epoch 1 with steps_per_epoch=1

@@ -87,6 +87,7 @@ def _ids(strategy, batch, options=None, n=12):
 # -- the random numbers of the real rows ---------------------------------------------------
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_the_random_bits_of_the_first_rows_do_not_depend_on_the_rows_padded_after_them():
     """Padding at the end keeps Dropout's draws: with jax's partitionable threefry (on by
     default) every element's bits come from its own index, so the first 6 rows of an
@@ -100,6 +101,7 @@ def test_the_random_bits_of_the_first_rows_do_not_depend_on_the_rows_padded_afte
 # -- the Trainer pads on its own --------------------------------------------------------------
 
 
+@pytest.mark.slow  # 13 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "kwargs",
     [{}, {"grad_accum_steps": 2}, {"steps_per_execution": 3}],
@@ -116,6 +118,7 @@ def test_fit_with_a_batch_of_6_on_4_replicas_with_dropout_equals_one_device(kwar
         np.testing.assert_allclose(history[name], want_history[name], rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_evaluate_and_predict_with_a_batch_of_6_on_4_replicas_count_each_example_once():
     x, y = _data(n=40)  # 7 batches of 6, the last of 4: padded twice over
     one, _, _ = _fit(_mirrored(1))
@@ -146,6 +149,7 @@ def test_a_model_with_batchnorm_statistics_on_a_padded_batch_is_an_error_before_
     assert trainer.iterations == 0
 
 
+@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
 def test_batchnorm_trains_as_on_one_device_over_the_devices_that_divide_the_batch():
     """MultiWorkerMirroredStrategy(global_batch_size=6) over 8 devices takes 6: nothing
     padded, so a model with BatchNorm statistics trains, on the whole batch's statistics.
