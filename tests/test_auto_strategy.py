@@ -472,7 +472,7 @@ def test_tensor_parallel_that_a_users_rule_splits_is_kept():
 def test_a_batch_of_negative_size_is_a_batch_error():
     with pytest.raises(spmd.BatchError, match="0 or more") as info:
         spmd.auto_strategy(_create, _step, jax.ShapeDtypeStruct((-4, 256), jnp.float32))
-    assert "leaf='batch[0]', shape=(-4, 256)" in str(info.value)
+    assert "negative_shapes={'batch[0]': (-4, 256)}" in str(info.value)
 
 
 @pytest.mark.parametrize(

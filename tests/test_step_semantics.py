@@ -200,7 +200,7 @@ def test_an_abstract_batch_of_negative_size_is_a_batch_error_not_jaxs():
     strategy = _mirrored()
     with pytest.raises(spmd.BatchError, match="0 or more") as info:
         strategy.explain(_sgd, _state(), jax.ShapeDtypeStruct((-8, 4), jnp.float32))
-    assert "shapes=[(-8, 4)]" in str(info.value)
+    assert "negative_shapes={'batch[0]': (-8, 4)}" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,6 @@ import jax
 from spmd._src.candidates import MIN_SHARDED_ELEMENTS, candidates, idle_axes, model_layout
 from spmd._src.errors import (
     ArgumentTypeError,
-    BatchError,
     ConfigurationError,
     SpmdError,
     message,
@@ -33,7 +32,7 @@ from spmd._src.logical import LogicalRules
 from spmd._src.mesh import make_mesh
 from spmd._src.roofline import Roofline, estimate
 from spmd._src.rules import Rule
-from spmd._src.strategy.base import Step, Strategy
+from spmd._src.strategy.base import Step, Strategy, check_sizes
 from spmd._src.topologies import Chip, Topology, chip_of, topology
 from spmd._src.validate import positive_int
 
@@ -299,19 +298,10 @@ def _callables(create_fn: Any, step: Any) -> None:
 
 
 def _batch(batch: Any) -> tuple:
-    """The step's data arguments as a tuple, every leaf's shape of sizes >= 0."""
+    """The step's data arguments as a tuple, every leaf's shape of sizes >= 0 (before any
+    candidate is built: one error, not every candidate dropped for it)."""
     batch = tuple(batch) if isinstance(batch, tuple | list) else (batch,)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = tuple(getattr(leaf, "shape", ()))
-        if any(isinstance(d, int) and d < 0 for d in shape):
-            raise BatchError(
-                message(
-                    "Every size of a batch leaf's shape is 0 or more (the global batch's shape).",
-                    received(leaf=f"batch{jax.tree_util.keystr(path)}", shape=shape),
-                    "give the global batch's own shape, e.g. "
-                    "jax.ShapeDtypeStruct((1024, 2048), jnp.int32).",
-                )
-            )
+    check_sizes(batch)
     return batch
 
 

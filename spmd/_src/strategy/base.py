@@ -53,6 +53,7 @@ __all__ = [
     "ScopeError",
     "Step",
     "Strategy",
+    "check_sizes",
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
@@ -64,6 +65,29 @@ Placement = Literal["device", "host", "offload_optimizer"]
 # The memory kind of the state between steps; with "offload_optimizer", that of the
 # leaves it keeps on the devices (the optimizer's are in pinned_host).
 _MEMORY_KIND = {"device": "device", "host": "pinned_host", "offload_optimizer": "device"}
+
+
+def check_sizes(data: Any, name: str = "batch") -> None:
+    """Raises where a leaf of a batch has a negative size, which only an abstract batch
+    (`jax.ShapeDtypeStruct`) can have.
+
+    Raises:
+      BatchError: naming each such leaf (its path under `name`) and its shape.
+    """
+    negative = {
+        f"{name}{jax.tree_util.keystr(path)}": tuple(np.shape(x))
+        for path, x in jax.tree_util.tree_flatten_with_path(data)[0]
+        if min(np.shape(x), default=0) < 0
+    }
+    if negative:
+        raise BatchError(
+            message(
+                "Every size of a batch leaf's shape is 0 or more (the global batch's shape).",
+                received(negative_shapes=negative),
+                "give the global batch's own shape, e.g. "
+                "jax.ShapeDtypeStruct((1024, 2048), jnp.int32).",
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -452,16 +476,7 @@ class Strategy:
           BatchError: leading sizes differ between leaves, or do not divide by
             `num_replicas_in_sync`.
         """
-        negative = [np.shape(x) for x in jax.tree.leaves(data) if min(np.shape(x), default=0) < 0]
-        if negative:  # only an abstract batch (jax.ShapeDtypeStruct) can say so
-            raise BatchError(
-                message(
-                    "Every size of a batch leaf's shape is 0 or more.",
-                    received(shapes=negative),
-                    "give the global batch's own shape, e.g. "
-                    "jax.ShapeDtypeStruct((1024, 2048), jnp.int32).",
-                )
-            )
+        check_sizes(data)
         sizes = {np.shape(x)[axis] for x in jax.tree.leaves(data) if np.ndim(x) > axis}
         if 0 in sizes:
             raise BatchError(

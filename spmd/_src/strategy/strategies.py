@@ -464,8 +464,8 @@ def by_name(name: str) -> Strategy:
     Raises:
       ConfigurationError: the name is unknown (the message lists the known ones).
     """
-    key = name.lower().replace("-", "_").removesuffix("_strategy").removesuffix("strategy")
-    if key not in _BY_NAME:
+    key = _NAMES_BY_KEY.get(_key(name)) if isinstance(name, str) else None
+    if key is None:
         raise ConfigurationError(
             message(
                 f"A strategy name is one of {sorted(_BY_NAME)}.",
@@ -479,11 +479,13 @@ def by_name(name: str) -> Strategy:
 def constructor_name(name: str) -> str | None:
     """The named strategy a name stands for, in any spelling ("mirrored",
     "OneDeviceStrategy", "one-device" -> "OneDeviceStrategy"); None where it names none."""
-    key = "".join(c for c in name.lower() if c.isalnum()).removesuffix("strategy")
-    for built in _CONSTRUCTORS:
-        if built.__name__.lower().removesuffix("strategy") == key:
-            return built.__name__
-    return None
+    return next((c.__name__ for c in _CONSTRUCTORS if _key(c.__name__) == _key(name)), None)
+
+
+def _key(name: str) -> str:
+    """A strategy's name in any spelling, reduced to compare: "One-Device_Strategy" ->
+    "onedevice"."""
+    return "".join(c for c in name.lower() if c.isalnum()).removesuffix("strategy")
 
 
 _CONSTRUCTORS = (
@@ -495,4 +497,5 @@ _CONSTRUCTORS = (
     ParameterServerStrategy,
 )
 
+_NAMES_BY_KEY = {_key(name): name for name in _BY_NAME}
 NAMES: tuple[str, ...] = tuple(_BY_NAME)

@@ -4,7 +4,6 @@ EarlyStopping, checkpoints (TensorBoard is in spmd/_src/trainer/tensorboard.py).
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import sys
 import time
@@ -118,12 +117,6 @@ class Callback:
 
 _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 _BATCH_HOOKS = [name for name in _HOOKS if "_batch_" in name]
-# Where each hook that takes logs has them among its positional arguments.
-_LOGS_AT = {
-    name: params.index("logs")
-    for name in _HOOKS
-    if "logs" in (params := list(inspect.signature(getattr(Callback, name)).parameters)[1:])
-}
 
 
 def as_callbacks(callbacks: Any) -> list[Callback]:
@@ -246,15 +239,7 @@ class CallbackList:
             setattr(self, name, _dispatch([m for c in self.callbacks if (m := _hook(c, name))]))
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> None:
-        """Calls hook `name` on every callback that has it now, then rebuilds the batch hooks.
-
-        A hook that takes logs and is given none gets an empty dict, as in Keras.
-        """
-        at = _LOGS_AT.get(name)
-        if at is not None and len(args) > at:
-            args = (*args[:at], {} if args[at] is None else args[at], *args[at + 1 :])
-        elif at is not None and kwargs.get("logs") is None:
-            kwargs["logs"] = {}
+        """Calls hook `name` on every callback that has it now, then rebuilds the batch hooks."""
         for callback in self.callbacks:
             method = _hook(callback, name)
             if method is not None:

@@ -523,14 +523,14 @@ class Trainer:
         logs: dict = {}
         self._fit_first = True
         before, self._pass_ended = self.iterations, False
-        hooks.on_train_begin()
+        hooks.on_train_begin({})
         # A backup (BackupAndRestore) taken at an epoch's last batch resumes in that
         # epoch with no batch left: its end (metrics, validation, hooks) still runs.
         # One taken after the pass ended (a last call of fewer than steps_per_execution
         # batches reads past the end) reads nothing more: its position is the next pass's.
         resumed = self.iterations != before
         while self.epoch < epochs and not self.stop_training:
-            hooks.on_epoch_begin(self.epoch)
+            hooks.on_epoch_begin(self.epoch, {})
             self._epoch_start = self.iterations
             ran = 0 if self._pass_ended else self._run_epoch(hooks, steps_per_epoch)
             self._pass_ended = False
@@ -652,7 +652,7 @@ class Trainer:
 
     def _evaluate_dataset(self, dataset: Any, what: str, hooks: CallbackList) -> dict[str, float]:
         """Evaluates every batch of `dataset`, calling the test hooks as Keras does."""
-        hooks.on_test_begin()
+        hooks.on_test_begin({})
         step, totals = self._step("eval"), None
         batch_logs = hooks.overrides("on_test_batch_end")  # else no per-batch read
         for index, batch in enumerate(dataset):
@@ -698,7 +698,7 @@ class Trainer:
         data = (list(x),) if is_bare_arrays(x) else (x,) if is_arrays((x,)) else x
         dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="predict")
         hooks = self._hooks(callbacks, dataset, verbose=0)
-        hooks.on_predict_begin()
+        hooks.on_predict_begin({})
         step, rows = self._step("predict"), []
         for index, batch in enumerate(dataset):
             hooks.on_predict_batch_begin(index, {})
@@ -710,7 +710,7 @@ class Trainer:
                 out = jax.tree.map(lambda o, keep=keep: o[keep], out)
             rows.append(out)
             hooks.on_predict_batch_end(index, {"outputs": out})
-        hooks.on_predict_end()
+        hooks.on_predict_end({})
         if not rows:
             return np.zeros((0,))
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
