@@ -74,20 +74,21 @@ def check_sizes(data: Any, name: str = "batch") -> None:
     Raises:
       BatchError: naming each such leaf (its path under `name`) and its shape.
     """
+    if all(min(np.shape(x), default=0) >= 0 for x in jax.tree.leaves(data)):
+        return  # every call's path: the paths are read only to name what is wrong
     negative = {
         f"{name}{jax.tree_util.keystr(path)}": tuple(np.shape(x))
         for path, x in jax.tree_util.tree_flatten_with_path(data)[0]
         if min(np.shape(x), default=0) < 0
     }
-    if negative:
-        raise BatchError(
-            message(
-                "Every size of a batch leaf's shape is 0 or more (the global batch's shape).",
-                received(negative_shapes=negative),
-                "give the global batch's own shape, e.g. "
-                "jax.ShapeDtypeStruct((1024, 2048), jnp.int32).",
-            )
+    raise BatchError(
+        message(
+            "Every size of a batch leaf's shape is 0 or more (the global batch's shape).",
+            received(negative_shapes=negative),
+            "give the global batch's own shape, e.g. "
+            "jax.ShapeDtypeStruct((1024, 2048), jnp.int32).",
         )
+    )
 
 
 @dataclass(frozen=True)
