@@ -39,11 +39,13 @@ from spmd._src.strategy.replica import (
     in_cross_replica_context,
     running_strategy,
 )
-from spmd._src.strategy.state_placement import place_state
+from spmd._src.strategy.state_placement import own_buffers, place_state
 from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT, Step
+from spmd._src.strategy.step_checks import COMPARE_BATCH_EVERY
 from spmd._src.strategy.step_layout import put_leaf
 from spmd._src.strategy.step_records import spans_processes
 from spmd._src.topologies import check_runnable, eager_refused
+from spmd._src.validate import non_negative_int
 
 if TYPE_CHECKING:
     from spmd._src.data.dataset import DistributedDataset, InputContext, InputOptions, NumpyDataset
@@ -335,6 +337,11 @@ class Strategy:
         taken as the global value; the processes check, by fingerprint, that
         they hold the same (a `ConfigurationError` naming the leaf if not).
 
+        Every placed leaf owns its device memory: leaves that would share a
+        buffer (one array at two paths, e.g. `{"params": p, "ema": p}`, or an
+        optimizer state whose `init` returns the parameters) are each given a
+        copy, so that a step can donate the state.
+
         Raises:
           ConfigurationError: a leaf none of them covers is sharded over mesh
             axes this strategy's mesh lacks, or the processes hold different
@@ -361,7 +368,8 @@ class Strategy:
           **kwargs: passed to `create_fn` as Python values, fixed at trace time.
 
         Returns:
-          The state, placed per the strategy's rules.
+          The state, placed per the strategy's rules; each leaf owns its device
+          memory (a value `create_fn` returns at two paths is copied, as `put` does).
         """
         check_runnable(self, "init")
         create_fn, args = bind_static(create_fn, args)
@@ -369,7 +377,8 @@ class Strategy:
         with self.context():
             abstract = self._trace_create(pure_create, args)
             out = jax.jit(pure_create, out_shardings=self.state_sharding(abstract))(*args)
-        return nnx_state.merge(graph["def"], out)
+        leaves, treedef = jax.tree.flatten(out)  # an argument returned twice: one buffer
+        return nnx_state.merge(graph["def"], treedef.unflatten(own_buffers(leaves)))
 
     def abstract_state(self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The state `init(create_fn, ...)` would make, as `ShapeDtypeStruct`s with shardings.
@@ -573,9 +582,19 @@ class Strategy:
         donate: bool | None = None,
         static_argnames: Sequence[str] = (),
         batch_axis: int = 0,
+        compare_batch_every: int = COMPARE_BATCH_EVERY,
     ) -> Callable[[Callable[..., Any]], Step]: ...
 
-    def step(self, fn=None, /, *, donate=None, static_argnames=(), batch_axis=0):
+    def step(
+        self,
+        fn=None,
+        /,
+        *,
+        donate=None,
+        static_argnames=(),
+        batch_axis=0,
+        compare_batch_every=COMPARE_BATCH_EVERY,
+    ):
         """Compiles a train step with the strategy's shardings: `@strategy.step`.
 
         The first argument is the state: placed by the rules, donated (a pytree
@@ -596,18 +615,30 @@ class Strategy:
             name or a sequence of names, as `jax.jit` takes them.
           batch_axis: the axis of the data split over the replicas: 0, or 1 when
             the data holds several batches stacked for one call (a scan).
+          compare_batch_every: with several processes, a numpy batch is each
+            process's claim to be the whole global batch; the processes compare
+            a fingerprint of it at each new batch signature and every this many
+            calls in between (1: every call; 0: never). A mismatch is a
+            `BatchError` on every process. jax.Arrays are not compared.
 
         Returns:
           A `Step`, callable like `fn`. Used bare or with arguments.
 
         Raises:
           ConfigurationError: `donate` is not a bool, a static name is not a
-            string, or `batch_axis` is not 0 or 1.
+            string, `batch_axis` is not 0 or 1, or `compare_batch_every` is not
+            an integer >= 0.
         """
         options = {
             "donate": check_donate(donate),
             "static_argnames": static_names(static_argnames),
             "batch_axis": check_batch_axis(batch_axis),
+            "compare_batch_every": non_negative_int(
+                compare_batch_every,
+                "compare_batch_every",
+                fix="pass compare_batch_every=1 to compare every call's batch across "
+                f"processes, 0 never to, or leave the default ({COMPARE_BATCH_EVERY}).",
+            ),
         }
         if fn is None:
             return lambda f: Step(self, f, **options)

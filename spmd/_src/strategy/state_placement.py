@@ -17,7 +17,7 @@ from spmd._src.errors import BatchError, ConfigurationError, message, received
 from spmd._src.rules import is_key, path_str
 from spmd._src.strategy.step_layout import put_leaf
 
-__all__ = ["place_state"]
+__all__ = ["buffers", "own_buffers", "place_state"]
 
 # How long a process waits for the others to place the same state.
 AGREE_TIMEOUT_S = 300.0
@@ -44,12 +44,18 @@ def place_state(tree: Any, shardings: Any) -> Any:
     the processes first compare a fingerprint of each such leaf (CRC-32 of a
     sample of its rows), in one exchange through the coordination service.
 
+    Every placed leaf owns its device memory (`own_buffers`): leaves that
+    would share a buffer (one array at two paths, `{"params": p, "ema": p}`)
+    are each given a copy, so that a step can donate them.
+
     Raises:
       ConfigurationError: the processes hold different values for a leaf
         (naming it), or one did not place its state within `AGREE_TIMEOUT_S`.
     """
     if jax.process_count() == 1:
-        return jax.tree.map(put_leaf, tree, shardings)
+        leaves, treedef = jax.tree.flatten(tree)
+        placed = map(put_leaf, leaves, treedef.flatten_up_to(shardings))
+        return treedef.unflatten(own_buffers(list(placed)))
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     targets = treedef.flatten_up_to(shardings)
     held = {
@@ -63,7 +69,39 @@ def place_state(tree: Any, shardings: Any) -> Any:
         _from_host(held[i], sharding) if i in held else put_leaf(leaf, sharding)
         for i, ((_, leaf), sharding) in enumerate(zip(flat, targets, strict=True))
     ]
-    return treedef.unflatten(leaves)
+    return treedef.unflatten(own_buffers(leaves))
+
+
+def buffers(x: Any) -> frozenset[int]:
+    """The device buffers of this process's shards of `x` (empty for anything but a
+    live concrete jax.Array): two arrays that share one cannot both be donated."""
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.is_deleted():
+        return frozenset()
+    return frozenset(shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards)
+
+
+def own_buffers(leaves: list) -> list:
+    """`leaves`, each that shares a device buffer with an earlier one replaced by a copy.
+
+    Placing a state must not leave two leaves on one buffer: a step donates
+    its state, and XLA given one buffer twice refuses the call (one device)
+    or crashes the process (several). Two leaves are two values of a pytree
+    state, which the step updates apart, so a copy is what they mean: a
+    parameter EMA that starts as the parameters (`{"params": p, "ema": p}`),
+    or an optimizer state whose `init` returns the parameters.
+    """
+    seen: set[int] = set()
+    out = leaves
+    for i, leaf in enumerate(leaves):
+        held = buffers(leaf)
+        if held.isdisjoint(seen):
+            seen |= held
+            continue
+        if out is leaves:
+            out = list(leaves)
+        out[i] = jax.device_put(leaf, leaf.sharding, may_alias=False)
+        seen |= buffers(out[i])
+    return out
 
 
 def _held_whole(leaf: Any, sharding: NamedSharding) -> bool:

@@ -100,12 +100,15 @@ class Step:
         donate: bool | None,
         static_argnames,
         batch_axis: int = 0,
+        compare_batch_every: int = checks.COMPARE_BATCH_EVERY,
     ):
         self.strategy = strategy
         self.fn = fn
         self.donate = donate
         self.static_argnames = static_argnames
         self.batch_axis = batch_axis
+        self.compare_batch_every = compare_batch_every
+        self._since_compared = 0  # calls since the processes last compared the batch values
         self._compiled: dict[Any, _Program] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
@@ -135,6 +138,8 @@ class Step:
                 and _signature(leaves) == hot.signature
                 and not _any_deleted(hot.state_leaves)
             ):
+                if self._shared:
+                    self._compare_on_schedule(data)
                 pure = hot.flat_state if hot.binding is None else hot.binding.arrays
                 call = _Call(
                     state, pure, leaves, data_def, {}, hot.static, hot.binding, hot.signature
@@ -167,28 +172,59 @@ class Step:
     def _agree_on(self, data: tuple, data_def: Any, leaves: list, kwargs: dict) -> None:
         """With several processes, every call whose batch signature differs from the
         previous call's is checked with every other process first
-        (`step_checks.LastAgreed`); calls with the same signature cost a comparison.
+        (`step_checks.LastAgreed`); calls with the same signature cost a comparison,
+        and every `compare_batch_every`-th of them compares the batch's values
+        (`_compare_on_schedule`).
 
         The signature holds the keyword arguments too: static values by value,
         traced ones by shape and dtype, and those that are host values (a Python
         number, a numpy array: `lr=0.1`) by value, agreed again whenever one changes
         (a schedule's new rate each call is a round trip each call). A keyword
         jax.Array's value is not fetched to compare: every process passes the same
-        (docs/multihost.md)."""
+        (docs/multihost.md). With it the processes compare a fingerprint of each
+        batch argument's host values (numpy arrays: each process's is the global
+        batch), unless `compare_batch_every` is 0; which leaves are jax.Arrays is
+        part of the signature."""
         static = {k: v for k, v in kwargs.items() if k in self.static_argnames}
         dynamic = {k: v for k, v in kwargs.items() if k not in static}
         dynamic_leaves, dynamic_def = jax.tree.flatten(dynamic)
         key = (
             data_def,
             _signature(leaves),
+            tuple(isinstance(x, jax.Array) for x in leaves),
             dynamic_def,
             _signature(dynamic_leaves),
             tuple(map(checks.host_value, dynamic_leaves)),
             checks.static_key(static),
         )
-        if self._agreed.differs(key):
-            self._hot = None  # the fast path is for the signature agreed on last only
-            self._agreed.agree(self.fn, data, key, dynamic, static)
+        if not self._agreed.differs(key):
+            self._compare_on_schedule(data)
+            return
+        self._hot = None  # the fast path is for the signature agreed on last only
+        values = checks.host_prints(data, self._names(data)) if self.compare_batch_every else None
+        self._agreed.agree(self.fn, data, key, dynamic, static, values=values)
+        self._since_compared = 0
+
+    def _compare_on_schedule(self, data: tuple) -> None:
+        """Every `compare_batch_every`-th call since the processes last compared their
+        batches, compares the fingerprints of its host values (`step_checks.host_prints`)
+        with every process: processes passing different numpy batches of one shape
+        would otherwise train on a mix of them. None to compare (jax.Arrays only, or
+        `compare_batch_every=0`): nothing is exchanged."""
+        every = self.compare_batch_every
+        if not every:
+            return
+        self._since_compared += 1
+        if self._since_compared < every:
+            return
+        self._since_compared = 0
+        values = checks.host_prints(data, self._names(data))
+        if values:  # the same on every process: which leaves are host is agreed on
+            checks.agree_on_values(values)
+
+    def _names(self, data: tuple) -> list[str]:
+        """The data arguments' names, as errors show them."""
+        return checks.data_names(self.fn, len(data)) or [f"argument {i}" for i in range(len(data))]
 
     def _run_plain(self, hot: _Hot, state: Any, data: tuple) -> Any:
         """The fast path of a pytree state on one process, inlined: the state the last

@@ -23,9 +23,11 @@ from jax.sharding import NamedSharding
 from spmd._src.clusters import hang_watch
 from spmd._src.clusters.agreement import Agreement
 from spmd._src.clusters.jax_state import coordination_client
+from spmd._src.data.host_batches import fingerprint
 from spmd._src.errors import BatchError, ConfigurationError, message, received
 from spmd._src.rules import path_str
 from spmd._src.strategy import nnx_state
+from spmd._src.strategy.state_placement import buffers
 from spmd._src.validate import positive_number
 
 if TYPE_CHECKING:
@@ -33,15 +35,18 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGREE_TIMEOUT_S",
+    "COMPARE_BATCH_EVERY",
     "ENV_AGREE_TIMEOUT",
     "LastAgreed",
     "RUN",
     "STEP",
     "agree_on_batch",
+    "agree_on_values",
     "agree_timeout",
     "check_arguments",
     "data_names",
     "describe_call",
+    "host_prints",
     "host_value",
     "register",
     "static_key",
@@ -64,6 +69,11 @@ ENV_AGREE_TIMEOUT = "SPMD_BATCH_AGREE_TIMEOUT"
 # Each new batch signature of any step takes the next number, in the same order on
 # every process (their steps run the same programs in the same order).
 _AGREEMENTS = itertools.count()
+# Each scheduled comparison of a host batch's values takes the next number, likewise.
+_VALUE_CHECKS = itertools.count()
+# A step compares the values of a host batch across processes at each new batch
+# signature and every this many calls in between (Strategy.step's compare_batch_every).
+COMPARE_BATCH_EVERY = 100
 
 
 STEP, RUN = "a step", "strategy.run"  # who agrees on a signature, as its errors name it
@@ -99,6 +109,7 @@ class _BatchSignatures(Agreement):
     def compare(self, records: list[dict], index: int) -> None:
         if len({r["batch"] for r in records}) > 1:
             raise BatchError(_mixed({p: r["batch"] for p, r in enumerate(records)}, self._caller))
+        _compare_values(records, self._caller)
 
     def missing_message(self, process: int, index: int) -> str:
         return message(
@@ -117,6 +128,54 @@ class _BatchSignatures(Agreement):
             return None
         kept = f"{self._previous} (unchanged since its previous call of this {_noun(self._caller)})"
         return _mixed({self._process: self._batch, process: kept}, self._caller)
+
+
+class _BatchValues(Agreement):
+    """Every process passes a step (or `strategy.run`) the same values as the global
+    batch: the fingerprints of its host arguments (`host_prints`), compared on the
+    step's schedule between signature changes."""
+
+    def __init__(self, client: Any, prefix: str, caller: str = STEP):
+        super().__init__(client, agree_timeout(), prefix)
+        self._caller = caller
+
+    def compare(self, records: list[dict], index: int) -> None:
+        _compare_values(records, self._caller)
+
+    def missing_message(self, process: int, index: int) -> str:
+        return message(
+            f"Every process calls {self._caller} the same number of times: the processes "
+            f"compare their global batches every so many calls, within {self._timeout:g} s "
+            "of each other.",
+            received(missing_process=process),
+            f"call {self._caller} the same number of times on every process, with the same "
+            "compare_batch_every.",
+        )
+
+
+def _compare_values(records: list[dict], caller: str) -> None:
+    """Raises a BatchError naming the arguments whose values differ between processes."""
+    values = {p: r.get("values") for p, r in enumerate(records)}
+    if all(v == values[0] for v in values.values()):
+        return
+    names = sorted({name for v in values.values() for name in (v or {})})
+    differ = [n for n in names if len({(v or {}).get(n) for v in values.values()}) > 1]
+    raise BatchError(_different_values(differ, values, caller))
+
+
+def _different_values(differ: list[str], values: dict[int, Any], caller: str) -> str:
+    the = "the step" if caller == STEP else caller
+    return message(
+        f"Every process passes {caller} the same global batch: a process's numpy arrays are "
+        "the whole global batch, of which it keeps the rows its devices hold, so processes "
+        f"that pass different values would train on a mix of them. (A process that passes "
+        "jax.Arrays where another passes numpy differs too: each compares only numpy.)",
+        received(differs=differ, fingerprint_per_process=values),
+        f"feed {the} from strategy.distribute_dataset(...) (one global batch, each process "
+        "reading its share) or strategy.distribute_datasets_from_function(...), or make "
+        "every process build the same global batch (the same seed, files and order, not "
+        "ones that depend on jax.process_index()).",
+    )
 
 
 def _noun(caller: str) -> str:
@@ -165,12 +224,13 @@ class LastAgreed:
         *,
         names: list[str] | None = None,
         caller: str = STEP,
+        values: dict[str, str] | None = None,
     ) -> None:
-        """Agrees on `data` and the keyword arguments (signature `key`) with every process
-        (`agree_on_batch`)."""
+        """Agrees on `data` and the keyword arguments (signature `key`), and on the host
+        values' fingerprints `values`, with every process (`agree_on_batch`)."""
         self._key = None
         self._shown = agree_on_batch(
-            fn, data, self._shown, kwargs, static, names=names, caller=caller
+            fn, data, self._shown, kwargs, static, names=names, caller=caller, values=values
         )
         self._key = key
 
@@ -184,6 +244,7 @@ def agree_on_batch(
     *,
     names: list[str] | None = None,
     caller: str = STEP,
+    values: dict[str, str] | None = None,
 ) -> str | None:
     """Checks with every other process that they call a step with this batch signature.
 
@@ -204,23 +265,55 @@ def agree_on_batch(
       names: the names of `data`'s entries; by default `fn`'s parameters after
         the state (`data_names`).
       caller: what is called, as the errors name it (`STEP` or `RUN`).
+      values: the fingerprints of the host arguments (`host_prints`), compared
+        too; None to compare none.
 
     Returns:
       The signature agreed on, as shown in errors; None with one process.
 
     Raises:
-      BatchError: the processes' signatures differ, or one did not reach the step
-        within `agree_timeout()` seconds, or went on past it with its previous one.
+      BatchError: the processes' signatures (or `values`) differ, or one did not
+        reach the step within `agree_timeout()` seconds, or went on past it with
+        its previous one.
     """
     client = coordination_client()
     if client is None:
         return None
     batch = describe_call(fn, data, kwargs, static, names)
     prefix = f"spmd/step/{next(_AGREEMENTS)}"
-    _BatchSignatures(client, prefix, batch, previous, hang_watch.STEPS[0], caller).agree(
-        0, {"batch": batch}
-    )
+    record = {"batch": batch} if values is None else {"batch": batch, "values": values}
+    _BatchSignatures(client, prefix, batch, previous, hang_watch.STEPS[0], caller).agree(0, record)
     return batch
+
+
+def agree_on_values(values: dict[str, str], caller: str = STEP) -> None:
+    """Checks with every other process that this call's host batch has the same values
+    (`values`, from `host_prints`): the scheduled comparison between signature changes.
+
+    Raises:
+      BatchError: the values differ (naming the arguments), or a process did not
+        come within `agree_timeout()` seconds.
+    """
+    client = coordination_client()
+    if client is not None:
+        prefix = f"spmd/values/{next(_VALUE_CHECKS)}"
+        _BatchValues(client, prefix, caller).agree(0, {"values": values})
+
+
+def host_prints(data: tuple, names: list[str]) -> dict[str, str]:
+    """A fingerprint of each argument's host values (numpy arrays, Python numbers), by
+    name: what every process claims is the same global batch.
+
+    `fingerprint` (CRC-32 of shapes, dtypes and bytes, a large leaf by about
+    256 KiB of evenly spaced rows); a jax.Array is not fetched, so an argument of
+    jax.Arrays only has none.
+    """
+    prints = {}
+    for name, entry in zip(names, data, strict=False):
+        host = [x for x in jax.tree.leaves(entry) if not isinstance(x, jax.Array)]
+        if host:
+            prints[name] = fingerprint(host)
+    return prints
 
 
 def describe_call(
@@ -477,13 +570,16 @@ def _raise_state_error(strategy: Strategy, pure: Any, index: int) -> None:
 
 
 def _check_no_shared_arrays(pure: Any, state_leaves: list) -> None:
-    """A donated state holds each array object once: XLA cannot donate a buffer twice."""
-    seen: dict[int, int] = {}
+    """A donated state holds each array once, and no two of its arrays share a device
+    buffer (arrays put apart from one array on one device): XLA cannot donate a
+    buffer twice, and with several devices crashes rather than raise."""
+    seen: dict[int, int] = {}  # an array's id, or one of its buffers -> its first leaf
     for i, x in enumerate(state_leaves):
         if not isinstance(x, jax.Array | np.ndarray) or isinstance(x, jax.core.Tracer):
             continue
-        first = seen.setdefault(id(x), i)
+        first = next((seen[k] for k in (id(x), *buffers(x)) if k in seen), i)
         if first == i:
+            seen.update(dict.fromkeys((id(x), *buffers(x)), i))
             continue
         paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(pure)[0]]
         raise ConfigurationError(
@@ -492,8 +588,9 @@ def _check_no_shared_arrays(pure: Any, state_leaves: list) -> None:
                 "result, and one buffer cannot be donated twice (tied weights).",
                 received(first=paths[first] or "<the state>", second=paths[i] or "<the state>"),
                 "keep one copy in the state and tie in the model (use the same entry for "
-                "both, e.g. the embedding's transpose as the output layer), or build the "
-                "step with @strategy.step(donate=False).",
+                "both, e.g. the embedding's transpose as the output layer); for two values "
+                "that start equal (a parameter EMA), state = strategy.put(state) gives each "
+                "path its own copy; or build the step with @strategy.step(donate=False).",
             )
         )
 
