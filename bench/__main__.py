@@ -26,6 +26,7 @@ MODULES = (
     "bench_input",
     "bench_checkpoint",
     "bench_multiprocess",
+    "bench_batch_values",
     "bench_hang_watch",
     "bench_peers",
     "bench_scale",
