@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import spmd
+from spmd._src.strategy.step_checks import COMPARE_BATCH_EVERY
 from spmd.testing import run_processes
 
 WORKER = Path(__file__).with_name("batch_values_worker.py")
@@ -56,3 +58,18 @@ def test_the_same_values_compared_every_call_train_as_one_process(tmp_path):
     got, want = dict(np.load(two)), dict(np.load(one))
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
     np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "100", None])
+def test_compare_batch_every_is_an_integer_of_zero_or_more(bad):
+    with pytest.raises(spmd.ConfigurationError) as error:
+        spmd.MirroredStrategy().step(lambda state, x: (state, x.sum()), compare_batch_every=bad)
+    text = str(error.value)
+    assert "compare_batch_every must be a non-negative integer" in text, text
+    assert "Received: compare_batch_every=" in text and "compare_batch_every=1" in text
+
+
+def test_compare_batch_every_is_kept_by_the_step():
+    strategy = spmd.MirroredStrategy()
+    assert strategy.step(lambda s, x: (s, x)).compare_batch_every == COMPARE_BATCH_EVERY == 100
+    assert strategy.step(compare_batch_every=0)(lambda s, x: (s, x)).compare_batch_every == 0

@@ -343,12 +343,14 @@ class Strategy:
         copy, so that a step can donate the state.
 
         Raises:
-          ConfigurationError: a leaf none of them covers is sharded over mesh
-            axes this strategy's mesh lacks, or the processes hold different
-            values of a leaf they each hold whole.
+          ConfigurationError: a leaf is not an array or number of a numeric
+            dtype (a string, an object), a leaf none of them covers is sharded
+            over mesh axes this strategy's mesh lacks, or the processes hold
+            different values of a leaf they each hold whole.
         """
         check_runnable(self, "put")
         pure = nnx_state.pure(tree)
+        step_checks.check_leaf_types(self, pure)
         placed = place_state(pure, self.state_sharding(pure))
         return nnx_state.replace(tree, placed)
 
@@ -370,10 +372,14 @@ class Strategy:
         Returns:
           The state, placed per the strategy's rules; each leaf owns its device
           memory (a value `create_fn` returns at two paths is copied, as `put` does).
+
+        Raises:
+          ConfigurationError: `create_fn` returns a leaf that is not an array or
+            number (a name, a config), naming its path.
         """
         check_runnable(self, "init")
         create_fn, args = bind_static(create_fn, args)
-        graph, pure_create = _pure_create(create_fn, kwargs)
+        graph, pure_create = _pure_create(self, create_fn, kwargs)
         with self.context():
             abstract = self._trace_create(pure_create, args)
             out = jax.jit(pure_create, out_shardings=self.state_sharding(abstract))(*args)
@@ -388,7 +394,7 @@ class Strategy:
         back as abstract NNX objects.
         """
         create_fn, args = bind_static(create_fn, args)
-        graph, pure_create = _pure_create(create_fn, kwargs)
+        graph, pure_create = _pure_create(self, create_fn, kwargs)
         with self.context():
             abstract = self._trace_create(pure_create, args)
         placed = jax.tree.map(
@@ -806,12 +812,18 @@ def _constrained_outputs(jaxpr: Any) -> dict[int, PartitionSpec]:
     return {i: specs[id(v)] for i, v in enumerate(jaxpr.outvars) if id(v) in specs}
 
 
-def _pure_create(create_fn: Callable[..., Any], kwargs: dict) -> tuple[dict, Callable]:
-    """`create_fn` as a function of arrays only; its NNX graph, once traced, in graph["def"]."""
+def _pure_create(
+    strategy: Strategy, create_fn: Callable[..., Any], kwargs: dict
+) -> tuple[dict, Callable]:
+    """`create_fn` as a function of arrays only; its NNX graph, once traced, in graph["def"].
+
+    A leaf it returns that is not an array (a name, a config) is a
+    ConfigurationError naming its path (`step_checks.check_leaf_types`)."""
     graph: dict = {}
 
     def pure_create(*args: Any) -> Any:
         graph["def"], pure = nnx_state.split(create_fn(*args, **kwargs))
+        step_checks.check_leaf_types(strategy, pure)
         return pure
 
     return graph, pure_create

@@ -283,7 +283,12 @@ class Step:
             )
         else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
             data = jax.tree.unflatten(call.data_def, conform_all(leaves, program.data_shardings))
-        new_leaves, out, done = program.compiled(call.pure, data, call.kwargs)
+        try:
+            new_leaves, out, done = program.compiled(call.pure, data, call.kwargs)
+        except RuntimeError as error:  # lowering reads the constants the function closed over
+            if "has been deleted" not in str(error):
+                raise
+            raise ConfigurationError(_deleted_read(self.fn, str(error))) from error
         self._bound_in_flight(out if done is None else done)
         traced = program.traced.value  # set by the trace, which the call above ran if new
         reshaped = binding is not None and not traced.same_graph
@@ -580,9 +585,14 @@ def _nothing_offloaded(pure: Any) -> str:
 
 def _call(strategy: Strategy, fn: Callable, state: Any, data: tuple, kwargs: dict, static: dict):
     """Calls the user's step function under trace; a constraint naming a mesh axis the
-    strategy's mesh lacks is a ConfigurationError that says how to write it."""
+    strategy's mesh lacks, or an array it reads that a donation deleted, is a
+    ConfigurationError that says how to write it."""
     try:
         return fn(state, *data, **kwargs, **static)
+    except RuntimeError as error:
+        if "has been deleted" not in str(error):
+            raise
+        raise ConfigurationError(_deleted_read(fn, str(error))) from error
     except NameError as error:
         found = _UNBOUND_AXIS.search(str(error))
         if found is None:
@@ -616,6 +626,22 @@ def _call(strategy: Strategy, fn: Callable, state: Any, data: tuple, kwargs: dic
                 f"spmd.Strategy(spmd.make_mesh({{{axis!r}: -1, ...}}), ...).",
             )
         ) from error
+
+
+def _deleted_read(fn: Callable, error: str) -> str:
+    """The error for a step function that reads an array deleted by a donation."""
+    names = checks.deleted_closure(fn)
+    return message(
+        "A step's function reads only arrays that are alive: one donated to a step (a "
+        "pytree state is donated by default) was deleted, its memory reused for that "
+        "step's result, and a function that closes over it (or reads it as a global) "
+        "finds nothing there when it is traced.",
+        received(deleted=names or "an array the function reads", jax_error=error),
+        "pass the array as an argument (in the state, or as a keyword argument) rather "
+        "than closing over it; close over a copy that is never donated "
+        "(w_fixed = jnp.array(w)); or build the step that donated it with "
+        "@strategy.step(donate=False).",
+    )
 
 
 def _done(out: Any) -> jax.Array | None:

@@ -44,7 +44,9 @@ __all__ = [
     "agree_on_values",
     "agree_timeout",
     "check_arguments",
+    "check_leaf_types",
     "data_names",
+    "deleted_closure",
     "describe_call",
     "host_prints",
     "host_value",
@@ -445,12 +447,13 @@ def check_arguments(
     `fn`, the step's function, names the data arguments in a batch error.
 
     Raises:
-      ConfigurationError: NNX objects outside the state, a state leaf that is
+      ConfigurationError: a DiLoCo state, NNX objects outside the state, a state leaf that is
         not an array, donated to an earlier call or placed by another strategy,
         one array at two paths of a donated state, or a keyword argument that
         is neither static nor an array.
       BatchError: a batch of strings or objects, ragged, empty or not divisible.
     """
+    _check_not_diloco(strategy, pure)
     _check_no_nnx("data", data)
     _check_no_nnx("keyword arguments", kwargs)
     bad = [i for i, x in enumerate(state_leaves) if _leaf_problem(strategy, x) is not None]
@@ -461,6 +464,71 @@ def check_arguments(
     _check_kwargs(kwargs)
     _check_batch_dtypes(data)
     strategy.check_batch(data, axis, data_names(fn, len(data)))
+
+
+def _check_not_diloco(strategy: Strategy, state: Any) -> None:
+    """A DiLoCo state (`spmd.DiLoCo.init`'s) is stepped by its DiLoCo's step: a plain step
+    would train its stacked islands as one model, never synchronising them."""
+    from spmd._src.strategy.islands import DiLoCoState  # islands builds on this module
+
+    if not isinstance(state, DiLoCoState):
+        return
+    raise ConfigurationError(
+        message(
+            "A DiLoCo state (the global params, the outer optimizer's state and one copy of "
+            "your state per island, stacked on a leading island axis) is trained by the "
+            "step of the spmd.DiLoCo that made it, which steps each island apart and "
+            "synchronises them; a synchronous step would train the stack as one model.",
+            received(
+                state="DiLoCoState",
+                islands=_island_count(state),
+                step_strategy=strategy,
+            ),
+            "build the step with that DiLoCo: step = diloco.step(train_step) (the same "
+            "spmd.DiLoCo whose init made the state); to use the trained parameters with a "
+            "synchronous strategy, take them out: strategy.put(state.params).",
+        )
+    )
+
+
+def _island_count(state: Any) -> int | str:
+    leaves = jax.tree.leaves(state.islands)
+    return np.shape(leaves[0])[0] if leaves and np.ndim(leaves[0]) else "?"
+
+
+def deleted_closure(fn: Any) -> list[str]:
+    """The names of the deleted jax.Arrays (donated to a step, which reused their memory)
+    that `fn` reads from its closure or its module's globals, through partials and
+    wrappers."""
+    names: list[str] = []
+    for _ in range(8):
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            cells = zip(code.co_freevars, fn.__closure__ or (), strict=False)
+            values = [(name, _cell(cell)) for name, cell in cells]
+            values += [(n, fn.__globals__[n]) for n in code.co_names if n in fn.__globals__]
+            names += [name for name, value in values if _holds_deleted(value)]
+        inner = getattr(fn, "func", None) or getattr(fn, "__wrapped__", None)
+        if inner is None or not callable(inner):
+            break
+        fn = inner
+    return names
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
+
+
+def _holds_deleted(value: Any) -> bool:
+    if isinstance(value, jax.Array):
+        return not isinstance(value, jax.core.Tracer) and value.is_deleted()
+    if not isinstance(value, dict | list | tuple):
+        return False  # a module, a function, an object: not searched
+    leaves = jax.tree.leaves(value)
+    return any(isinstance(x, jax.Array) and _holds_deleted(x) for x in leaves)
 
 
 def data_names(fn: Any, count: int) -> list[str] | None:
@@ -527,6 +595,20 @@ def _numeric(dtype: Any) -> bool:
         return dtype == np.bool_ or bool(jnp.issubdtype(dtype, jnp.number))
     except TypeError:
         return False
+
+
+def check_leaf_types(strategy: Strategy, pure: Any) -> None:
+    """Every leaf of a state is an array or a number of a numeric dtype (tracers pass):
+    `strategy.put` and `strategy.init` check what they place, as a step does.
+
+    Raises:
+      ConfigurationError: a leaf is a string, an object or an array of strings,
+        naming its path.
+    """
+    leaves = jax.tree.leaves(pure)
+    bad = next((i for i, x in enumerate(leaves) if _leaf_problem(strategy, x) == "type"), None)
+    if bad is not None:
+        _raise_state_error(strategy, pure, bad)
 
 
 def _raise_state_error(strategy: Strategy, pure: Any, index: int) -> None:
