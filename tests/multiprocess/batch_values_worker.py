@@ -23,8 +23,8 @@ scenario, out = sys.argv[1], sys.argv[2]
 spmd.initialize()
 strategy = spmd.MultiWorkerMirroredStrategy()
 me = jax.process_index()
-EVERY = {"same": 1, "first": 100, "later": 3}[scenario]
-DIFFER_FROM = {"first": 0, "later": 4}.get(scenario)
+EVERY = {"same": 1, "first": 100, "later": 3, "run": 100}[scenario]
+DIFFER_FROM = {"first": 0, "later": 4, "run": 0}.get(scenario)
 
 
 def train_step(state, images, labels):
@@ -48,6 +48,10 @@ losses = []
 try:
     for i in range(8):
         print(f"call {i + 1}", flush=True)
+        if scenario == "run":
+            total = strategy.run(lambda x, y: jnp.sum(x) + jnp.sum(y), args=batch(i))
+            losses.append(float(strategy.reduce("sum", total, axis=None)))
+            continue
         state, metrics = step(state, *batch(i))
         losses.append(float(metrics["loss"]))
 except spmd.BatchError as error:

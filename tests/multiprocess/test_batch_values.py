@@ -49,6 +49,18 @@ def test_processes_feeding_different_values_each_get_a_batch_error(scenario, cau
 
 
 @pytest.mark.multiprocess
+def test_processes_passing_strategy_run_different_values_each_get_a_batch_error(tmp_path):
+    out = tmp_path / "out.npz"
+    for r in _run("run", out):
+        output = r.stdout + r.stderr
+        assert r.returncode == 3, (r.returncode, output[-3000:])
+        assert "BatchError: Every process passes strategy.run the same global batch" in r.stdout
+        assert "differs=['split arguments']" in r.stdout, r.stdout[-3000:]
+        assert r.stdout.split("BatchError")[0].strip().endswith("call 1"), r.stdout
+    assert not out.exists()
+
+
+@pytest.mark.multiprocess
 def test_the_same_values_compared_every_call_train_as_one_process(tmp_path):
     two, one = tmp_path / "two.npz", tmp_path / "one.npz"
     for r in _run("same", two):

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
+from spmd._src.data.host_batches import fingerprint
 from spmd._src.errors import BatchError, ConfigurationError, ContextError, message, received
 from spmd._src.logical import rules_without
 from spmd._src.rules import path_str
@@ -29,7 +30,14 @@ from spmd._src.strategy.replica import (
     replica_context,
     running_strategy,
 )
-from spmd._src.strategy.step_checks import RUN, LastAgreed, host_value, static_key
+from spmd._src.strategy.step_checks import (
+    COMPARE_BATCH_EVERY,
+    RUN,
+    LastAgreed,
+    agree_on_values,
+    host_value,
+    static_key,
+)
 from spmd._src.strategy.step_layout import conform
 from spmd._src.strategy.step_records import spans_processes
 from spmd._src.validate import is_integer
@@ -216,12 +224,16 @@ def _agree_on_run(
     shape and dtype, the static values) differs from the previous call's of the same
     code agrees on it with every process first, as a step does: a `BatchError` on
     every process rather than replicas computing on mixed data. Calls with the
-    signature of the previous call cost a comparison.
+    signature of the previous call cost a comparison. The numpy arguments split
+    over the replicas (each process's is the global batch) are compared by
+    fingerprint too, at each new signature and every `COMPARE_BATCH_EVERY` calls.
 
     Raises:
-      BatchError: the processes' signatures differ (`step_checks.agree_on_batch`).
+      BatchError: the processes' signatures or split numpy values differ
+        (`step_checks.agree_on_batch`, `step_checks.agree_on_values`).
     """
     kinds = form[2]
+    host = [k == _SPLIT and not isinstance(x, jax.Array) for x, k in zip(flat, kinds, strict=True)]
     key = (
         strategy,
         form,
@@ -229,13 +241,17 @@ def _agree_on_run(
         tuple(
             host_value(x) if k == _REPLICATED else None for x, k in zip(flat, kinds, strict=True)
         ),
+        tuple(host),
     )
     site = _call_site(fn)
     agreed = _RUN_AGREED.pop(site, None) or LastAgreed()
     _RUN_AGREED[site] = agreed
     while len(_RUN_AGREED) > RUN_CACHE_SIZE:
         _RUN_AGREED.pop(next(iter(_RUN_AGREED)))
+    split = [x for x, h in zip(flat, host, strict=True) if h]
     if not agreed.differs(key):
+        if split and agreed.due(COMPARE_BATCH_EVERY):
+            agree_on_values({"split arguments": fingerprint(split)}, caller=RUN)
         return
     paths, _ = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs), is_leaf=_is_per_replica)
     static = {
@@ -256,6 +272,7 @@ def _agree_on_run(
         static,
         names=_argument_names(fn, len(args)),
         caller=RUN,
+        values={"split arguments": fingerprint(split)} if split else {},
     )
 
 

@@ -108,7 +108,6 @@ class Step:
         self.static_argnames = static_argnames
         self.batch_axis = batch_axis
         self.compare_batch_every = compare_batch_every
-        self._since_compared = 0  # calls since the processes last compared the batch values
         self._compiled: dict[Any, _Program] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._on_cpu = strategy.mesh.devices.flat[0].platform == "cpu"
@@ -203,7 +202,6 @@ class Step:
         self._hot = None  # the fast path is for the signature agreed on last only
         values = checks.host_prints(data, self._names(data)) if self.compare_batch_every else None
         self._agreed.agree(self.fn, data, key, dynamic, static, values=values)
-        self._since_compared = 0
 
     def _compare_on_schedule(self, data: tuple) -> None:
         """Every `compare_batch_every`-th call since the processes last compared their
@@ -211,13 +209,8 @@ class Step:
         with every process: processes passing different numpy batches of one shape
         would otherwise train on a mix of them. None to compare (jax.Arrays only, or
         `compare_batch_every=0`): nothing is exchanged."""
-        every = self.compare_batch_every
-        if not every:
+        if not self._agreed.due(self.compare_batch_every):
             return
-        self._since_compared += 1
-        if self._since_compared < every:
-            return
-        self._since_compared = 0
         values = checks.host_prints(data, self._names(data))
         if values:  # the same on every process: which leaves are host is agreed on
             checks.agree_on_values(values)

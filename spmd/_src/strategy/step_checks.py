@@ -206,15 +206,27 @@ class LastAgreed:
     train on mixed data. A call with the same signature costs one comparison.
     """
 
-    __slots__ = ("_key", "_shown")
+    __slots__ = ("_key", "_shown", "_since")
 
     def __init__(self) -> None:
         self._key: Any = None  # the signature, as the caller compares it
         self._shown: str | None = None  # how it reads, for the next agreement's errors
+        self._since = 0  # calls since the processes last compared the batch's values
 
     def differs(self, key: Any) -> bool:
         """Whether a call with signature `key` must agree first."""
         return self._key is None or self._key != key
+
+    def due(self, every: int) -> bool:
+        """Whether this call, one more with the agreed signature, compares the batch's
+        values: every `every`-th call since the last comparison (never for 0)."""
+        if not every:
+            return False
+        self._since += 1
+        if self._since < every:
+            return False
+        self._since = 0
+        return True
 
     def agree(
         self,
@@ -234,7 +246,7 @@ class LastAgreed:
         self._shown = agree_on_batch(
             fn, data, self._shown, kwargs, static, names=names, caller=caller, values=values
         )
-        self._key = key
+        self._key, self._since = key, 0
 
 
 def agree_on_batch(
