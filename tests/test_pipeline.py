@@ -43,8 +43,8 @@ def loss_and_grad(apply, params, x):
     return jax.value_and_grad(lambda p: jnp.sum(apply(p, x) ** 2))(params)
 
 
-def on_mesh(mesh, params, x, param_spec=P("stage", None, "model")):
-    specs = {"w": param_spec, "b": P("stage")}
+def on_mesh(mesh, params, x):
+    specs = {"w": P("stage", None, "model"), "b": P("stage")}
     params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     return params, jax.device_put(x, NamedSharding(mesh, P("data")))
 
@@ -82,9 +82,7 @@ def test_circular_repeats_use_every_layer_in_order():
     params, x = stacked(), batch()
     mesh = spmd.make_mesh({"stage": 4, "data": 2})
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda p, x: spmd.pipeline(layer, p, x, microbatches=4, repeats=2))(
-            params, x
-        )
+        got = jax.jit(lambda p, x: spmd.pipeline(layer, p, x, microbatches=4, repeats=2))(params, x)
     np.testing.assert_allclose(got, scan(layer, params, x), **TOL)
 
 
@@ -238,7 +236,11 @@ def _error(match, **overrides):
         ({"stage": 8}, r"layers = stages \* repeats", {"stacked_params": stacked(layers=6)}),
         ({"stage": 2, "data": 4}, r"layers = stages \* repeats", {"repeats": 3}),
         ({"stage": 2, "data": 4}, "divides into `microbatches`", {"microbatches": 3}),
-        ({"stage": 4, "data": 2}, "at least as many microbatches", {"microbatches": 2, "repeats": 2}),
+        (
+            {"stage": 4, "data": 2},
+            "at least as many microbatches",
+            {"microbatches": 2, "repeats": 2},
+        ),
         ({"stage": 2, "data": 4}, "positive integer", {"microbatches": 0}),
         ({"data": 8}, "which the current mesh must have", {}),
         ({"stage": 2, "data": 4}, "which the current mesh must have", {"axis": "pipe"}),
@@ -263,3 +265,87 @@ def test_bad_input_is_a_configuration_error_that_teaches(mesh, match, overrides)
 def test_no_mesh_is_an_error_naming_axis_none():
     with pytest.raises(spmd.ConfigurationError, match="axis=None"):
         spmd.pipeline(layer, stacked(), batch(), microbatches=2)
+
+
+class PipelinedMLP(nnx.Module):
+    """An input layer, four stacked blocks run by spmd.pipeline, a head."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(D, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs):
+            return Block(rngs)
+
+        self.blocks = blocks(rngs)
+        self.head = nnx.Linear(D, 1, rngs=rngs)
+
+    def __call__(self, x):
+        graphdef, state = nnx.split(self.blocks)
+        h = spmd.pipeline(
+            lambda s, h: nnx.merge(graphdef, s)(h), state, self.embed(x), microbatches=4
+        )
+        return self.head(h)
+
+
+@pytest.mark.slow  # 10 s of CPU
+def test_trainer_fits_a_pipelined_model_like_one_device():
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(64, D).astype(np.float32), rng.randn(64, 1).astype(np.float32)
+
+    def fit(strategy):
+        trainer = spmd.Trainer(
+            PipelinedMLP(nnx.Rngs(0)), optax.adam(1e-2), "mse", strategy=strategy
+        )
+        history = trainer.fit((x, y), batch_size=16, epochs=2, shuffle=False, verbose=0)
+        return history.history["loss"], nnx.state(trainer.model, nnx.Param)
+
+    mesh = spmd.make_mesh({"stage": 2, "data": 4})
+    pipelined = spmd.Strategy(mesh, rules=[(r"blocks/.*", P("stage"))], batch_axes=("data",))
+    losses, params = fit(pipelined)
+    want_losses, want_params = fit(spmd.OneDeviceStrategy())
+    np.testing.assert_allclose(losses, want_losses, **TOL)
+    assert_trees_allclose(params, want_params, **TOL)
+
+
+def _island_step(pipelined):
+    def train_step(state, x, y):
+        def loss(params):
+            if pipelined:
+                h = spmd.pipeline(layer, params, x, microbatches=2)
+            else:
+                h = scan(layer, params, x)
+            return jnp.mean((h - y) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt = optax.adam(1e-2).update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, value
+
+    return train_step
+
+
+@pytest.mark.slow  # 12 s of CPU
+def test_diloco_islands_each_pipeline_over_their_own_stage_axis():
+    """Two islands of stage 2 x model 2, synchronising every 2 steps, against the same
+    DiLoCo with one device per island running the layer scan."""
+
+    def train(strategy, pipelined):
+        params = stacked()
+        state = strategy.init(lambda: {"params": params, "opt": optax.adam(1e-2).init(params)})
+        step = strategy.step(_island_step(pipelined))
+        losses = []
+        for i in range(3):
+            state, loss = step(state, batch(seed=10 + i), batch(seed=20 + i))
+            losses.append(np.asarray(loss))
+        return losses, strategy.global_params(state)
+
+    inner = {"stage": 2, "data": 1, "model": 2}
+    islands = spmd.DiLoCo(
+        inner, islands=2, sync_every=2, rules=PIPELINE_RULES, batch_axes=("data",)
+    )
+    losses, params = train(islands, True)
+    oracle = spmd.DiLoCo({"data": 1}, islands=2, sync_every=2, devices=jax.devices()[:2])
+    want, want_params = train(oracle, False)
+    np.testing.assert_allclose(losses, want, **TOL)
+    assert_trees_allclose(params, want_params, **TOL)
