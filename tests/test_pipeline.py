@@ -40,7 +40,8 @@ def scan(layer_fn, params, x):
 
 
 def loss_and_grad(apply, params, x):
-    return jax.value_and_grad(lambda p: jnp.sum(apply(p, x) ** 2))(params)
+    """The loss and its gradients with respect to the parameters and the input."""
+    return jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) ** 2), argnums=(0, 1))(params, x)
 
 
 def on_mesh(mesh, params, x):
@@ -260,6 +261,25 @@ def _error(match, **overrides):
 def test_bad_input_is_a_configuration_error_that_teaches(mesh, match, overrides):
     with jax.set_mesh(spmd.make_mesh(mesh)):
         _error(match, **overrides)
+
+
+@pytest.mark.parametrize("where", ["explicit mesh", "inside shard_map"])
+def test_a_stage_axis_that_is_not_auto_is_an_error(where):
+    params, x = stacked(), batch()
+    call = lambda p, x: spmd.pipeline(layer, p, x, microbatches=2)  # noqa: E731
+    if where == "explicit mesh":
+        mesh = spmd.make_mesh({"stage": 2, "data": 4}, axis_types=jax.sharding.AxisType.Explicit)
+    else:
+        mesh = spmd.make_mesh({"stage": 2, "data": 4})
+        call = jax.shard_map(call, in_specs=P(), out_specs=P(), axis_names={"stage"})
+    with jax.set_mesh(mesh), pytest.raises(spmd.ConfigurationError, match="an Auto mesh axis"):
+        jax.jit(call)(params, x)
+
+
+def test_x_that_is_not_one_array_is_an_error():
+    mesh = spmd.make_mesh({"stage": 2, "data": 4})
+    with jax.set_mesh(mesh), pytest.raises(spmd.ConfigurationError, match="x is one array"):
+        spmd.pipeline(layer, stacked(), {"h": batch()}, microbatches=2)
 
 
 def test_no_mesh_is_an_error_naming_axis_none():

@@ -225,6 +225,7 @@ def _stages(axis: str | None) -> int | None:
         return None
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and axis in mesh.axis_names:
+        _check_auto(mesh, axis)
         return mesh.shape[axis]
     if not mesh.empty and mesh.size == 1:
         return None
@@ -238,6 +239,21 @@ def _stages(axis: str | None) -> int | None:
             "layers in order without a pipeline (the one-device oracle).",
         )
     )
+
+
+def _check_auto(mesh: Any, axis: str) -> None:
+    """The stage axis is an Auto one: the loop is in the global view, XLA partitions it."""
+    kind = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis]
+    if kind != jax.sharding.AxisType.Auto:
+        raise ConfigurationError(
+            message(
+                f"spmd.pipeline runs in the global view over an Auto mesh axis {axis!r} "
+                "(XLA partitions the loop over it).",
+                received(axis=axis, axis_type=str(kind)),
+                "call it in a step (not inside strategy.run or a shard_map over "
+                f"{axis!r}), on a mesh from spmd.make_mesh (Auto axes by default).",
+            )
+        )
 
 
 def _layers(stacked_params: Any) -> int:
@@ -269,8 +285,17 @@ def _check_positive(**values: int) -> None:
 
 
 def _check_batch(x: jax.Array, microbatches: int) -> None:
-    batch = (jnp.shape(x) or (None,))[0]
-    if batch is None or batch % microbatches:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype") or not x.shape:
+        raise ConfigurationError(
+            message(
+                "x is one array, batch first (the activations the layers pass on).",
+                received(x=type(x).__name__ if not hasattr(x, "shape") else f"shape {x.shape}"),
+                "pass a single array with a leading batch axis; carry other inputs "
+                "(masks, positions) in layer_fn's closure.",
+            )
+        )
+    batch = x.shape[0]
+    if batch % microbatches:
         raise ConfigurationError(
             message(
                 "The batch (x's leading axis) divides into `microbatches` equal pieces.",
@@ -322,4 +347,3 @@ def _check_split(layers: int, stages: int, repeats: int, microbatches: int) -> N
                 f"pass microbatches >= {stages} (more also shrinks the bubble), or repeats=1.",
             )
         )
-
