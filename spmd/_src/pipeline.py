@@ -122,7 +122,11 @@ def pipeline(
 
 
 def schedules_in(jaxpr: Any) -> tuple[PipelineSchedule, ...]:
-    """The schedules of the `spmd.pipeline` calls a traced program makes, in order."""
+    """The schedules of the `spmd.pipeline` calls a traced program makes, in order.
+
+    One entry per distinct schedule: two calls with the same stages, microbatches
+    and repeats (two stacks alike) are listed once.
+    """
     found: dict[tuple[int, int, int], None] = {}
     for eqn in _eqns(getattr(jaxpr, "jaxpr", jaxpr)):
         for match in _SCOPE_RE.finditer(str(eqn.source_info.name_stack)):
