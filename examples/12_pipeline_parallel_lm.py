@@ -80,7 +80,8 @@ def train(strategy, steps, cfg, model_class):
     state = strategy.init(create)
     step = strategy.step(lm.train_step)
     data = list(lm.batches(cfg, steps))
-    pipelines = strategy.explain(step, state, data[0]).pipelines
+    pipelined = model_class is PipelinedLM
+    pipelines = strategy.explain(step, state, data[0]).pipelines if pipelined else ()
     losses = [float(step(state, tokens)) for tokens in strategy.distribute_dataset(data)]
     return state[0], losses, pipelines
 
