@@ -151,7 +151,13 @@ def _in_order(layer_fn: Callable, stacked_params: Any, x: jax.Array) -> jax.Arra
 def _run(
     layer_fn: Callable, stacked_params: Any, x: jax.Array, s: PipelineSchedule, axis: str
 ) -> jax.Array:
-    """The circular GPipe loop, in the global view; see the module's docstring."""
+    """The circular GPipe loop, in the global view; see the module's docstring.
+
+    The only traffic between stages is the permute of each iteration: the last
+    stage's output reaches stage 0 by it too, which keeps it in its own copy of
+    the finished microbatches (`done`, one per stage, only stage 0's read) for
+    their next repeat and for the result.
+    """
     stages, m, repeats = s.stages, s.microbatches, s.repeats
     weights = jax.tree.map(lambda w: _by_stage(w, repeats, stages, axis), stacked_params)
     feed = _microbatched(x, m)  # [M, mb, ...]
@@ -159,29 +165,35 @@ def _run(
         functools.partial(_stage, layer_fn, repeats), in_axes=(1, 0, 0), spmd_axis_name=axis
     )
     first = jnp.broadcast_to(feed[0], (stages, *feed.shape[1:]))
-    carry = (_on_stages(first, axis), jnp.zeros_like(feed))
+    done = jnp.zeros((stages, *feed.shape), feed.dtype)  # [S, M, mb, ...]
+    carry = (_on_stages(first, axis), _on_stages(done, axis))
 
     def iteration(carry, t):
         held, done = carry
+        moved = _on_stages(jnp.roll(held, 1, axis=0), axis)  # stage s-1 -> s: a permute
+        done = _arrived(done, moved, t - stages, s, axis)  # stage 0 got the last stage's
         m0 = t % m
         fresh = jax.lax.dynamic_index_in_dim(feed, m0, keepdims=False)
-        back = jax.lax.dynamic_index_in_dim(done, m0, keepdims=False)
-        incoming = jnp.where(t < m, fresh, back)
-        moved = _on_stages(jnp.roll(held, 1, axis=0), axis)  # stage s-1 -> s: a permute
+        back = jax.lax.dynamic_index_in_dim(done, m0, axis=1, keepdims=False)
+        incoming = jnp.where(t < m, fresh[None], back)
         is_first = jax.lax.broadcasted_iota(jnp.int32, moved.shape, 0) == 0
-        inputs = _on_stages(jnp.where(is_first, incoming[None], moved), axis)
+        inputs = _on_stages(jnp.where(is_first, incoming, moved), axis)
         repeat = jnp.clip((t - jnp.arange(stages)) // m, 0, repeats - 1)
-        out = _on_stages(stage_fn(weights, repeat, inputs), axis)
-        k = t - (stages - 1)  # the microbatch step the last stage finished
-        slot = k % m
-        valid = (k >= 0) & (k < m * repeats)
-        old = jax.lax.dynamic_index_in_dim(done, slot, keepdims=False)
-        new = jnp.where(valid, out[stages - 1], old)
-        done = jax.lax.dynamic_update_index_in_dim(done, new, slot, axis=0)
-        return (out, done), None
+        return (_on_stages(stage_fn(weights, repeat, inputs), axis), done), None
 
-    (_, done), _ = jax.lax.scan(iteration, carry, jnp.arange(s.iterations))
-    return _unmicrobatched(done)
+    (held, done), _ = jax.lax.scan(iteration, carry, jnp.arange(s.iterations))
+    moved = _on_stages(jnp.roll(held, 1, axis=0), axis)
+    done = _arrived(done, moved, s.iterations - stages, s, axis)
+    return _unmicrobatched(done[0])
+
+
+def _arrived(done: jax.Array, moved: jax.Array, k: jax.Array, s: PipelineSchedule, axis: str):
+    """Keeps what the permute brought, where it is the last stage's microbatch step `k`."""
+    slot = k % s.microbatches
+    valid = (k >= 0) & (k < s.microbatches * s.repeats)
+    old = jax.lax.dynamic_index_in_dim(done, slot, axis=1, keepdims=False)
+    new = jnp.where(valid, moved, old)
+    return _on_stages(jax.lax.dynamic_update_index_in_dim(done, new, slot, axis=1), axis)
 
 
 def _stage(layer_fn: Callable, repeats: int, weights: Any, repeat: jax.Array, h: jax.Array):
