@@ -30,6 +30,7 @@ MODULES = (
     "bench_hang_watch",
     "bench_peers",
     "bench_scale",
+    "bench_pipeline",
     "bench_plan",
     "plan_maxtext",
 )

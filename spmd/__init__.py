@@ -52,6 +52,8 @@ if TYPE_CHECKING:  # generated from _WHERE by `python -m spmd._src.exports`; do 
     from spmd._src.explain import Collective as Collective
     from spmd._src.explain import Explanation as Explanation
     from spmd._src.mesh import make_mesh as make_mesh
+    from spmd._src.pipeline import PipelineSchedule as PipelineSchedule
+    from spmd._src.pipeline import pipeline as pipeline
     from spmd._src.planning import Plan as Plan
     from spmd._src.planning import auto_strategy as auto_strategy
     from spmd._src.roofline import Roofline as Roofline
@@ -146,6 +148,8 @@ _WHERE = {
     "ParameterServerStrategy": "spmd._src.strategy.strategies",
     "partitioners": "spmd.partitioners",
     "PerReplica": "spmd._src.strategy.replica",
+    "pipeline": "spmd._src.pipeline",
+    "PipelineSchedule": "spmd._src.pipeline",
     "Plan": "spmd._src.planning",
     "Preempted": "spmd._src.checkpoint.preemption",
     "ReduceOp": "spmd._src.strategy.replica",

@@ -127,3 +127,13 @@ def test_bench_quick_plans_on_cpu_devices_and_for_a_tpu_slice(tmp_path):
     assert "| yes |" in ranking  # the layout auto_strategy chose
     decoder = text.split("## planning a MaxText-shaped decoder for a TPU slice (no TPU)", 1)[1]
     assert "| v5e:2x2 | 1.88 B | does not fit |" in decoder and "| pass |" in decoder
+
+
+@pytest.mark.bench
+def test_bench_quick_measures_the_pipelined_step_against_the_scan(tmp_path):
+    out = tmp_path / "performance.md"
+    run_bench(
+        ["-m", "bench", "--quick", "--output", str(out), "--only", "bench_pipeline"], timeout=600
+    )
+    rows = [line for line in out.read_text().splitlines() if "GPipe: 2 stages" in line]
+    assert len(rows) == 2 and all("x |" in row and "%" in row for row in rows)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd._src.flops import matmul_flops
+from spmd._src.pipeline import PipelineSchedule, schedules_in
 
 if TYPE_CHECKING:
     from spmd._src.strategy.base import Step
@@ -129,6 +130,8 @@ class Explanation:
         (`spmd.Traffic`), loops counted per iteration.
       roofline: on TPU, the estimated step time and its terms
         (`spmd.Roofline`; the model is in docs/planning.md).
+      pipelines: the schedules of the step's `spmd.pipeline` calls, each
+        with its bubble (the fraction of idle stage-steps).
     """
 
     strategy: str
@@ -149,6 +152,7 @@ class Explanation:
     code_bytes: int = 0
     traffic: tuple = ()
     roofline: Any = None
+    pipelines: tuple[PipelineSchedule, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -193,6 +197,7 @@ class Explanation:
         ]
         if not self.collectives:
             rows.append(("collectives", "none"))
+        rows += [("pipeline", str(p)) for p in self.pipelines]
         if self.chip is not None:
             rows += _chip_rows(self)
         width = max(len(name) for name, _ in rows)
@@ -331,6 +336,7 @@ def explain_traced(
         collectives=parse_collectives(hlo),
         hlo=hlo,
         matmul_flops=traced_flops,
+        pipelines=schedules_in(traced.jaxpr),
         **tpu,
     )
 

@@ -91,9 +91,10 @@ class BatchChecks:
         outputs = self._outputs.get(key)
         if outputs is None:  # what only the shapes decide: once per shapes (a trace each)
             self.specs.check(what, abstract[2], labels)
-            outputs = jax.eval_shape(
-                lambda p, r, x: trainer._forward(p, r, x, False)[0], *abstract[:3]
-            )
+            with trainer.strategy.context(traced=True):  # the step's mesh: spmd.pipeline's stages
+                outputs = jax.eval_shape(
+                    lambda p, r, x: trainer._forward(p, r, x, False)[0], *abstract[:3]
+                )
             check_outputs(trainer.loss_name, trainer.metrics, outputs)
             check_labels(trainer.loss_name, outputs, labels)
             check_fit(trainer.loss_name, trainer.loss_fn, trainer.metrics, outputs, labels)
@@ -158,7 +159,8 @@ def written_state(trainer: Trainer, x: Any) -> list[str]:
                 written.append(f"{path} ({type(variable).__name__})")
         return new
 
-    jax.eval_shape(forward, *shapes)
+    with trainer.strategy.context(traced=True):
+        jax.eval_shape(forward, *shapes)
     return written
 
 
