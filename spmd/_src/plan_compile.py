@@ -20,9 +20,9 @@ from spmd._src.explain import CompilerOutput, compile_lowered
 
 __all__ = ["COMPILE_MEMORY", "compile_programs", "default_jobs"]
 
-# What one candidate's compile held at its peak, measured here for a 32B decoder on
+# What one candidate's compile held at its peak (1.6 GiB, the whole process) for a 32B decoder on
 # v5p-128 (docs/planning.md, "What a plan costs"): the bound on workers per free memory.
-COMPILE_MEMORY = 8 << 30
+COMPILE_MEMORY = 2 << 30
 
 
 def _available_memory() -> int | None:

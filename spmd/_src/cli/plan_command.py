@@ -30,7 +30,8 @@ DEFAULT_FUNCTION = "plan_inputs"  # what a script path alone names
 _FIX = (
     "pass MODULE:FUNCTION or PATH.py:FUNCTION (e.g. train:plan_inputs or ./train.py:plan_inputs), "
     "PATH.py (its plan_inputs()), or -- python train.py ARGS...; the function returns "
-    "dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),))."
+    "dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),)), optionally with args, "
+    "rules and logical_axis_rules."
 )
 
 
@@ -179,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     from spmd._src.planning import auto_strategy
 
     try:
-        create_fn, step, batch, create_args = load_entry(entry, argv)
+        create_fn, step, batch, create_args, layout = load_entry(entry, argv)
     except EntryRaised as e:
         print(f"spmd plan: error: {str(e).splitlines()[0]}", file=sys.stderr)
         _print_user_traceback(e.__cause__)
@@ -196,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         jobs=args.jobs or default_jobs(),
         cache_dir=args.cache_dir or None,
         progress=_progress(),
+        **layout,
     )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
     return 0
@@ -232,8 +234,8 @@ def _script(entry: str) -> bool:
     return entry.partition(":")[0].endswith(".py") or entry.endswith(".py")
 
 
-def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any]:
-    """An entry point -> (create_fn, step, batch, args) from what its function returns.
+def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any, dict]:
+    """An entry point -> (create_fn, step, batch, args, layout) from what its function returns.
 
     Args:
       entry: `MODULE:FUNCTION` (imported with the current directory on
@@ -242,7 +244,9 @@ def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any
 
     Returns:
       The function's dict's `create_fn`, `step`, `batch` and `args` (None if
-      absent), or its tuple `(create_fn, step, batch[, args])`.
+      absent), and its `rules` and `logical_axis_rules` where given (as a dict
+      of `auto_strategy`'s keywords); or its tuple `(create_fn, step, batch[,
+      args])` and an empty dict.
 
     Raises:
       ConfigurationError: the entry is none of those forms, its module or
@@ -315,14 +319,26 @@ def _load_script(path: str, argv: Sequence[str]) -> Any:
     return module
 
 
-_KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold; args optional
+_KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold
+_LAYOUT = ("rules", "logical_axis_rules")  # optional, given to auto_strategy as they are
 
 
-def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any]:
+def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
     if isinstance(pieces, dict) and set(_KEYS) <= set(pieces):
-        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args")
+        unknown = set(pieces) - {*_KEYS, "args", *_LAYOUT}
+        if unknown:
+            raise ConfigurationError(
+                message(
+                    f"{entry}() returns a dict of create_fn, step, batch and optionally args, "
+                    "rules and logical_axis_rules.",
+                    received(entry=entry, unknown=sorted(map(str, unknown))),
+                    _FIX,
+                )
+            )
+        layout = {k: pieces[k] for k in _LAYOUT if k in pieces}
+        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args"), layout
     if isinstance(pieces, tuple) and len(pieces) in (3, 4):
-        return (*pieces, None) if len(pieces) == 3 else pieces
+        return (*pieces, *([None] if len(pieces) == 3 else []), {})
     what = {"returned": type(pieces).__name__}
     if isinstance(pieces, dict):
         what |= {
