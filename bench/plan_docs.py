@@ -83,8 +83,9 @@ def _markers(name: str) -> tuple[str, str]:
 
 
 def block(entry: dict) -> str:
-    """The markdown a stored plan is shown as."""
-    return "```\n" + entry["table"] + "\n```"
+    """The markdown a stored plan is shown as (the table's padding cut at each line's end)."""
+    table = "\n".join(line.rstrip() for line in entry["table"].splitlines())
+    return "```\n" + table + "\n```"
 
 
 def rewrite(doc: str, store: dict) -> str:

@@ -123,3 +123,23 @@ def test_default_jobs_is_bounded_by_cores_and_free_memory(monkeypatch):
     assert plan_compile.default_jobs() == 1
     monkeypatch.setattr(plan_compile, "_available_memory", lambda: None)
     assert plan_compile.default_jobs() == 16
+
+
+def test_a_cache_that_cannot_be_written_warns_and_the_plan_goes_on(tmp_path, compiles):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with pytest.warns(UserWarning, match="cannot be written"):
+        _, plan = spmd.auto_strategy(
+            _create, _step, X, "v5e:2x2", only="data parallel", cache_dir=blocked / "plan"
+        )
+    assert plan.best.name == "data parallel" and compiles[0] == 1
+
+
+def test_a_damaged_cache_entry_is_compiled_again(tmp_path, compiles):
+    spmd.auto_strategy(_create, _step, X, "v5e:2x2", only="data parallel", cache_dir=tmp_path)
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text(entry.read_text()[:100])  # cut short, as by a killed run
+    _, plan = spmd.auto_strategy(
+        _create, _step, X, "v5e:2x2", only="data parallel", cache_dir=tmp_path
+    )
+    assert compiles[0] == 2 and plan.best.dropped is None

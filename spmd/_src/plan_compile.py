@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -89,5 +90,18 @@ def compile_programs(
             i, key = futures[future]
             output, seconds = future.result()
             if isinstance(output, CompilerOutput):
-                plan_cache.store(cache_dir, key, output)
+                _store(cache_dir, key, output)
             yield i, output, seconds
+
+
+def _store(cache_dir: Path | None, key: str, output: CompilerOutput) -> None:
+    """Keeps a compiler output; a cache that cannot be written costs time, not the plan."""
+    try:
+        plan_cache.store(cache_dir, key, output)
+    except OSError as e:
+        warnings.warn(
+            f"spmd.auto_strategy: the plan cache {cache_dir} cannot be written ({e}); the "
+            "plan goes on, and a later plan compiles this candidate again. Pass a writable "
+            "cache_dir (spmd plan --cache-dir DIR), or None ('') for no cache.",
+            stacklevel=2,
+        )

@@ -520,6 +520,8 @@ def auto_strategy(
     batch = _batch(batch)
     wanted = _only(only)
     extras = _extra(extra, devices)
+    positive_int(jobs, "jobs", fix="pass jobs=1 to compile one candidate at a time.")
+    cache_dir = _cache_dir(cache_dir)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
     _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
@@ -537,8 +539,11 @@ def auto_strategy(
     built += [(name, (lambda s=s: s), False) for name, s in extras]
     built = _matching(built, wanted)
     chip = chip_of(devices[0])
-    judge = _Judge(create_fn, step, batch, args, chip, len(devices), _capacity(devices[0]))
-    results = _settle(built, judge, jobs, _cache_dir(cache_dir), progress)
+    capacity = _capacity(devices[0])
+    judge = _Judge(
+        create_fn, step, batch, args, chip, len(devices), capacity, cache_dir is not None
+    )
+    results = _settle(built, judge, jobs, cache_dir, progress)
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
     plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
     if plan.best is None:
@@ -583,9 +588,9 @@ def _is_offload(strategy: Strategy | None) -> bool:
 
 
 def _settle(built, judge, jobs, cache_dir, progress) -> list[Candidate]:
-    """Every candidate settled: dropped before compiling, or compiled (the offload
-    candidates after the rest, so that one whose mesh fits without it is not compiled)."""
-    positive_int(jobs, "jobs", fix="pass jobs=1 to compile one candidate at a time.")
+    """Every candidate settled: dropped before compiling, or compiled (spmd's offload
+    candidate after the rest, so that it is not compiled where its mesh fits without it;
+    `extra=` layouts are compiled as given)."""
     done: list[Candidate | None] = [None] * len(built)
 
     def settle(i: int, candidate: Candidate, how: str) -> None:
@@ -600,7 +605,7 @@ def _settle(built, judge, jobs, cache_dir, progress) -> list[Candidate]:
             settle(i, prepared, "not compiled")
         else:
             waiting[i] = prepared
-    later = {i: p for i, p in waiting.items() if _is_offload(p.strategy)}
+    later = {i: p for i, p in waiting.items() if built[i][2] and _is_offload(p.strategy)}
     for wave in ({i: p for i, p in waiting.items() if i not in later}, later):
         if wave is later:
             for i, program in list(wave.items()):
@@ -725,6 +730,7 @@ class _Judge:
     chip: Chip | None
     n_devices: int
     capacity: int | None
+    cached: bool  # whether a cache key is wanted (the program's text: seconds for a large one)
 
     def prepare(self, name: str, build: Callable[[], Strategy], own: bool):
         """The candidate traced and lowered (a `_Program`), or dropped before compiling."""
@@ -748,7 +754,7 @@ class _Judge:
             return Candidate(name, strategy, dropped=f"cannot be laid out: {_first_line(err)}")
         except Exception as err:  # it traced on one device: this layout
             return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
-        key = plan_cache.cache_key(lowered.as_text(), devices)
+        key = plan_cache.cache_key(lowered.as_text(), devices) if self.cached else ""
         return _Program(name, strategy, traced, lowered, sized, batches, key)
 
     def _state_over_hbm(self, state: Any) -> str | None:
