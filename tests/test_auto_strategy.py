@@ -652,6 +652,7 @@ def test_options_after_the_entry_are_honoured_and_words_after_dashes_are_the_scr
         (["m.py", "--width", "2"], "after the entry m.py, only spmd plan's options are read"),
         (["m.py", "--width", "2"], "spmd plan m.py -- --width 2"),
         (["m.py", "--only", "FSDP", "stray"], "['stray'] are not among them"),
+        (["m:f", "--json", "stray"], "A module entry takes no arguments"),
         (["m.py", "--jobs", "0"], "--jobs"),
         (["--target", "v5e-4"], "give the model's entry point"),
     ],

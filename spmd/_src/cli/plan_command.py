@@ -143,10 +143,14 @@ def _options_after(args: argparse.Namespace, entry: str, words: list[str]) -> No
     parsed, unknown = args.parser.parse_known_args(words, argparse.Namespace(**vars(args)))
     stray = unknown + list(parsed.entry)
     if stray:
+        where = (
+            f"A script's own arguments go after --: spmd plan {entry} -- {' '.join(stray)}"
+            if _script(entry)
+            else "A module entry takes no arguments: give its settings in the function."
+        )
         args.parser.error(
             f"after the entry {entry}, only spmd plan's options are read; {stray} are not "
-            f"among them. A script's own arguments go after --: spmd plan {entry} -- "
-            f"{' '.join(stray)}"
+            f"among them. {where}"
         )
     for name, value in vars(parsed).items():
         if name != "entry":
