@@ -50,7 +50,7 @@ def compiles(monkeypatch):
     return count
 
 
-@pytest.mark.slow  # 12 s of CPU: three compiles, then the cache
+@pytest.mark.slow  # 3 s of CPU: three compiles, then the cache
 def test_a_second_plan_of_the_same_program_compiles_nothing(tmp_path, compiles):
     seen = []
     _, first = spmd.auto_strategy(
@@ -81,7 +81,7 @@ def test_a_second_plan_of_the_same_program_compiles_nothing(tmp_path, compiles):
     assert compiles[0] == 3  # another target is another key
 
 
-@pytest.mark.slow  # 10 s of CPU: four compiles
+@pytest.mark.slow  # 3 s of CPU: four compiles
 def test_compiling_in_parallel_gives_the_serial_plan(compiles):
     _, serial = spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=ONLY, jobs=1)
     _, parallel = spmd.auto_strategy(_create, _step, X, "v5e:2x2", only=ONLY, jobs=2)
@@ -135,6 +135,7 @@ def test_a_cache_that_cannot_be_written_warns_and_the_plan_goes_on(tmp_path, com
     assert plan.best.name == "data parallel" and compiles[0] == 1
 
 
+@pytest.mark.slow  # 2 s of CPU: two compiles
 def test_a_damaged_cache_entry_is_compiled_again(tmp_path, compiles):
     spmd.auto_strategy(_create, _step, X, "v5e:2x2", only="data parallel", cache_dir=tmp_path)
     (entry,) = tmp_path.glob("*.json")
