@@ -15,9 +15,10 @@ import json
 import os
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from spmd._src.explain import CompilerOutput
+if TYPE_CHECKING:  # spmd plan's parser reads DEFAULT_CACHE_DIR without importing jax
+    from spmd._src.explain import CompilerOutput
 
 __all__ = ["DEFAULT_CACHE_DIR", "cache_key", "load", "store"]
 
@@ -61,6 +62,8 @@ def load(directory: Path | None, key: str) -> CompilerOutput | None:
     """The stored compiler output for `key`; None where absent or unreadable."""
     if directory is None:
         return None
+    from spmd._src.explain import CompilerOutput
+
     path = directory / f"{key}.json"
     try:
         return CompilerOutput(**json.loads(path.read_text()))
