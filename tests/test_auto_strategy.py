@@ -167,10 +167,12 @@ def test_tensor_parallel_layouts_are_built_and_ranked_on_a_slice():
     assert tp.explanation.state_bytes == pytest.approx(8 * both.explanation.state_bytes, rel=0.01)
 
 
-@pytest.mark.slow  # compiles 17 candidates for 512 chips: about a minute on 2 shared cores
+@pytest.mark.slow  # compiles 16 candidates for 512 chips: about a minute on 2 shared cores
 def test_every_layout_builds_on_two_v5e_256_slices():
     best, plan = spmd.auto_strategy(_create, _step, BIG, "v5e:16x16", slices=2)
-    assert not plan.dropped, str(plan)
+    (offload,) = plan.dropped  # HSDP fits on its mesh: settled without compiling
+    assert offload.name == "FSDP over 256, optimizer state in host memory", str(plan)
+    assert offload.dropped.startswith("cannot help (not compiled)")
     names = {c.name for c in plan.ranked}
     assert {"TP over 2", "TP over 4", "TP over 8"} <= names
     assert {"FSDP 128 x TP 2", "FSDP 64 x TP 4", "FSDP 32 x TP 8", "FSDP over 2"} <= names
