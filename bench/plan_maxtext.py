@@ -3,6 +3,7 @@
     python -m bench.plan_maxtext v5p     # llama2-7b, v5p-512, per_device_batch_size=4, seq 4096
     python -m bench.plan_maxtext v5e     # llama2-7b, 2 x v5e-256, per_device_batch_size=4, seq 2048
     python -m bench.plan_maxtext small   # 8 such layers (1.9 B), v5e:2x2, seq 256: seconds
+    python -m bench.plan_maxtext 32b     # a 30 B decoder on v5p-128, FSDP 16 x TP 4: one compile
     python -m bench --only plan_maxtext [--quick]   (the rows in docs/performance.md; quick: small)
 
 The model is Llama 2's shape (MaxText's `model_name=llama2-7b`): vocabulary
@@ -72,6 +73,37 @@ TARGETS = {
     # The same checks at a size that compiles in seconds (python -m bench --quick).
     "small": ("v5e:2x2", 1, Config(layers=8, seq=256, per_device_batch=1)),
 }
+
+
+# A 32B-class decoder on v5p-128 in the layout of MaxText's 32B runs there (FSDP 16 x tensor 4,
+# remat minimal, 6 sequences of 2048 a chip): 30.1 B parameters of this file's shape.
+DECODER_32B = Config(width=7168, heads=56, mlp=19200, layers=48, seq=2048, per_device_batch=6)
+
+
+def verdict_32b() -> dict:
+    """Compiles the 32B decoder's one layout on v5p-128: the compiler's verdict and its cost.
+
+    Its arguments and temporaries add up to more than a v5p's HBM, yet the
+    compiler accepts the program: `auto_strategy` ranks it (docs/planning.md).
+    """
+    import resource
+
+    topo = spmd.topology("v5p-128")
+    c = DECODER_32B
+    tokens = jax.ShapeDtypeStruct((c.per_device_batch * len(topo), c.seq + 1), jnp.int32)
+    start, cpu = time.perf_counter(), time.process_time()
+    _, plan = spmd.auto_strategy(create_fn(c), step_fn(c), (tokens,), topo, only="FSDP 16 x TP 4")
+    e = plan.best.explanation
+    print(e)
+    return {
+        "parameters": c.parameters(),
+        "fits": e.fits,
+        "upper_bound_bytes": e.peak_and_code_bytes,
+        "hbm_capacity": e.hbm_capacity,
+        "wall_s": round(time.perf_counter() - start, 1),
+        "cpu_s": round(time.process_time() - cpu, 1),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 def optimizer():
@@ -275,6 +307,10 @@ def main(quick: bool = False) -> list[dict]:
 
 
 def cli(argv: list[str]) -> int:
+    if argv == ["32b"]:
+        result = verdict_32b()
+        print(json.dumps(result, indent=2))
+        return 0 if result["fits"] else 1
     targets = argv or ["v5p"]
     results = [plan(t) for t in targets]
     print(json.dumps(results, indent=2, default=str))

@@ -14,6 +14,8 @@ The model is sized by an `LMConfig` and importable (bench/bench_gpu.py trains a
 large one for its MFU figure); run as a script, it trains the small default.
 
 Run: python examples/07_sharded_transformer_lm.py [--devices 8] [--steps 30]
+Plan it for a TPU slice (no TPU needed; its plan_inputs()):
+     spmd plan --target v5p-256 examples/07_sharded_transformer_lm.py
 """
 
 import argparse
@@ -135,6 +137,20 @@ def train_step(state, tokens):
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return loss
+
+
+def plan_inputs(cfg: LMConfig = LMConfig(batch=256)):
+    """What `spmd plan` compiles each layout with: the model's pieces, nothing allocated.
+
+    The batch is 256 sequences: two for each of v5p-256's 128 chips.
+    """
+    return dict(
+        create_fn=lambda: create(cfg),
+        step=train_step,
+        args=(),
+        batch=(jax.ShapeDtypeStruct((cfg.batch, cfg.seq + 1), jnp.int32),),
+        logical_axis_rules=LOGICAL_AXIS_RULES,
+    )
 
 
 def batches(cfg: LMConfig, steps: int):

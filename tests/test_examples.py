@@ -78,3 +78,12 @@ def test_diloco_example_under_launch():
     """Islands cut across the two processes; the checkpoint in one folder both see."""
     out = _launch(4, "10_diloco.py", "--steps", "150", timeout=400)
     assert "[0] OK: DiLoCo within 5 points" in out
+
+
+def test_the_transformer_example_plans_for_a_tpu_slice(tmp_path):
+    # The README's command, on a 4-chip slice and one layout (v5p-256's 14 take minutes here).
+    command = [sys.executable, "-m", "spmd", "plan", "--target", "v5e:2x2"]
+    command += [str(EXAMPLES / "07_sharded_transformer_lm.py"), "--only", "FSDP 2 x TP 2"]
+    out = _run([*command, "--cache-dir", str(tmp_path)], timeout=600)
+    assert "auto_strategy for v5e:2x2 (4 v5e chips): 1 ranked, 0 dropped" in out
+    assert "FSDP 2 x TP 2" in out and "data=1 x fsdp=2 x model=2" in out

@@ -514,7 +514,7 @@ def test_a_state_over_hbm_does_not_fit_and_says_by_how_much():
     state = strategy.abstract_state(create, jax.random.key(0))
     e = strategy.explain(lambda s, x: (s, {"n": x.sum()}), state, jnp.zeros((8, 4)))
     assert e.fits is False and e.hbm_required > 20 << 30 and e.hbm_headroom < -(4 << 30)
-    assert "DOES NOT FIT: over by" in str(e)
+    assert "DOES NOT FIT: the compiler refused it, over by" in str(e)
 
 
 def test_explain_on_cpu_devices_has_no_chip_fields():

@@ -18,7 +18,17 @@ from spmd._src.pipeline import PipelineSchedule, schedules_in
 if TYPE_CHECKING:
     from spmd._src.strategy.base import Step
 
-__all__ = ["Collective", "Explanation", "explain", "explain_traced", "parse_collectives"]
+__all__ = [
+    "Collective",
+    "CompilerOutput",
+    "Explanation",
+    "compile_lowered",
+    "explain",
+    "explain_compiled",
+    "explain_traced",
+    "parse_collectives",
+    "traced_program",
+]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(
@@ -105,17 +115,21 @@ class Explanation:
         analysis of the compiled program (alias = outputs reusing donated inputs),
         in device memory. The TPU and GPU compilers count arguments and outputs
         in `pinned_host` apart; on CPU devices, whose "device" memory is the
-        same RAM, XLA counts them in, and they are taken out here.
+        same RAM, XLA counts them in, and they are taken out here. None where
+        the compiler refused the program (unknown, not 0).
       peak_bytes: argument + output - alias + temp, an upper bound of the
-        program's device memory.
+        program's device memory (it counts arguments and temporaries as if all
+        were live at once); None where the compiler refused the program.
       flops: XLA's cost estimate of floating point operations per device. It
         counts a loop's body once and, on GPUs, leaves out the library calls
         matrix products become (cuBLAS): a lower bound, not a figure for MFU.
+        None where the compiler refused the program.
       matmul_flops: the FLOPs of the step's matrix products and convolutions,
         counted from its traced program, over all devices:
         a scan's body times its length; recomputation counts; a backend's
         fused kernels (a cuDNN attention) do not. The numerator of MFU.
-      collectives: kind -> `Collective` (count, bytes).
+      collectives: kind -> `Collective`: the collective ops in the compiled
+        program (count, bytes), a loop's once (`traffic` counts them per step).
       hlo: the optimized HLO text, for a closer look.
       chip: on TPU devices (real or an `spmd.topology`), the chip's name
         ("v5p"); None elsewhere, and so are the fields below.
@@ -123,8 +137,9 @@ class Explanation:
         compiler counts it (v5e: 15.75 GiB of its 16 GB).
       hbm_required: on TPU, when the compiler refuses the program for want
         of HBM, the bytes it says the program needs (the other memory
-        fields are then 0: there is no compiled program to read).
-      code_bytes: on TPU, the compiled program's code, which HBM holds too.
+        fields and `flops` are then None: there is no compiled program to read).
+      code_bytes: on TPU, the compiled program's code, which HBM holds too
+        (None where the compiler refused the program).
       traffic: on TPU, the collectives by kind and link (ICI inside a slice,
         DCN between slices) with the bytes each device sends
         (`spmd.Traffic`), loops counted per iteration.
@@ -138,42 +153,60 @@ class Explanation:
     state_bytes: int
     state_host_bytes: int
     input_bytes: int
-    argument_bytes: int
-    output_bytes: int
-    alias_bytes: int
-    temp_bytes: int
-    flops: float
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    flops: float | None
     collectives: Mapping[str, Collective] = field(default_factory=dict)
     hlo: str = field(default="", repr=False)
     matmul_flops: float = 0.0
     chip: str | None = None
     hbm_capacity: int | None = None
     hbm_required: int | None = None
-    code_bytes: int = 0
+    code_bytes: int | None = 0
     traffic: tuple = ()
     roofline: Any = None
     pipelines: tuple[PipelineSchedule, ...] = ()
 
     @property
-    def peak_bytes(self) -> int:
-        """An upper bound of the device memory the step needs, per device."""
+    def peak_bytes(self) -> int | None:
+        """An upper bound of the device memory the step needs, per device; None where the
+        compiler refused the program."""
+        parts = (self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes)
+        if any(p is None for p in parts):
+            return None
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
     @property
+    def peak_and_code_bytes(self) -> int | None:
+        """Peak plus code: an upper bound of the HBM the program holds; None where refused."""
+        if self.peak_bytes is None:
+            return None
+        return self.peak_bytes + (self.code_bytes or 0)
+
+    @property
     def fits(self) -> bool | None:
-        """On TPU, whether peak plus code fits the device's HBM; None where unknown."""
+        """On TPU, the compiler's verdict: it compiled the program (True) or refused it for
+        want of HBM (False); None where there is no HBM to judge against (CPU, GPU).
+
+        A compiled program fits even where `peak_and_code_bytes`, an upper bound,
+        exceeds `hbm_capacity`: the compiler knows which buffers are live at once.
+        """
         if self.hbm_capacity is None:
             return None
-        return self.hbm_required is None and self.peak_bytes + self.code_bytes <= self.hbm_capacity
+        return self.hbm_required is None
 
     @property
     def hbm_headroom(self) -> int | None:
-        """On TPU, HBM left over (negative: over by that much); None where unknown."""
+        """On TPU, HBM left over: for a refused program, capacity less what the compiler
+        says it needs (negative: over by that much); for a compiled one, at least this much
+        (capacity less the upper bound, 0 where the bound exceeds it); None where unknown."""
         if self.hbm_capacity is None:
             return None
         if self.hbm_required is not None:
             return self.hbm_capacity - self.hbm_required
-        return self.hbm_capacity - self.peak_bytes - self.code_bytes
+        return max(0, self.hbm_capacity - self.peak_and_code_bytes)
 
     @property
     def step_seconds(self) -> float | None:
@@ -186,17 +219,17 @@ class Explanation:
             ("state (host memory)", _human(self.state_host_bytes)),
             ("one batch", _human(self.input_bytes)),
             *(_memory_rows(self) if self.chip is not None else ()),
-            ("temporaries", _human(self.temp_bytes)),
-            ("peak (upper bound)", _human(self.peak_bytes)),
-            ("FLOPs (XLA's estimate)", f"{self.flops:,.0f}"),
+            ("temporaries", _known(self.temp_bytes)),
+            ("peak (upper bound)", _known(self.peak_bytes)),
+            ("FLOPs (XLA's estimate)", "-" if self.flops is None else f"{self.flops:,.0f}"),
             ("matmul FLOPs (all devices)", f"{self.matmul_flops:,.0f}"),
         ]
         rows += [
-            (f"{c.kind} x{c.count}", _human(c.bytes))
+            (f"{c.kind} x{c.count} in the program", f"{_human(c.bytes)} produced")
             for c in sorted(self.collectives.values(), key=lambda c: c.kind)
         ]
         if not self.collectives:
-            rows.append(("collectives", "none"))
+            rows.append(("collectives in the program", "none" if self.hlo else "-"))
         rows += [("pipeline", str(p)) for p in self.pipelines]
         if self.chip is not None:
             rows += _chip_rows(self)
@@ -206,28 +239,40 @@ class Explanation:
         return "\n".join(lines)
 
 
+def _known(n: float | None) -> str:
+    """A byte count, or "-" where the compiler gave none."""
+    return "-" if n is None else _human(n)
+
+
 def _memory_rows(e: Explanation) -> list[tuple[str, str]]:
     """The TPU compiler's memory analysis, each part on its own row (peak adds them up)."""
     return [
-        ("arguments", _human(e.argument_bytes)),
-        ("outputs", _human(e.output_bytes)),
-        ("aliased (outputs in donated arguments)", _human(e.alias_bytes)),
-        ("code", _human(e.code_bytes)),
+        ("arguments", _known(e.argument_bytes)),
+        ("outputs", _known(e.output_bytes)),
+        ("aliased (outputs in donated arguments)", _known(e.alias_bytes)),
+        ("code", _known(e.code_bytes)),
     ]
 
 
 def _chip_rows(e: Explanation) -> list[tuple[str, str]]:
     """The rows a TPU adds: HBM against capacity, traffic by link, the roofline."""
-    headroom = e.hbm_headroom or 0
-    verdict = "fits" if e.fits else f"DOES NOT FIT: over by {_human(-headroom)}"
-    rows = [
-        (f"HBM of one {e.chip} device", _human(e.hbm_capacity or 0)),
-        (
-            "peak + code" if e.hbm_required is None else "the compiler needs",
-            f"{_human(e.peak_bytes + e.code_bytes if e.hbm_required is None else e.hbm_required)}"
-            f" ({verdict})",
-        ),
-    ]
+    rows = [(f"HBM of one {e.chip} device", _human(e.hbm_capacity or 0))]
+    if e.hbm_required is not None:
+        over = _human(e.hbm_required - e.hbm_capacity)
+        verdict = f"DOES NOT FIT: the compiler refused it, over by {over}"
+        rows.append(("the compiler needs", f"{_human(e.hbm_required)} ({verdict})"))
+    else:
+        bound = e.peak_and_code_bytes
+        above = bound - e.hbm_capacity
+        note = f", though the bound is {_human(above)} over HBM" if above > 0 else ""
+        rows.append(
+            (
+                "peak + code (upper bound)",
+                f"{_human(bound)} (fits: the compiler accepted the program{note})",
+            )
+        )
+    if e.traffic:
+        rows.append(("collectives executed per step", "(a loop's once per iteration)"))
     rows += [
         (f"{t.kind} x{t.count} over {t.link}", f"{_human(t.wire_bytes)} sent") for t in e.traffic
     ]
@@ -269,6 +314,14 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
     Returns:
       An `Explanation`; `print()` it for a table.
     """
+    return explain_traced(*traced_program(step, state, *data, **kwargs))
+
+
+def traced_program(step: Step, state: Any, *data: Any, **kwargs: Any) -> tuple:
+    """`explain_traced`'s arguments for a step: (name, traced, state, batches, devices).
+
+    The state and batches are `ShapeDtypeStruct`s with the strategy's shardings.
+    """
     traced, pure = step.trace(state, *data, **kwargs)
     strategy = step.strategy
     state_sharding = strategy.state_sharding(pure)
@@ -281,7 +334,7 @@ def explain(step: Step, state: Any, *data: Any, **kwargs: Any) -> Explanation:
         ),
         data,
     )
-    return explain_traced(repr(strategy), traced, sized, batches, list(strategy.mesh.devices.flat))
+    return repr(strategy), traced, sized, batches, list(strategy.mesh.devices.flat)
 
 
 def explain_traced(
@@ -300,41 +353,98 @@ def explain_traced(
       devices: the devices it runs on; on TPU devices the report adds the chip's
         HBM, the traffic by link and the roofline.
     """
+    output = compile_lowered(traced.lower())
+    return explain_compiled(name, traced, output, state, batches, devices)
+
+
+@dataclass(frozen=True)
+class CompilerOutput:
+    """What the compiler says of one program: the figures an `Explanation` is read from.
+
+    Plain data (it round-trips through JSON, for the plan's disk cache).
+
+    Attributes:
+      argument_bytes, output_bytes, alias_bytes, temp_bytes, code_bytes: the
+        memory analysis, arguments and outputs in device memory only; None
+        where the compiler refused the program.
+      flops, bytes_accessed: the cost analysis; None where refused.
+      hlo: the optimized HLO text ("" where refused).
+      required: the bytes the TPU compiler says a refused program needs; None
+        where it compiled.
+    """
+
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    code_bytes: int | None
+    flops: float | None
+    bytes_accessed: float | None
+    hlo: str = ""
+    required: int | None = None
+
+
+def compile_lowered(lowered: jax.stages.Lowered) -> CompilerOutput:
+    """Compiles a lowered program; the TPU compiler's refusal for want of HBM is a verdict.
+
+    Raises:
+      Exception: what the compiler raises for any other reason, as raised.
+    """
     try:
-        compiled = traced.lower().compile()
+        compiled = lowered.compile()
     except Exception as e:  # the TPU compiler refuses a program over HBM
         from spmd._src.topologies import hbm_refusal
 
         required = hbm_refusal(e)
         if required is None:
             raise
-        compiled = None
-    if compiled is None:
-        memory, cost, hlo = None, {}, ""
-    else:
-        memory = compiled.memory_analysis()
-        cost = compiled.cost_analysis() or {}
-        hlo = compiled.as_text()
+        return CompilerOutput(None, None, None, None, None, None, None, "", required)
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
     if isinstance(cost, list):  # older JAX: one dict per program
         cost = cost[0] if cost else {}
+    arguments, outputs = _device_resident(compiled, memory)
+    return CompilerOutput(
+        argument_bytes=arguments,
+        output_bytes=outputs,
+        alias_bytes=int(getattr(memory, "alias_size_in_bytes", 0)),
+        temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
+        code_bytes=int(getattr(memory, "generated_code_size_in_bytes", 0)),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        hlo=compiled.as_text(),
+    )
+
+
+def explain_compiled(
+    name: str,
+    traced: jax.stages.Traced,
+    output: CompilerOutput,
+    state: Any,
+    batches: Any,
+    devices: list | None = None,
+) -> Explanation:
+    """The `Explanation` of a program from what its compiler said (`compile_lowered`).
+
+    Args: as `explain_traced`, with `output` the compiler's figures.
+    """
     traced_flops = matmul_flops(traced.jaxpr)
     host_bytes = _per_device_bytes(state, "pinned_host")
-    tpu = _tpu_fields(devices or [], hlo, cost, memory, traced_flops, host_bytes)
-    if compiled is None:
-        tpu |= {"hbm_required": required, "roofline": None, "traffic": ()}
-    arguments, outputs = _device_resident(compiled, memory)
+    tpu = _tpu_fields(devices or [], output, traced_flops, host_bytes)
+    if output.required is not None:
+        tpu |= {"hbm_required": output.required, "roofline": None, "traffic": ()}
     return Explanation(
         strategy=name,
         state_bytes=_per_device_bytes(state, "device"),
         state_host_bytes=host_bytes,
         input_bytes=_per_device_bytes(batches),
-        argument_bytes=arguments,
-        output_bytes=outputs,
-        alias_bytes=int(getattr(memory, "alias_size_in_bytes", 0)),
-        temp_bytes=int(getattr(memory, "temp_size_in_bytes", 0)),
-        flops=float(cost.get("flops", 0.0)),
-        collectives=parse_collectives(hlo),
-        hlo=hlo,
+        argument_bytes=output.argument_bytes,
+        output_bytes=output.output_bytes,
+        alias_bytes=output.alias_bytes,
+        temp_bytes=output.temp_bytes,
+        flops=output.flops,
+        collectives=parse_collectives(output.hlo),
+        hlo=output.hlo,
         matmul_flops=traced_flops,
         pipelines=schedules_in(traced.jaxpr),
         **tpu,
@@ -350,10 +460,8 @@ def _device_resident(compiled: Any, memory: Any) -> tuple[int, int]:
     """
     arguments = int(getattr(memory, "argument_size_in_bytes", 0))
     outputs = int(getattr(memory, "output_size_in_bytes", 0))
-    if (
-        compiled is None
-        or getattr(memory, "host_argument_size_in_bytes", 0)
-        or (getattr(memory, "host_output_size_in_bytes", 0))
+    if getattr(memory, "host_argument_size_in_bytes", 0) or (
+        getattr(memory, "host_output_size_in_bytes", 0)
     ):
         return arguments, outputs
     avals = jax.tree.leaves(compiled.in_avals)
@@ -366,9 +474,7 @@ def _device_resident(compiled: Any, memory: Any) -> tuple[int, int]:
     return max(0, arguments - host_in), max(0, outputs - host_out)
 
 
-def _tpu_fields(
-    devices: list, hlo: str, cost: Mapping, memory: Any, traced_flops: float, host_bytes: int
-):
+def _tpu_fields(devices: list, output: CompilerOutput, traced_flops: float, host_bytes: int):
     """On TPU devices: the chip, its HBM, the traffic by link and the roofline."""
     from spmd._src.roofline import estimate, traffic
     from spmd._src.topologies import chip_of, compiler_hbm, devices_per_chip
@@ -379,19 +485,18 @@ def _tpu_fields(
     if chip is None:
         return {}
     capacity = compiler_hbm(devices[0])
+    fields = {"chip": chip.name, "hbm_capacity": capacity, "code_bytes": output.code_bytes}
+    if output.required is not None:  # refused: no program to read traffic or costs from
+        return fields
+    hlo = output.hlo
     found = re.search(r"num_partitions=(\d+)", hlo)
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     flows = traffic(hlo, int(found[1]) if found else len(devices) // slices, slices)
-    flops = max(float(cost.get("flops", 0.0)), traced_flops / len(devices))
+    flops = max(output.flops, traced_flops / len(devices))
     share = devices_per_chip(devices[0])
-    return {
-        "chip": chip.name,
-        "hbm_capacity": capacity,
-        "code_bytes": int(getattr(memory, "generated_code_size_in_bytes", 0)),
+    return fields | {
         "traffic": flows,
-        "roofline": estimate(
-            chip, flops, float(cost.get("bytes accessed", 0.0)), flows, share, host_bytes
-        ),
+        "roofline": estimate(chip, flops, output.bytes_accessed, flows, share, host_bytes),
     }
 
 

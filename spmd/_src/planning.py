@@ -15,10 +15,12 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 
+from spmd._src import plan_cache
 from spmd._src.candidates import MIN_SHARDED_ELEMENTS, candidates, idle_axes, model_layout
 from spmd._src.errors import (
     ArgumentTypeError,
@@ -27,13 +29,21 @@ from spmd._src.errors import (
     message,
     received,
 )
-from spmd._src.explain import Explanation, _human
+from spmd._src.explain import (
+    CompilerOutput,
+    Explanation,
+    _human,
+    _per_device_bytes,
+    explain_compiled,
+    traced_program,
+)
 from spmd._src.logical import LogicalRules
 from spmd._src.mesh import make_mesh
+from spmd._src.plan_compile import compile_programs
 from spmd._src.roofline import Roofline, estimate
 from spmd._src.rules import Rule
 from spmd._src.strategy.base import Step, Strategy, check_sizes
-from spmd._src.topologies import Chip, Topology, chip_of, topology
+from spmd._src.topologies import Chip, Topology, chip_of, compiler_hbm, topology
 from spmd._src.validate import positive_int
 
 __all__ = ["Candidate", "Plan", "auto_strategy", "candidates", "measured_chip"]
@@ -73,13 +83,34 @@ class Candidate:
 
     @property
     def memory_bytes(self) -> int | None:
-        """Per-device bytes the program needs (peak + code, or what the compiler asked for)."""
+        """Per-device bytes the program needs: what the compiler asked for where it refused
+        the program, else peak + code (an upper bound: the compiler accepted it)."""
         e = self.explanation
         if e is None:
             return None
         if e.hbm_required is not None:
             return e.hbm_required
-        return e.peak_bytes + e.code_bytes
+        return e.peak_and_code_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """The candidate as JSON-ready data; a figure the compiler did not give is None."""
+        e, r = self.explanation, self.roofline
+        compiled = e is not None and e.hbm_required is None
+        return {
+            "name": self.name,
+            "mesh": None if self.strategy is None else dict(self.strategy.mesh.shape),
+            "dropped": self.dropped,
+            "fits": None if e is None else e.fits,
+            "memory_upper_bound_bytes": e.peak_and_code_bytes if compiled else None,
+            "compiler_needs_bytes": None if e is None else e.hbm_required,
+            "hbm_capacity_bytes": None if e is None else e.hbm_capacity,
+            "headroom_at_least_bytes": e.hbm_headroom if compiled else None,
+            "state_bytes": None if e is None else e.state_bytes,
+            "state_host_bytes": None if e is None else e.state_host_bytes,
+            "flops": e.flops if compiled else None,
+            "step_seconds": None if r is None else r.step_s,
+            "bound": None if r is None else r.bound,
+        }
 
 
 @dataclass(frozen=True)
@@ -107,14 +138,19 @@ class Plan:
         """The fastest candidate that fits, or None."""
         return self.ranked[0] if self.ranked else None
 
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (`json.dumps(plan.to_dict())`): the target and every
+        candidate (`Candidate.to_dict`), ranked first; unknown figures are None (null)."""
+        return {"target": self.target, "candidates": [c.to_dict() for c in self.candidates]}
+
     def __str__(self) -> str:
         header = (
             "#",
             "layout",
             "mesh",
-            "memory/device",
+            "memory/device (upper bound)",
             "host/device",
-            "headroom",
+            "headroom (at least)",
             "step (est.)",
             "bound",
         )
@@ -126,7 +162,7 @@ class Plan:
                     str(i),
                     c.name,
                     _mesh(c.strategy),
-                    _human(c.memory_bytes or 0),
+                    "-" if c.memory_bytes is None else _human(c.memory_bytes),
                     _human(e.state_host_bytes) if e.state_host_bytes else "-",
                     "-" if e.hbm_headroom is None else _human(e.hbm_headroom),
                     _seconds(r.step_s),
@@ -397,15 +433,22 @@ def auto_strategy(
     extra: Mapping[str, Strategy] | None = None,
     rules: Sequence[Rule] = (),
     logical_axis_rules: LogicalRules = (),
+    jobs: int = 1,
+    cache_dir: str | Path | None = None,
+    progress: Callable[[Candidate, str], None] | None = None,
 ) -> tuple[Strategy, Plan]:
     """Compiles candidate layouts for a target, drops those that do not fit, ranks the rest.
 
     Nothing is allocated or run: each candidate's state is abstract
     (`strategy.abstract_state`) and its step is compiled with
-    `strategy.explain`. On TPU (a real slice or an `spmd.topology`) a
-    candidate the compiler refuses for want of HBM, or whose program needs
-    more than a device's HBM, is dropped, and the rest are ranked by the
-    roofline's step time from Cloud TPU's published figures. On CPU and GPU
+    `strategy.explain`. On TPU (a real slice or an `spmd.topology`) the
+    compiler's verdict decides the fit: a candidate it refuses for want of
+    HBM is dropped, one it compiles fits (its peak + code, which counts
+    arguments and temporaries as if all were live at once, is an upper
+    bound), and those are ranked by the roofline's step time from Cloud
+    TPU's published figures. Without compiling, a candidate whose state
+    alone exceeds a device's HBM is dropped, and so is the optimizer-offload
+    candidate where the same mesh without it fits. On CPU and GPU
     devices every candidate that compiles is ranked, by the same roofline
     with this machine's measured figures (`measured_chip`).
 
@@ -445,14 +488,22 @@ def auto_strategy(
       rules: state rules given to every candidate, ahead of its own.
       logical_axis_rules: maps the model's flax annotation names to mesh axes,
         in every candidate (as `spmd.Strategy(logical_axis_rules=)`).
+      jobs: how many candidates compile at once (worker threads; the
+        compiler runs outside Python's lock). Tracing stays on this thread.
+      cache_dir: a directory where each program's compiler output is kept,
+        keyed by the program's text, its devices and the compiler versions:
+        a candidate compiled before for the same target is read, not
+        compiled. None (the default): no cache.
+      progress: called with each candidate as it is settled, and how
+        ("compiled in 12.3 s", "from the cache", "not compiled").
 
     Returns:
       (the best `Strategy`, the `Plan`: every candidate with its estimate or
       why it was dropped; `print()` it for a table).
 
     Raises:
-      ConfigurationError: the target, `args`, `only`, `extra` or `slices` is
-        not understood, `only` keeps no candidate, or no candidate fits (the
+      ConfigurationError: the target, `args`, `only`, `extra`, `slices` or
+        `jobs` is not understood, `only` keeps no candidate, or no candidate fits (the
         message holds the table); `ArgumentTypeError` (a ConfigurationError)
         where `create_fn` or `step` is not a function.
       BatchError: a batch leaf's shape has a negative size.
@@ -469,6 +520,8 @@ def auto_strategy(
     batch = _batch(batch)
     wanted = _only(only)
     extras = _extra(extra, devices)
+    positive_int(jobs, "jobs", fix="pass jobs=1 to compile one candidate at a time.")
+    cache_dir = _cache_dir(cache_dir)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
     _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
@@ -486,15 +539,110 @@ def auto_strategy(
     built += [(name, (lambda s=s: s), False) for name, s in extras]
     built = _matching(built, wanted)
     chip = chip_of(devices[0])
-    results = [
-        _try(name, b, own, create_fn, step, batch, args, chip, len(devices))
-        for name, b, own in built
-    ]
+    capacity = _capacity(devices[0])
+    judge = _Judge(
+        create_fn, step, batch, args, chip, len(devices), capacity, cache_dir is not None
+    )
+    results = _settle(built, judge, jobs, cache_dir, progress)
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
     plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
     if plan.best is None:
         raise _nothing_fits(target, plan)
     return plan.best.strategy, plan
+
+
+def _capacity(device: Any) -> int | None:
+    """A TPU device's HBM as its compiler counts it; None elsewhere."""
+    return compiler_hbm(device) if chip_of(device) is not None else None
+
+
+def _cache_dir(cache_dir: Any) -> Path | None:
+    if cache_dir is None:
+        return None
+    if not isinstance(cache_dir, str | Path):
+        raise ConfigurationError(
+            message(
+                "cache_dir is a directory path, or None for no cache.",
+                received(cache_dir=cache_dir),
+                f'pass e.g. cache_dir="{plan_cache.DEFAULT_CACHE_DIR}".',
+            )
+        )
+    return Path(cache_dir).expanduser()
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A candidate traced and lowered, waiting for the compiler."""
+
+    name: str
+    strategy: Strategy
+    traced: Any
+    lowered: Any
+    state: Any
+    batches: Any
+    key: str
+
+
+def _is_offload(strategy: Strategy | None) -> bool:
+    return strategy is not None and strategy.placement == "offload_optimizer"
+
+
+def _settle(built, judge, jobs, cache_dir, progress) -> list[Candidate]:
+    """Every candidate settled: dropped before compiling, or compiled (spmd's offload
+    candidate after the rest, so that it is not compiled where its mesh fits without it;
+    `extra=` layouts are compiled as given)."""
+    done: list[Candidate | None] = [None] * len(built)
+
+    def settle(i: int, candidate: Candidate, how: str) -> None:
+        done[i] = candidate
+        if progress is not None:
+            progress(candidate, how)
+
+    waiting: dict[int, _Program] = {}
+    for i, (name, build, own) in enumerate(built):
+        prepared = judge.prepare(name, build, own)
+        if isinstance(prepared, Candidate):
+            settle(i, prepared, "not compiled")
+        else:
+            waiting[i] = prepared
+    later = {i: p for i, p in waiting.items() if built[i][2] and _is_offload(p.strategy)}
+    for wave in ({i: p for i, p in waiting.items() if i not in later}, later):
+        if wave is later:
+            for i, program in list(wave.items()):
+                if (twin := _fitting_twin(program, done)) is not None:
+                    settle(i, _cannot_help(program, twin), "not compiled")
+                    del wave[i]
+        order = list(wave)
+        programs = [(wave[i].lowered, wave[i].key) for i in order]
+        for j, output, seconds in compile_programs(programs, jobs, cache_dir):
+            how = "from the cache" if seconds is None else f"compiled in {seconds:,.1f} s"
+            settle(order[j], judge.judge(wave[order[j]], output), how)
+    return done
+
+
+def _fitting_twin(program: _Program, done: list[Candidate | None]) -> Candidate | None:
+    """The candidate of the same mesh with its state in device memory, where it fits."""
+    shape = dict(program.strategy.mesh.shape)
+    for c in done:
+        if (
+            c is not None
+            and c.dropped is None
+            and c.strategy is not None
+            and not _is_offload(c.strategy)
+            and dict(c.strategy.mesh.shape) == shape
+        ):
+            return c
+    return None
+
+
+def _cannot_help(program: _Program, twin: Candidate) -> Candidate:
+    return Candidate(
+        program.name,
+        program.strategy,
+        dropped=f"cannot help (not compiled): {twin.name} fits on the same mesh with the "
+        "optimizer state in device memory, and moving it over the host link each step only "
+        "adds to the step",
+    )
 
 
 def _offers_host_memory(device: Any) -> bool:
@@ -571,43 +719,91 @@ def _idle(strategy: Strategy, state: Any) -> str | None:
     )
 
 
-def _try(name, build, own, create_fn, step, batch, args, chip, n_devices) -> Candidate:
-    try:
-        strategy = build()
-    except Exception as e:  # a layout this mesh cannot make
-        return Candidate(name, None, dropped=f"cannot be built: {_first_line(e)}")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            state = strategy.abstract_state(create_fn, *args)
-            if own and (idle := _idle(strategy, state)):
-                return Candidate(name, strategy, dropped=idle)
-            e = strategy.explain(step, state, *batch)
-    except SpmdError as err:  # spmd's checks of this layout: the batch, the rules
-        return Candidate(name, strategy, dropped=f"cannot be laid out: {_first_line(err)}")
-    except Exception as err:  # it traced on one device: the compiler, or this layout
-        return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
-    if e.fits is False:
-        over = _human(-(e.hbm_headroom or 0))
-        return Candidate(
-            name,
-            strategy,
-            e,
-            dropped=f"does not fit: needs {_human(Candidate(name, strategy, e).memory_bytes)} "
-            f"of {_human(e.hbm_capacity)} HBM (over by {over})",
+@dataclass(frozen=True)
+class _Judge:
+    """What every candidate is traced, lowered and judged with."""
+
+    create_fn: Any
+    step: Any
+    batch: tuple
+    args: tuple
+    chip: Chip | None
+    n_devices: int
+    capacity: int | None
+    cached: bool  # whether a cache key is wanted (the program's text: seconds for a large one)
+
+    def prepare(self, name: str, build: Callable[[], Strategy], own: bool):
+        """The candidate traced and lowered (a `_Program`), or dropped before compiling."""
+        try:
+            strategy = build()
+        except Exception as e:  # a layout this mesh cannot make
+            return Candidate(name, None, dropped=f"cannot be built: {_first_line(e)}")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                state = strategy.abstract_state(self.create_fn, *self.args)
+                if own and (idle := _idle(strategy, state)):
+                    return Candidate(name, strategy, dropped=idle)
+                if (over := self._state_over_hbm(state)) is not None:
+                    return Candidate(name, strategy, dropped=over)
+                _, traced, sized, batches, devices = traced_program(
+                    _bound(strategy, self.step), state, *self.batch
+                )
+                lowered = traced.lower()
+        except SpmdError as err:  # spmd's checks of this layout: the batch, the rules
+            return Candidate(name, strategy, dropped=f"cannot be laid out: {_first_line(err)}")
+        except Exception as err:  # it traced on one device: this layout
+            return Candidate(name, strategy, dropped=f"does not compile: {_first_line(err)}")
+        key = plan_cache.cache_key(lowered.as_text(), devices) if self.cached else ""
+        return _Program(name, strategy, traced, lowered, sized, batches, key)
+
+    def _state_over_hbm(self, state: Any) -> str | None:
+        """Why the state alone rules a candidate out on a TPU; None where it does not."""
+        if self.capacity is None:
+            return None
+        need = _per_device_bytes(state, "device")
+        if need <= self.capacity:
+            return None
+        return (
+            f"does not fit (not compiled): its state alone is {_human(need)} a device, over "
+            f"the {_human(self.capacity)} of HBM by {_human(need - self.capacity)}"
         )
-    roofline = e.roofline
-    if roofline is None:  # CPU or GPU: this machine's measured figures
-        device = strategy.mesh.devices.flat[0]
-        sharing = len(jax.local_devices()) if device.platform == "cpu" else 1
-        flops = max(e.flops, e.matmul_flops / n_devices)
+
+    def judge(self, program: _Program, output: CompilerOutput | BaseException) -> Candidate:
+        """The compiled candidate ranked, or dropped with the compiler's reason."""
+        name, strategy = program.name, program.strategy
+        if isinstance(output, BaseException):
+            return Candidate(name, strategy, dropped=f"does not compile: {_first_line(output)}")
+        devices = list(strategy.mesh.devices.flat)
+        e = explain_compiled(
+            repr(strategy), program.traced, output, program.state, program.batches, devices
+        )
+        if e.fits is False:
+            return Candidate(
+                name,
+                strategy,
+                e,
+                dropped=f"does not fit: the compiler needs {_human(e.hbm_required)} of "
+                f"{_human(e.hbm_capacity)} HBM (over by {_human(-e.hbm_headroom)})",
+            )
+        roofline = e.roofline
+        if roofline is None:  # CPU or GPU: this machine's measured figures
+            return self._measured(name, strategy, e)
+        return Candidate(name, strategy, e, roofline)
+
+    def _measured(self, name: str, strategy: Strategy, e: Explanation) -> Candidate:
+        """A CPU or GPU candidate: ranked by this machine's figures; on a GPU, dropped where
+        its peak and code exceed the memory the device gives programs."""
         from spmd._src.roofline import traffic
 
-        flows = traffic(e.hlo, n_devices)
+        device = strategy.mesh.devices.flat[0]
+        sharing = len(jax.local_devices()) if device.platform == "cpu" else 1
+        flops = max(e.flops, e.matmul_flops / self.n_devices)
+        flows = traffic(e.hlo, self.n_devices)
         chip = measured_chip(device)
         roofline = estimate(chip, flops, _accessed(e), flows, sharing, e.state_host_bytes)
         limit = _device_limit(device)
-        need = Candidate(name, strategy, e).memory_bytes
+        need = e.peak_and_code_bytes
         if limit is not None and need > limit:
             return Candidate(
                 name,
@@ -616,7 +812,7 @@ def _try(name, build, own, create_fn, step, batch, args, chip, n_devices) -> Can
                 dropped=f"does not fit: needs {_human(need)} of {_human(limit)} device memory "
                 f"(over by {_human(need - limit)})",
             )
-    return Candidate(name, strategy, e, roofline)
+        return Candidate(name, strategy, e, roofline)
 
 
 def _device_limit(device: Any) -> int | None:

@@ -2,7 +2,8 @@
 
 The entry is `MODULE:FUNCTION`, `PATH.py:FUNCTION`, `PATH.py` (its function
 `plan_inputs`), or `-- python PATH.py [ARGS...]` (the script imported with
-those arguments in `sys.argv`, its `__main__` block not run). The function
+those arguments in `sys.argv`, its `__main__` block not run). Options may
+follow the entry; only words after `--` belong to the script. The function
 returns the model's pieces; `spmd.auto_strategy` compiles the candidates.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import traceback
@@ -20,6 +22,7 @@ from typing import Any
 
 from spmd._src.cli.types import positive_int
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.plan_cache import DEFAULT_CACHE_DIR
 
 __all__ = ["DEFAULT_FUNCTION", "EntryRaised", "add_subcommand", "load_entry"]
 
@@ -27,7 +30,8 @@ DEFAULT_FUNCTION = "plan_inputs"  # what a script path alone names
 _FIX = (
     "pass MODULE:FUNCTION or PATH.py:FUNCTION (e.g. train:plan_inputs or ./train.py:plan_inputs), "
     "PATH.py (its plan_inputs()), or -- python train.py ARGS...; the function returns "
-    "dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),))."
+    "dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),)), optionally with args, "
+    "rules and logical_axis_rules."
 )
 
 
@@ -83,6 +87,22 @@ def add_subcommand(subparsers: Any) -> None:
         "--only", action="append", metavar="TEXT", help="keep the layouts whose names contain TEXT"
     )
     p.add_argument(
+        "--jobs",
+        type=positive_int,
+        metavar="N",
+        help="compile N candidates at once (default: one per core, as many as free memory holds)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=str(DEFAULT_CACHE_DIR),
+        metavar="DIR",
+        help="keep each compiled program's figures here, keyed by the program and target, "
+        f"so a second plan compiles only what changed (default {DEFAULT_CACHE_DIR})",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the plan as JSON (unknown figures null)"
+    )
+    p.add_argument(
         "entry",
         nargs=argparse.REMAINDER,
         metavar="ENTRY",
@@ -92,19 +112,49 @@ def add_subcommand(subparsers: Any) -> None:
 
 
 def _entry_words(args: argparse.Namespace) -> tuple[str, list[str]]:
-    """The entry and the script's arguments, from what follows the options."""
+    """The entry and the script's arguments; options after the entry are read as options."""
     words = list(args.entry)
-    words = words[1:] if words[:1] == ["--"] else words
-    if words and Path(words[0]).name.startswith("python") and not words[0].endswith(".py"):
-        words = words[1:]  # -- python train.py ARGS
-    if not words:
+    if words[:1] == ["--"]:
+        words = words[1:]
+        if words and Path(words[0]).name.startswith("python") and not words[0].endswith(".py"):
+            words = words[1:]  # -- python train.py ARGS
+        if not words:
+            args.parser.error(f"give the model's entry point: {_FIX}")
+        entry, argv = words[0], words[1:]
+    elif not words:
         args.parser.error(f"give the model's entry point: {_FIX}")
-    entry, argv = words[0], words[1:]
+    else:
+        entry, rest = words[0], words[1:]
+        cut = rest.index("--") if "--" in rest else len(rest)
+        _options_after(args, entry, rest[:cut])
+        argv = rest[cut + 1 :]
     if argv and not _script(entry):
         args.parser.error(
             f"only a script takes arguments (-- python train.py ARGS); received {words}"
         )
     return entry, argv
+
+
+def _options_after(args: argparse.Namespace, entry: str, words: list[str]) -> None:
+    """Reads spmd plan's options given after the entry into `args`; any other word is a usage
+    error: a script's own arguments go after `--`."""
+    if not words:
+        return
+    parsed, unknown = args.parser.parse_known_args(words, argparse.Namespace(**vars(args)))
+    stray = unknown + list(parsed.entry)
+    if stray:
+        where = (
+            f"A script's own arguments go after --: spmd plan {entry} -- {' '.join(stray)}"
+            if _script(entry)
+            else "A module entry takes no arguments: give its settings in the function."
+        )
+        args.parser.error(
+            f"after the entry {entry}, only spmd plan's options are read; {stray} are not "
+            f"among them. {where}"
+        )
+    for name, value in vars(parsed).items():
+        if name != "entry":
+            setattr(args, name, value)
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -130,10 +180,11 @@ def run(args: argparse.Namespace) -> int:
         import jax
 
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    from spmd._src.plan_compile import default_jobs
     from spmd._src.planning import auto_strategy
 
     try:
-        create_fn, step, batch, create_args = load_entry(entry, argv)
+        create_fn, step, batch, create_args, layout = load_entry(entry, argv)
     except EntryRaised as e:
         print(f"spmd plan: error: {str(e).splitlines()[0]}", file=sys.stderr)
         _print_user_traceback(e.__cause__)
@@ -147,9 +198,27 @@ def run(args: argparse.Namespace) -> int:
         args=create_args,
         slices=args.slices or 1,
         only=args.only,
+        jobs=args.jobs or default_jobs(),
+        cache_dir=args.cache_dir or None,
+        progress=_progress(),
+        **layout,
     )
-    print(plan)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
     return 0
+
+
+def _progress() -> Any:
+    """A line to stderr per candidate as it is settled ("[3] FSDP over 16: compiled in ...")."""
+    settled = [0]
+
+    def line(candidate: Any, how: str) -> None:
+        settled[0] += 1
+        verdict = candidate.dropped or (
+            f"fits, {candidate.step_seconds * 1e3:,.3f} ms a step (est.)"
+        )
+        print(f"[{settled[0]}] {candidate.name}: {how}; {verdict}", file=sys.stderr, flush=True)
+
+    return line
 
 
 def _print_user_traceback(error: BaseException) -> None:
@@ -169,8 +238,8 @@ def _script(entry: str) -> bool:
     return entry.partition(":")[0].endswith(".py") or entry.endswith(".py")
 
 
-def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any]:
-    """An entry point -> (create_fn, step, batch, args) from what its function returns.
+def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any, dict]:
+    """An entry point -> (create_fn, step, batch, args, layout) from what its function returns.
 
     Args:
       entry: `MODULE:FUNCTION` (imported with the current directory on
@@ -179,7 +248,9 @@ def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any
 
     Returns:
       The function's dict's `create_fn`, `step`, `batch` and `args` (None if
-      absent), or its tuple `(create_fn, step, batch[, args])`.
+      absent), and its `rules` and `logical_axis_rules` where given (as a dict
+      of `auto_strategy`'s keywords); or its tuple `(create_fn, step, batch[,
+      args])` and an empty dict.
 
     Raises:
       ConfigurationError: the entry is none of those forms, its module or
@@ -252,14 +323,26 @@ def _load_script(path: str, argv: Sequence[str]) -> Any:
     return module
 
 
-_KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold; args optional
+_KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold
+_LAYOUT = ("rules", "logical_axis_rules")  # optional, given to auto_strategy as they are
 
 
-def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any]:
+def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
     if isinstance(pieces, dict) and set(_KEYS) <= set(pieces):
-        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args")
+        unknown = set(pieces) - {*_KEYS, "args", *_LAYOUT}
+        if unknown:
+            raise ConfigurationError(
+                message(
+                    f"{entry}() returns a dict of create_fn, step, batch and optionally args, "
+                    "rules and logical_axis_rules.",
+                    received(entry=entry, unknown=sorted(map(str, unknown))),
+                    _FIX,
+                )
+            )
+        layout = {k: pieces[k] for k in _LAYOUT if k in pieces}
+        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args"), layout
     if isinstance(pieces, tuple) and len(pieces) in (3, 4):
-        return (*pieces, None) if len(pieces) == 3 else pieces
+        return (*pieces, *([None] if len(pieces) == 3 else []), {})
     what = {"returned": type(pieces).__name__}
     if isinstance(pieces, dict):
         what |= {
