@@ -286,6 +286,7 @@ def _spread(spec: PartitionSpec, shape: tuple[int, ...], mesh: Any) -> Partition
 def explain_islands(step: IslandStep, state: Any, *data: Any) -> IslandsExplanation:
     """What `step`'s programs cost, and the bytes that cross between islands (see `DiLoCo.explain`)."""
     strategy = step.strategy
+    strategy.synchronous.check_batch(data)  # the islands' and replicas' split, as a step checks
     sizes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), data)
     batches = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(
