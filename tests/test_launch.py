@@ -206,3 +206,13 @@ def test_an_exception_in_one_jax_process_ends_the_group_promptly(capsys):
     assert code == 1 and elapsed < 60, (code, elapsed)
     assert "RuntimeError: process 1 broke" in out + err
     assert "process 1 exited with code 1" in err
+
+
+def test_a_malformed_restart_count_names_the_variable(monkeypatch):
+    from spmd._src.clusters.launch import restart_count
+
+    monkeypatch.setenv("SPMD_RESTART_COUNT", "abc")
+    with pytest.raises(ConfigurationError, match="SPMD_RESTART_COUNT=.abc."):
+        restart_count()
+    monkeypatch.setenv("SPMD_RESTART_COUNT", "2")
+    assert restart_count() == 2

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmd._src.clusters import hang_watch, lost_peer, roll_call
+from spmd._src.clusters.configuration_exit import printing_hook
 from spmd._src.clusters.exit_wait import ExitWait
 from spmd._src.clusters.jax_state import global_state
 from spmd._src.clusters.launch_results import (
@@ -515,7 +516,7 @@ def _exit_promptly_on_errors() -> None:
     ConfigurationError and BatchError exit with CONFIGURATION_EXIT_CODE: a
     restart would raise them again, and `spmd launch` does not restart for them.
     """
-    previous = sys.excepthook
+    previous = printing_hook(sys.excepthook)  # this hook decides the exit code itself
 
     def hook(kind, value, traceback):
         _end_if_a_peer_caused(value)
