@@ -104,6 +104,16 @@ def test_without_the_tpu_compiler_the_error_says_what_to_install(monkeypatch):
         spmd.topology("v5e-4")
 
 
+@pytest.mark.parametrize("topology", [42, (4, 4), [1, 2], [], 2.5])
+@pytest.mark.parametrize("make", ["TPUStrategy", "MultiWorkerMirroredStrategy"])
+def test_a_topology_of_another_type_names_it_and_the_fix(make, topology):
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        getattr(spmd, make)(topology=topology)
+    text = str(caught.value)
+    assert f"type='{type(topology).__name__}'" in text, text
+    assert 'To fix: pass topology=spmd.topology("v5p-8")' in text, text
+
+
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
 
 
