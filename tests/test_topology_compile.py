@@ -129,6 +129,25 @@ def _train(state, x):
     return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), {"loss": loss(state)}
 
 
+@pytest.mark.slow  # 6 s of CPU: a fresh interpreter loads libtpu
+def test_topology_on_a_host_without_chips_prints_nothing_of_libtpus():
+    """libtpu's start on a host that is no TPU VM wrote five lines (unexpected worker
+    hostname, host bounds, a source location trace) on every program's first topology."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    code = "import spmd; print(len(spmd.topology('v5e-4')), len(spmd.topology('v5p-8', 2)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["4", "8"], done.stderr[-3000:]
+    assert done.stderr == "", done.stderr
+
+
 def test_topology_gives_abstract_devices_of_the_slice():
     topo = spmd.topology("v5p-16")
     assert (topo.chip.name, topo.shape, topo.chips, len(topo)) == ("v5p", (2, 2, 2), 8, 8)

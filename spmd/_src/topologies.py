@@ -449,9 +449,12 @@ def _describe(name: str, jax_name: str, slices: int, options: dict[str, Any]) ->
         ) from e
     import os
 
+    from spmd._src.clusters.tpu_backend import quiet_libtpu_without_chips
+
     # Compiling takes no TPU: let every process that compiles load libtpu at once
     # (it otherwise takes a machine-wide lock meant for processes that drive chips).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    quiet_libtpu_without_chips()  # no "unexpected worker hostname" lines on every call
     from jax.experimental import topologies
 
     try:
