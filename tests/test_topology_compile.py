@@ -114,6 +114,24 @@ def test_a_topology_of_another_type_names_it_and_the_fix(make, topology):
     assert 'To fix: pass topology=spmd.topology("v5p-8")' in text, text
 
 
+@pytest.mark.parametrize(
+    "name, slices, said",
+    [
+        ("v5e-16", 10**6, "pass slices <= 8192 for 16-chip slices (v5e-16)"),
+        ("v5p-8", 2**16, "pass slices <= 32768 for 4-chip slices (v5p-8)"),
+        ("v5e:1000x1000", 1, 'at most 131072 chips over all slices, e.g. spmd.topology("v5e-256"'),
+    ],
+)
+def test_more_chips_than_a_topology_holds_give_the_largest_count_before_allocating(
+    name, slices, said
+):
+    """Checked before libtpu describes anything: 10**6 slices allocated until the kernel
+    ended the process."""
+    with pytest.raises(spmd.ConfigurationError, match="at most 131072 chips") as caught:
+        spmd.topology(name, slices=slices)
+    assert said in str(caught.value), caught.value
+
+
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
 
 
