@@ -668,11 +668,6 @@ def test_run_and_reduce_outside_a_step_say_to_move_them_into_the_step():
         strategy.reduce("SUM", spmd.PerReplica(np.ones(8)))
 
 
-def test_a_trainer_on_diloco_says_to_write_the_loop():
-    with pytest.raises(spmd.ConfigurationError, match="for spmd.DiLoCo write the loop"):
-        spmd.Trainer(lambda x: x, optax.sgd(0.1), "mse", strategy=spmd.DiLoCo(islands=2))
-
-
 KEYED_TX = optax.sgd(0.1)
 
 

@@ -19,6 +19,7 @@ from spmd._src.strategy.base import Strategy, bind_static
 from spmd._src.strategy.island_step import IslandStep, explain_islands
 from spmd._src.strategy.islands import ISLAND, DiLoCoState, fragment_tree, island_strategies
 from spmd._src.strategy.replica import ReduceOp, current_island, running_strategy
+from spmd._src.strategy.state_placement import place_state
 from spmd._src.topologies import check_runnable, eager_refused
 from spmd._src.validate import positive_int
 
@@ -228,6 +229,25 @@ class DiLoCo:
         with self.layout.context():
             abstract = jax.eval_shape(make, *args)
             return jax.jit(make, out_shardings=self.state_sharding(abstract))(*args)
+
+    def put(self, state: Any) -> DiLoCoState:
+        """Places a state: a `DiLoCoState` (restored, remembered) as `init` lays it out, or
+        your own state (a pytree of arrays), from which every island starts, as `init`.
+
+        Returns:
+          A `DiLoCoState`, placed.
+        """
+        check_runnable(self, "put")
+        if isinstance(state, DiLoCoState):
+            return place_state(state, self.state_sharding(state))
+        if nnx_state.has_graph(state):
+            raise ConfigurationError(message(*NNX_STATE))
+        return self.init(lambda user: user, self.synchronous.put(state))
+
+    @property
+    def placement(self) -> str:
+        """Where the state lives between steps: "device" (islands keep it in device memory)."""
+        return self.layout.placement
 
     def abstract_state(
         self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any

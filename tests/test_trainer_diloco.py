@@ -1,0 +1,68 @@
+"""spmd.Trainer on spmd.DiLoCo: fit equals the paper's DiLoCo in plain JAX, and resumes exactly."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from diloco_reference import INNER, batches, create, logits, make_step, reference
+
+import spmd
+from spmd.testing import assert_trees_allclose
+
+pytestmark = pytest.mark.cpu_mesh
+TOL = {"rtol": 1e-5, "atol": 1e-6}  # float32: the Trainer sums a batch's losses, then divides
+STEPS, BATCH, ISLANDS, H = 7, 32, 2, 3
+
+
+def _model():
+    return (lambda key: create(key)["params"], logits)
+
+
+def _data():
+    data = batches(STEPS, batch=BATCH)
+    return np.concatenate([x for x, _ in data]), np.concatenate([y for _, y in data])
+
+
+def _trainer(inner="sgd"):
+    strategy = spmd.DiLoCo(islands=ISLANDS, sync_every=H)
+    return spmd.Trainer(
+        _model(), INNER[inner], "sparse_categorical_crossentropy", strategy=strategy
+    )
+
+
+def _oracle(inner):
+    params = create(jax.random.key(0))["params"]
+    state = {"params": params, "opt": INNER[inner].init(params)}
+    return reference(state, make_step(inner), batches(STEPS, batch=BATCH), ISLANDS, H)
+
+
+@pytest.mark.parametrize("inner", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
+def test_fit_on_two_islands_equals_the_paper(inner):
+    trainer = _trainer(inner)
+    history = trainer.fit(_data(), batch_size=BATCH, shuffle=False, verbose=0)
+    want_global, want_islands, want_losses = _oracle(inner)
+    state = trainer.state
+    assert_trees_allclose(jax.device_get(state.params), want_global, **TOL)
+    for i, island in enumerate(want_islands):
+        got = jax.tree.map(lambda x, i=i: np.asarray(x)[i], state.islands["params"])
+        assert_trees_allclose(got, island["params"], **TOL)
+    np.testing.assert_allclose(history.history["loss"], [np.mean(want_losses)], **TOL)
+    assert int(trainer.entry("step")) == STEPS and int(state.step) == STEPS
+    # evaluate and the model read the global parameters
+    assert_trees_allclose(jax.device_get(trainer.model), want_global, **TOL)
+    x, y = _data()
+    want_loss = optax.softmax_cross_entropy_with_integer_labels(logits(want_global, x), y).mean()
+    np.testing.assert_allclose(trainer.evaluate((x, y), batch_size=BATCH)["loss"], want_loss, **TOL)
+
+
+@pytest.mark.parametrize("option", ["steps_per_execution", "grad_accum_steps"])
+def test_options_with_no_island_form_say_to_leave_them_at_one(option):
+    with pytest.raises(spmd.ConfigurationError, match=f"leave {option} at 1") as caught:
+        spmd.Trainer(
+            _model(),
+            INNER["sgd"],
+            "mse",
+            strategy=spmd.DiLoCo(islands=2),
+            **{option: 4},
+        )
+    assert f"Received: {option}=4" in str(caught.value)
