@@ -66,3 +66,42 @@ def test_options_with_no_island_form_say_to_leave_them_at_one(option):
             **{option: 4},
         )
     assert f"Received: {option}=4" in str(caught.value)
+
+
+def test_a_batch_the_islands_replicas_do_not_divide_is_a_batch_error():
+    with pytest.raises(spmd.BatchError, match="8 replicas \\(2 islands x 4\\)") as caught:
+        _trainer().fit(_data(), batch_size=30, verbose=0)
+    assert "Received: batch_size=30, num_replicas_in_sync=8" in str(caught.value)
+    assert "e.g. 32" in str(caught.value)
+
+
+@pytest.mark.slow  # 40 s of CPU: two fits, compiles of the inner, sync and restore programs
+def test_backup_and_restore_on_diloco_resumes_exactly(tmp_path):
+    """Interrupted after epoch 1 of 2 (mid-H: 7 steps an epoch, H=3); the resumed fit
+    ends with the state of one that ran through."""
+    data = _data()
+    through = _trainer()
+    through.fit(data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+
+    class Interrupt(spmd.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                raise KeyboardInterrupt
+
+    backup = spmd.callbacks.BackupAndRestore(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        _trainer().fit(
+            data,
+            batch_size=BATCH,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[backup, Interrupt()],
+        )
+    resumed, again = _trainer(), spmd.callbacks.BackupAndRestore(str(tmp_path))
+    resumed.fit(data, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[again])
+    assert again.restored_step == STEPS  # the backup at epoch 1's end, mid-H (7 % 3)
+    assert resumed.iterations == through.iterations == 2 * STEPS
+    assert_trees_allclose(
+        jax.device_get(resumed.state), jax.device_get(through.state), rtol=0, atol=0
+    )

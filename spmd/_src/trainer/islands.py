@@ -7,11 +7,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.errors import BatchError, ConfigurationError, message, received
 from spmd._src.strategy.diloco import DiLoCo
 from spmd._src.strategy.islands import DiLoCoState
 
-__all__ = ["check_options", "entry", "reset", "single", "synchronous"]
+__all__ = ["check_batch_size", "check_options", "entry", "reset", "single", "synchronous"]
 
 
 def synchronous(strategy: Any) -> Any:
@@ -41,6 +41,32 @@ def check_options(strategy: Any, steps_per_execution: int, grad_accum_steps: int
                     f"leave {name} at 1 (a larger global batch gives each island more rows).",
                 )
             )
+
+
+def check_batch_size(strategy: Any, batch_size: Any) -> None:
+    """Raises where fit's global batch would not split evenly over DiLoCo's replicas.
+
+    Elsewhere the Trainer pads such a batch with masked rows; on islands the
+    padding could fill one island's rows, which would still step its optimizer.
+
+    Raises:
+      BatchError: batch_size does not divide by islands x replicas per island.
+    """
+    if not isinstance(strategy, DiLoCo) or not isinstance(batch_size, int):
+        return
+    replicas = strategy.num_replicas_in_sync
+    if batch_size % replicas:
+        raise BatchError(
+            message(
+                f"On spmd.DiLoCo fit's global batch splits evenly over the {replicas} "
+                f"replicas ({strategy.islands} islands x {strategy.replicas_per_island}): "
+                "each island steps its own optimizer on its rows, and padding could fill "
+                "one island's rows.",
+                received(batch_size=batch_size, num_replicas_in_sync=replicas),
+                f"pass a batch_size that is a multiple of {replicas}, e.g. "
+                f"{-(-batch_size // replicas) * replicas}.",
+            )
+        )
 
 
 def entry(state: Any, name: str, default: Any = None) -> Any:

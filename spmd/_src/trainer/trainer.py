@@ -500,6 +500,7 @@ class Trainer:
         check_count("steps_per_epoch", steps_per_epoch, allow_none=True)
         check_count("epochs", epochs, allow_none=False)
         check_verbose(verbose)
+        islands.check_batch_size(self.strategy, batch_size)
         callbacks = as_callbacks(callbacks)
         self.build()
         self.dataset = self._dataset(data, batch_size, shuffle=shuffle, pad=False, what="fit")
