@@ -5,6 +5,7 @@ import numpy as np
 import optax
 import pytest
 from diloco_reference import INNER, batches, create, logits, make_step, reference
+from flax import nnx
 
 import spmd
 from spmd.testing import assert_trees_allclose
@@ -34,6 +35,26 @@ def _oracle(inner):
     params = create(jax.random.key(0))["params"]
     state = {"params": params, "opt": INNER[inner].init(params)}
     return reference(state, make_step(inner), batches(STEPS, batch=BATCH), ISLANDS, H)
+
+
+@pytest.mark.slow  # 20 s of CPU: an NNX module's fit, its evaluate and predict programs
+def test_fit_of_an_nnx_module_on_two_islands_equals_the_paper():
+    from test_diloco_nnx_state import MLP, _params
+
+    module = MLP(nnx.Rngs(0))
+    start = _params(module)
+    strategy = spmd.DiLoCo(islands=ISLANDS, sync_every=H)
+    trainer = spmd.Trainer(
+        module, INNER["sgd"], "sparse_categorical_crossentropy", strategy=strategy
+    )
+    history = trainer.fit(_data(), batch_size=BATCH, shuffle=False, verbose=0)
+    state = {"params": start, "opt": INNER["sgd"].init(start)}
+    want = reference(state, make_step("sgd"), batches(STEPS, batch=BATCH), ISLANDS, H)
+    assert trainer.model is module  # holding the global parameters
+    assert_trees_allclose(jax.device_get(_params(module)), want[0], **TOL)
+    np.testing.assert_allclose(history.history["loss"], [np.mean(want[2])], **TOL)
+    x, _ = _data()
+    np.testing.assert_allclose(trainer.predict(x, batch_size=BATCH), logits(want[0], x), **TOL)
 
 
 @pytest.mark.parametrize("inner", ["sgd", pytest.param("adamw", marks=pytest.mark.slow)])
