@@ -221,6 +221,15 @@ def test_a_nested_error_prints_real_newlines_once(monkeypatch, capsys):
     [
         ("JAX_PLATFORMS", "tpu", "JAX_PLATFORMS=tpu names the platforms JAX must start"),
         ("XLA_FLAGS", "--xla_bogus_flag=1", "unknown='--xla_bogus_flag=1'"),
+        *(
+            ("XLA_FLAGS", f"--xla_force_host_platform_device_count={v}", f"value='{v}'")
+            for v in ("abc", "0")
+        ),
+        (
+            "XLA_FLAGS",
+            "--xla_cpu_enable_fast_math=maybe",
+            "flag='--xla_cpu_enable_fast_math', value='maybe'",
+        ),
     ],
 )
 def test_spmd_env_with_a_backend_that_cannot_start_prints_one_clear_message(variable, value, named):

@@ -516,3 +516,15 @@ def test_a_local_address_binds_there():
         s.connect(("192.0.2.1", 9))  # no packet is sent: this picks the outgoing interface
         ip = s.getsockname()[0]
     assert bind_address(f"{ip}:1234") == f"{ip}:1234"
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3"])
+def test_an_invalid_simulated_device_count_in_xla_flags_names_the_flag(monkeypatch, value):
+    """Checked before XLA reads it: XLA would print its usage text, or fail unnamed."""
+    flags = f"--xla_cpu_use_thunk_runtime=true --xla_force_host_platform_device_count={value}"
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        spmd.initialize()
+    text = str(caught.value)
+    assert "--xla_force_host_platform_device_count" in text and f"value='{value}'" in text
+    assert "To fix: set e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8" in text

@@ -225,3 +225,60 @@ def test_bad_arguments_say_what_to_do():
         coordinator.schedule(lambda x: x, args=5)
     with pytest.raises(spmd.ConfigurationError, match="a sequence of arguments"):
         coordinator.schedule("step_fn")
+
+
+LAST_SCHEDULE_FAILS = """
+import sys
+import spmd
+
+coordinator = spmd.ClusterCoordinator(spmd.MirroredStrategy())
+
+
+def step():
+    raise ValueError("the last step's loss went wrong")
+
+
+coordinator.schedule(lambda: 1)
+value = coordinator.schedule(step)
+if sys.argv[1] == "fetch":
+    try:
+        value.fetch()
+    except ValueError:
+        print("handled")
+elif sys.argv[1] == "join":
+    try:
+        coordinator.join()
+    except ValueError:
+        print("handled")
+print("end of program", flush=True)
+"""
+
+
+@pytest.mark.slow  # 3 interpreters importing jax: ~9 s of CPU
+@pytest.mark.parametrize("ending", ["nothing", "fetch", "join"])
+def test_an_error_no_call_raised_is_raised_at_the_programs_end(ending):
+    """A last schedule's error with no join: exit 1 and the traceback, not a silent 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", LAST_SCHEDULE_FAILS, ending],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "end of program" in done.stdout, done.stderr[-3000:]
+    if ending != "nothing":  # raised to the program, which handled it: nothing at exit
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]
+        assert "handled" in done.stdout
+        return
+    assert done.returncode == 1, done.stderr[-3000:]
+    err = done.stderr
+    assert "the program ended without any of them raising this one" in err, err
+    assert "Received: function='step (schedule call 2)', error='ValueError'" in err, err
+    assert "To fix: call coordinator.join() after the last schedule()" in err, err
+    assert "ValueError: the last step's loss went wrong" in err and "Traceback" in err, err

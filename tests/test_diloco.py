@@ -668,11 +668,6 @@ def test_run_and_reduce_outside_a_step_say_to_move_them_into_the_step():
         strategy.reduce("SUM", spmd.PerReplica(np.ones(8)))
 
 
-def test_a_trainer_on_diloco_says_to_write_the_loop():
-    with pytest.raises(spmd.ConfigurationError, match="for spmd.DiLoCo write the loop"):
-        spmd.Trainer(lambda x: x, optax.sgd(0.1), "mse", strategy=spmd.DiLoCo(islands=2))
-
-
 KEYED_TX = optax.sgd(0.1)
 
 
@@ -703,3 +698,12 @@ def test_each_island_draws_its_own_random_numbers():
     step = strategy.step(noisy_step)
     kept = [np.asarray(step(state, np.ones((16, 4), np.float32))[1]["kept"])]
     assert kept[0][0] != kept[0][1]
+
+
+def test_explain_with_a_batch_the_islands_replicas_do_not_divide_is_a_batch_error():
+    strategy = spmd.DiLoCo(islands=2, sync_every=3)
+    state = strategy.init(create, jax.random.key(0))
+    x, y = batches(1, batch=30)[0]
+    with pytest.raises(spmd.BatchError, match="split evenly over the 8 replicas") as caught:
+        strategy.explain(make_step(), state, x, y)
+    assert "global_batch_size=30" in str(caught.value)

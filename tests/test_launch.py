@@ -206,3 +206,38 @@ def test_an_exception_in_one_jax_process_ends_the_group_promptly(capsys):
     assert code == 1 and elapsed < 60, (code, elapsed)
     assert "RuntimeError: process 1 broke" in out + err
     assert "process 1 exited with code 1" in err
+
+
+def test_a_malformed_restart_count_names_the_variable(monkeypatch):
+    from spmd._src.clusters.launch import restart_count
+
+    monkeypatch.setenv("SPMD_RESTART_COUNT", "abc")
+    with pytest.raises(ConfigurationError, match="SPMD_RESTART_COUNT=.abc."):
+        restart_count()
+    monkeypatch.setenv("SPMD_RESTART_COUNT", "2")
+    assert restart_count() == 2
+
+
+def test_a_launched_process_ended_by_a_configuration_error_is_marked_for_code_78(
+    monkeypatch, capsys
+):
+    """The hook spmd.initialize installs under spmd launch: the traceback prints as before,
+    and the error's kind is kept for the exit handler (which exits 78); other errors are not."""
+    import sys
+
+    from spmd._src.clusters import configuration_exit
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda *error: printed.append(error[0]))
+    monkeypatch.setattr(configuration_exit, "_RAISED", [])
+    monkeypatch.setattr(configuration_exit.atexit, "register", lambda fn: None)
+    configuration_exit.exit_78_on_configuration_errors()
+    hook = sys.excepthook
+    configuration_exit.exit_78_on_configuration_errors()  # once: not wrapped twice
+    assert sys.excepthook is hook and configuration_exit.printing_hook(hook) is not hook
+    hook(RuntimeError, RuntimeError("other"), None)
+    assert configuration_exit._RAISED == []
+    hook(ConfigurationError, ConfigurationError("SPMD_HANG_TIMEOUT='abc'"), None)
+    assert printed == [RuntimeError, ConfigurationError]
+    raised = configuration_exit._RAISED
+    assert raised == [ConfigurationError], raised

@@ -104,6 +104,34 @@ def test_without_the_tpu_compiler_the_error_says_what_to_install(monkeypatch):
         spmd.topology("v5e-4")
 
 
+@pytest.mark.parametrize("topology", [42, (4, 4), [1, 2], [], 2.5])
+@pytest.mark.parametrize("make", ["TPUStrategy", "MultiWorkerMirroredStrategy"])
+def test_a_topology_of_another_type_names_it_and_the_fix(make, topology):
+    with pytest.raises(spmd.ConfigurationError) as caught:
+        getattr(spmd, make)(topology=topology)
+    text = str(caught.value)
+    assert f"type='{type(topology).__name__}'" in text, text
+    assert 'To fix: pass topology=spmd.topology("v5p-8")' in text, text
+
+
+@pytest.mark.parametrize(
+    "name, slices, said",
+    [
+        ("v5e-16", 10**6, "pass slices <= 8192 for 16-chip slices (v5e-16)"),
+        ("v5p-8", 2**16, "pass slices <= 32768 for 4-chip slices (v5p-8)"),
+        ("v5e:1000x1000", 1, 'at most 131072 chips over all slices, e.g. spmd.topology("v5e-256"'),
+    ],
+)
+def test_more_chips_than_a_topology_holds_give_the_largest_count_before_allocating(
+    name, slices, said
+):
+    """Checked before libtpu describes anything: 10**6 slices allocated until the kernel
+    ended the process."""
+    with pytest.raises(spmd.ConfigurationError, match="at most 131072 chips") as caught:
+        spmd.topology(name, slices=slices)
+    assert said in str(caught.value), caught.value
+
+
 libtpu = pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
 
 
@@ -117,6 +145,25 @@ def _train(state, x):
 
     grads = jax.grad(loss)(state)
     return jax.tree.map(lambda a, g: a - 0.1 * g, state, grads), {"loss": loss(state)}
+
+
+@pytest.mark.slow  # 6 s of CPU: a fresh interpreter loads libtpu
+def test_topology_on_a_host_without_chips_prints_nothing_of_libtpus():
+    """libtpu's start on a host that is no TPU VM wrote five lines (unexpected worker
+    hostname, host bounds, a source location trace) on every program's first topology."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    code = "import spmd; print(len(spmd.topology('v5e-4')), len(spmd.topology('v5p-8', 2)))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["4", "8"], done.stderr[-3000:]
+    assert done.stderr == "", done.stderr
 
 
 def test_topology_gives_abstract_devices_of_the_slice():

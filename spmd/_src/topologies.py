@@ -64,6 +64,11 @@ _CUBE = 4
 _LONGEST_SIDE = 256
 _NAME = re.compile(r"(v\d+[a-z]*|trillium)\s*([-:])\s*(\d+(?:x\d+)*)")
 _CACHE: dict[tuple[str, int, bool], Any] = {}
+# The most chips a topology describes, over all its slices. libtpu and JAX hold every
+# abstract device in memory (about 5 KB each: 0.7 GB and ~15 s at this bound, measured
+# on v5e-256 x 512); the largest Cloud TPU jobs published hold ~50,000 chips. Past it a
+# mistyped slice count would allocate until the kernel ends the process.
+MAX_CHIPS = 1 << 17
 _SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _REQUIRED = (
@@ -305,7 +310,11 @@ def _not_offered(name: Any, chip: Chip, chips: int, shape: str = "") -> Configur
         why = f"one {chip.name} slice has at most {chip.max_slice_chips} chips, one ICI domain"
         large = [c for c in reversed(sizes) if c * 8 >= chip.max_slice_chips]
         joined = next((c for c in large if chips % c == 0), None)
-        if joined:
+        if chips > MAX_CHIPS:
+            fix = f"compile for at most {MAX_CHIPS} chips over all slices, e.g. "
+            fix += f'spmd.topology("{_accelerator_name(chip, sizes[-1])}", '
+            fix += f"slices={MAX_CHIPS // sizes[-1]})"
+        elif joined:
             fix = (
                 f"{chips} chips are {chips // joined} slices of {joined} joined over the "
                 f'data-center network: spmd.topology("{_accelerator_name(chip, joined)}", '
@@ -393,8 +402,9 @@ def topology(name: str, slices: int = 1, *, megacore: bool = True) -> Topology:
     Raises:
       ConfigurationError: the name is not one of the accepted forms, names no
         slice Cloud TPU offers (more chips than one ICI domain holds: use
-        `slices`), slices is not a positive integer, or the TPU compiler is
-        not installed.
+        `slices`), slices is not a positive integer, the slices hold more
+        than 131,072 chips in all (every abstract device is kept in memory),
+        or the TPU compiler is not installed.
 
     Example:
       >>> strategy = spmd.TPUStrategy(topology=spmd.topology("v5p-256"))
@@ -403,12 +413,28 @@ def topology(name: str, slices: int = 1, *, megacore: bool = True) -> Topology:
 
     positive_int(slices, "slices", fix="pass slices=1 for one slice, 2 for two, ...")
     chip, shape = parse(name)
+    _check_total(name, math.prod(shape), slices)
     jax_name = f"{chip.name}:{'x'.join(map(str, shape))}"
     options = _host_bounds(shape) | _chip_config(name, chip, megacore)
     key = (jax_name, int(slices), megacore)
     if key not in _CACHE:
         _CACHE[key] = _describe(name, jax_name, int(slices), options)
     return Topology(name, chip, shape, int(slices), tuple(_CACHE[key].devices))
+
+
+def _check_total(name: str, chips: int, slices: int) -> None:
+    """Raises where `slices` slices of `chips` chips are more than `MAX_CHIPS` in all."""
+    if chips * slices <= MAX_CHIPS:
+        return
+    raise ConfigurationError(
+        message(
+            f"A topology holds at most {MAX_CHIPS} chips over all its slices: libtpu and JAX "
+            "keep every abstract device in memory (about 5 KB each), and the largest "
+            "Cloud TPU jobs hold about 50,000 chips.",
+            received(name=name, slices=slices, chips=chips * slices),
+            f"pass slices <= {MAX_CHIPS // chips} for {chips}-chip slices ({name}).",
+        )
+    )
 
 
 def _chip_config(name: str, chip: Chip, megacore: Any) -> dict[str, Any]:
@@ -449,9 +475,12 @@ def _describe(name: str, jax_name: str, slices: int, options: dict[str, Any]) ->
         ) from e
     import os
 
+    from spmd._src.clusters.tpu_backend import quiet_libtpu_without_chips
+
     # Compiling takes no TPU: let every process that compiles load libtpu at once
     # (it otherwise takes a machine-wide lock meant for processes that drive chips).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    quiet_libtpu_without_chips()  # no "unexpected worker hostname" lines on every call
     from jax.experimental import topologies
 
     try:

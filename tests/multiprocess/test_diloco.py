@@ -37,3 +37,40 @@ def test_islands_across_two_processes_equal_the_paper_on_one_device():
             assert run["global"] and run["islands"] and run["losses"], run
             assert run["step"] == 7
         assert out["coordinated"] == {"global": True, "loss": True, "done": True}
+
+
+@pytest.mark.slow  # 12 s of CPU each: two interpreters, then the survivor waits for the watch
+@pytest.mark.parametrize("sync", ["run", "refused"])
+def test_an_island_killed_before_the_first_sync_is_named_by_its_peer(tmp_path, sync):
+    """Process 1 (island 1) is SIGKILLed after its first inner step; process 0 takes its
+    next inner steps alone and reaches the sync. It ends naming process 1 (code 75),
+    never blaming itself for the sync's broken all-reduce; also where that all-reduce
+    fails at once with gloo's "Connection refused" (`refused`)."""
+    import subprocess
+
+    from spmd._src.clusters.launch import free_port, process_env
+    from spmd._src.clusters.launch_results import HANG_EXIT_CODE
+
+    worker = Path(__file__).with_name("diloco_peer_worker.py")
+    coordinator, log = f"127.0.0.1:{free_port()}", tmp_path / "survivor.log"
+    env = child_env()
+    with open(log, "w") as out, open(tmp_path / "victim.log", "w") as victim_out:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(worker), "1", "10", *([sync] if sync == "refused" else [])],
+                env=process_env(env, i, 2, coordinator, 1, 0),
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
+            for i, f in enumerate((out, victim_out))
+        ]
+        try:
+            codes = [p.wait(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    text = log.read_text()
+    assert codes == [HANG_EXIT_CODE, -9], (codes, text[-3000:])
+    assert "process 0: READY" in text and "synced without its peer" not in text, text[-3000:]
+    assert "spmd: ending: process 1 failed (gone: " in text, text[-3000:]
+    assert "Traceback" not in text and "process 0 failed" not in text, text[-3000:]

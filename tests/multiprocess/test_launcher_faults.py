@@ -253,6 +253,27 @@ def test_a_configuration_error_is_not_restarted_nor_shrunk(capfd):
     assert elapsed < 45, elapsed
 
 
+@pytest.mark.slow  # 6 s of CPU: two interpreters importing spmd each
+@pytest.mark.parametrize(
+    "variable, value",
+    [("SPMD_HANG_TIMEOUT", "abc"), ("SPMD_GLOO_INTERFACE", "no-such-interface0")],
+)
+def test_a_malformed_spmd_variable_exits_78_naming_it(capfd, variable, value):
+    """Raised by initialize before the processes join: still a configuration error (78)."""
+    code = launch(
+        [PY, "-c", "import spmd; spmd.initialize()"],
+        2,
+        max_restarts=2,
+        env={**child_env(), variable: value},
+        grace_period=1.0,
+    )
+    out, err = capfd.readouterr()
+    assert code == CONFIGURATION_EXIT_CODE, (code, out, err)
+    assert variable in err and value in err, err
+    assert "restarting all" not in err, err
+    assert "exited with code 78 (a configuration error)" in err, err
+
+
 def test_processes_that_end_together_still_succeed():
     code = "import os, time; time.sleep(0.3 * int(os.environ['SPMD_PROCESS_ID']))"
     assert launch([PY, "-c", code], 3, exit_grace=5.0) == 0

@@ -15,12 +15,15 @@ import sys
 
 from spmd._src.errors import ConfigurationError, message, received
 
-__all__ = ["check_backends_start"]
+__all__ = ["check_backends_start", "check_device_count"]
 
 _PROBE = "import jax; jax.devices()"
 _PROBE_TIMEOUT = 300.0  # seconds: a GPU or TPU backend can take a while to start
 _UNKNOWN_FLAG = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
 _EXCEPTION = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.*)")
+_BAD_VALUE = re.compile(r"Couldn't interpret value (.*) for flag (\w+)\.")
+_DEVICE_COUNT = "xla_force_host_platform_device_count"
+_FLAG = re.compile(r"--(\w+)=(\S*)")
 
 
 def _last_error(stderr: str) -> str:
@@ -28,6 +31,28 @@ def _last_error(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if _EXCEPTION.match(line)]
     return (errors or lines or ["(no output)"])[-1][:400]
+
+
+def check_device_count(flags: str) -> None:
+    """Raises unless XLA_FLAGS' simulated CPU device count, where given, is a positive integer.
+
+    XLA reads it when the CPU backend starts: "abc" ends the process after its
+    whole usage text, 0 and negative counts fail with messages that do not name it.
+
+    Raises:
+      ConfigurationError: naming the flag, its value and the fix.
+    """
+    for name, value in _FLAG.findall(flags):
+        if name == _DEVICE_COUNT and not (value.isdigit() and int(value) > 0):
+            raise ConfigurationError(
+                message(
+                    f"XLA_FLAGS' --{_DEVICE_COUNT} is the number of simulated CPU devices: "
+                    "a positive integer.",
+                    received(XLA_FLAGS=flags, flag=f"--{_DEVICE_COUNT}", value=value),
+                    f"set e.g. XLA_FLAGS=--{_DEVICE_COUNT}=8, or remove the flag (one CPU "
+                    "device); spmd launch --devices-per-process 8 sets it for each process.",
+                )
+            )
 
 
 def check_backends_start(env: dict[str, str] | None = None) -> None:
@@ -42,6 +67,7 @@ def check_backends_start(env: dict[str, str] | None = None) -> None:
     flags, platforms = env.get("XLA_FLAGS", ""), env.get("JAX_PLATFORMS", "")
     if not flags.strip() and not platforms.strip():
         return
+    check_device_count(flags)
     try:
         done = subprocess.run(
             [sys.executable, "-c", _PROBE],
@@ -61,6 +87,17 @@ def check_backends_start(env: dict[str, str] | None = None) -> None:
                 "XLA_FLAGS must hold only flags this XLA knows, each as --name=value.",
                 received(XLA_FLAGS=flags, unknown=unknown[1].strip()),
                 f"remove {unknown[1].strip()} from XLA_FLAGS or correct its spelling "
+                "(XLA's flags: https://openxla.org/xla/flags_guidance).",
+            )
+        )
+    bad = _BAD_VALUE.search(done.stderr)
+    if bad is not None:
+        flag, value = bad[2], bad[1]
+        raise ConfigurationError(
+            message(
+                f"XLA_FLAGS' --{flag} takes a value of its type.",
+                received(XLA_FLAGS=flags, flag=f"--{flag}", value=value),
+                f"correct the value of --{flag} in XLA_FLAGS, or remove the flag "
                 "(XLA's flags: https://openxla.org/xla/flags_guidance).",
             )
         )

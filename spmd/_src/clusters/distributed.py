@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from spmd._src.clusters import hang_watch, lost_peer, roll_call
+from spmd._src.clusters.configuration_exit import printing_hook
 from spmd._src.clusters.exit_wait import ExitWait
 from spmd._src.clusters.jax_state import global_state
 from spmd._src.clusters.launch_results import (
@@ -50,10 +51,14 @@ _REASON_CHARS = 4000  # of a hang's reason, which carries the stuck process's st
 # How a process that ends because a peer failed starts its last line ("spmd: ending:
 # process K failed ..."): `spmd launch` reads it, never to name it as the first failure.
 _EXIT_CODE_SIGTERM = 128 + 15
-# What a collective says when a peer's end closed its connections (gloo, NCCL): an
-# uncaught error saying so is that peer's failure, which the watches name.
+# What a collective says when a peer's end closed its connections (gloo, NCCL), or when
+# it connects to a peer that already ended (gloo's first collective across islands, a
+# DiLoCo sync after a peer died: "connect ...: Connection refused"): an uncaught error
+# saying so is that peer's failure, which the watches name.
 _PEER_CLOSED = re.compile(
-    r"closed by peer|reset by peer|Broken pipe|Socket closed|remote process exited", re.I
+    r"closed by peer|reset by peer|Broken pipe|Socket closed|remote process exited"
+    r"|Connection refused",
+    re.I,
 )
 # Held by the thread that ends this process, from its decision on: any other thread that
 # would end it too (or print an error) waits for that end instead.
@@ -515,7 +520,7 @@ def _exit_promptly_on_errors() -> None:
     ConfigurationError and BatchError exit with CONFIGURATION_EXIT_CODE: a
     restart would raise them again, and `spmd launch` does not restart for them.
     """
-    previous = sys.excepthook
+    previous = printing_hook(sys.excepthook)  # this hook decides the exit code itself
 
     def hook(kind, value, traceback):
         _end_if_a_peer_caused(value)

@@ -276,7 +276,9 @@ def check_hang_timeout(value: float | None, name: str = "hang_timeout") -> float
                 "naming it: a positive number, or None for the default (the larger of 300 s "
                 "and 10 times the slowest recent step).",
                 received(**{name: value}),
-                "pass e.g. hang_timeout=600 (spmd launch --hang-timeout 600), or leave it out.",
+                f"set e.g. {name}=600, or unset it."
+                if name.isupper()  # read from the environment
+                else "pass e.g. hang_timeout=600 (spmd launch --hang-timeout 600), or leave it out.",
             )
         )
     return seconds

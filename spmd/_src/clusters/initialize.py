@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Any
 
+from spmd._src.clusters.backend_check import check_device_count
+from spmd._src.clusters.configuration_exit import exit_78_on_configuration_errors
 from spmd._src.clusters.distributed import EXIT_TIMEOUT, distributed_state, join
 from spmd._src.clusters.gloo import check_interface, gloo_address, use_gloo_address
 from spmd._src.clusters.hang_watch import check_hang_timeout
@@ -271,6 +273,9 @@ def initialize(
       (0, 1)
     """
     global _INFO
+    if LaunchResolver().is_present():  # a malformed SPMD_* variable exits 78, as a launch expects
+        exit_78_on_configuration_errors()
+    check_device_count(os.environ.get("XLA_FLAGS", ""))  # before XLA reads it, and aborts
     skip_without_chips()  # libtpu is not started (nor heard) on a host with no TPU chip
     _check_cpu_collectives(cpu_collectives)
     interface = check_interface(interface)

@@ -39,6 +39,7 @@ from spmd._src.clusters.spec import (
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
     TF_CONFIG,
+    check_int,
 )
 from spmd._src.errors import ConfigurationError, message, received
 
@@ -73,8 +74,15 @@ def restart_count() -> int:
     """Which attempt this is under `spmd launch`: 0 first, 1 after one restart, ...
 
     Outside `spmd launch` (SPMD_RESTART_COUNT unset) this is 0.
+
+    Raises:
+      ClusterError: SPMD_RESTART_COUNT is set to something else than a count.
     """
-    return int(os.environ.get(ENV_RESTART_COUNT, "0") or 0)
+    value = os.environ.get(ENV_RESTART_COUNT, "").strip()
+    fix = (
+        f"unset {ENV_RESTART_COUNT}: spmd launch sets it (0 on the first attempt, then 1, 2, ...)."
+    )
+    return check_int(value, ENV_RESTART_COUNT, 0, None, fix) if value else 0
 
 
 def process_env(

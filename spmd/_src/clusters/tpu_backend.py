@@ -19,7 +19,8 @@ fails at once without loading libtpu, as a backend without its hardware does
 (quietly: JAX logs it at INFO level and starts the others, CUDA's included).
 Anything else goes to JAX's factory as before. Compiling for a TPU topology
 (`spmd.topology`) loads libtpu through `jax.experimental.topologies`, which
-this leaves alone.
+this leaves alone; `quiet_libtpu_without_chips()` gives libtpu, on such a
+host, the two variables whose absence it prints those lines about.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 import glob
 import os
 
-__all__ = ["NO_CHIP", "skip_without_chips"]
+__all__ = ["NO_CHIP", "quiet_libtpu_without_chips", "skip_without_chips"]
 
 NO_CHIP = (
     "this host has no TPU chip (no Google TPU PCI device, no /dev/accel* nor /dev/vfio "
@@ -37,6 +38,12 @@ NO_CHIP = (
 )
 _DEVICE_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*")  # where a TPU VM's chips are opened
 _wrapped: list = []  # the factory installed, once per process
+# What libtpu reads from a TPU VM's metadata when it loads, and complains about on any
+# other host: the workers' hostnames ("E0000 ... unexpected worker hostname", a source
+# location trace) and the host's chip bounds ("Failed to find host bounds ..."). Neither
+# changes a topology it describes for compiling (checked: the same devices, coordinates
+# and process indices for v4, v5e and v5p slices, one or several).
+_COMPILE_ONLY_ENV = {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_HOST_BOUNDS": "1,1,1"}
 
 
 def skip_without_chips() -> bool:
@@ -90,3 +97,18 @@ def _tpu_present() -> bool:
     except Exception:  # noqa: BLE001 - unknown: try the TPU, as JAX would
         return True
     return any(glob.glob(pattern) for pattern in _DEVICE_NODES)
+
+
+def quiet_libtpu_without_chips() -> None:
+    """On a host with no TPU chip, gives libtpu what it would otherwise print lines about.
+
+    Call before libtpu loads to compile for a topology (`spmd.topology`). Its
+    log levels (TPU_MIN_LOG_LEVEL, TPU_STDERR_LOG_LEVEL) do not reach these
+    lines, which it writes before its logging starts; the variables it reads
+    do. A variable already set is left as it is, and a host with chips is
+    left alone.
+    """
+    if _tpu_present():
+        return
+    for name, value in _COMPILE_ONLY_ENV.items():
+        os.environ.setdefault(name, value)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -15,6 +19,17 @@ from spmd._src.rules import path_str
 from spmd._src.strategy.replica import in_replica_context
 
 __all__ = ["ClusterCoordinator", "RemoteValue"]
+
+# Errors of scheduled functions that nothing has raised yet (join, done, schedule, fetch,
+# get), with the call that raised them: raised at the program's end if still there.
+_UNSEEN: list[tuple[BaseException, str]] = []
+_AT_EXIT: list[bool] = []  # whether _surface_at_exit is registered
+UNJOINED = (
+    "A scheduled function's error is raised by join(), done(), the next schedule() or its "
+    "RemoteValue's fetch(); the program ended without any of them raising this one, so it "
+    "is raised at the end (tf.distribute's coordinator raises it at exit too), and the "
+    "program exits with code 1."
+)
 
 
 class RemoteValue:
@@ -34,6 +49,7 @@ class RemoteValue:
 
     def _raise(self) -> None:
         if self._error is not None:
+            _seen(self._error)
             raise self._error
         donated = _donated(self._value)
         if donated:
@@ -77,6 +93,46 @@ class RemoteValue:
         process must call, in the same order, as every process runs the loop.
         """
         return jax.tree.map(_to_numpy, self.get())
+
+
+def _keep(error: BaseException, origin: str) -> None:
+    """Remembers a scheduled function's error until some call raises it."""
+    if not _AT_EXIT:
+        atexit.register(_surface_at_exit)
+        _AT_EXIT.append(True)
+    _UNSEEN.append((error, origin))
+
+
+def _seen(error: BaseException) -> None:
+    """A kept error was raised to the program: the end need not raise it."""
+    _UNSEEN[:] = [(e, o) for e, o in _UNSEEN if e is not error]
+
+
+def _surface_at_exit() -> None:
+    """At the program's end: an error no call raised is printed, and the process exits 1.
+
+    It goes through `sys.excepthook`, as an uncaught error does: with several
+    processes that is the hook that tells the peers and names this process.
+    """
+    if not _UNSEEN:
+        return
+    error, origin = _UNSEEN[0]
+    with contextlib.suppress(Exception):
+        more = len(_UNSEEN) - 1
+        print(
+            "spmd: "
+            + message(
+                UNJOINED,
+                received(function=origin, error=type(error).__name__, other_unraised=more),
+                "call coordinator.join() after the last schedule() (and catch its error "
+                "where the program handles it).",
+            ),
+            file=sys.stderr,
+        )
+        sys.excepthook(type(error), error, error.__traceback__)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(1)
 
 
 def _donated(value: Any) -> list[str]:
@@ -133,7 +189,11 @@ class ClusterCoordinator:
         run asynchronously. Each function runs once, in the order scheduled.
       - An error in `fn` is kept and raised by `join()`, `done()`, the next
         `schedule()` (which then does not call its own `fn`) and its
-        `RemoteValue`'s `fetch()`, as TF does; a failed process ends the job
+        `RemoteValue`'s `fetch()`, as TF does. One that none of them raised
+        before the program ends (a last `schedule` with no `join`) is raised
+        at exit: printed with its traceback, and the process exits with code
+        1 (through `sys.excepthook`, so with several processes the peers are
+        told), never a silent exit 0. A failed process ends the job
         (restart it with `spmd launch --max-restarts` and a
         `CheckpointManager`) rather than having its steps rescheduled.
       - A `RemoteValue` passed to `schedule` reaches `fn` as it is, not
@@ -214,9 +274,11 @@ class ClusterCoordinator:
             error.__cause__ = stop
             value = RemoteValue(error=error, origin=origin)
             self._errors.append(error)
+            _keep(error, origin)
         except Exception as error:  # kept, raised by join / the next schedule / fetch
             value = RemoteValue(error=error, origin=origin)
             self._errors.append(error)
+            _keep(error, origin)
         self._pending.append(value)
         return value
 
@@ -287,5 +349,7 @@ class ClusterCoordinator:
     def _raise_kept(self) -> None:
         if self._errors:
             error = self._errors[0]
+            for kept in self._errors:  # forgotten, as TF does: none is raised at exit
+                _seen(kept)
             self._errors = []
             raise error

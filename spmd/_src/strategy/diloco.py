@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd._src.errors import CheckpointError, ConfigurationError, ContextError, message, received
@@ -19,19 +20,13 @@ from spmd._src.strategy.base import Strategy, bind_static
 from spmd._src.strategy.island_step import IslandStep, explain_islands
 from spmd._src.strategy.islands import ISLAND, DiLoCoState, fragment_tree, island_strategies
 from spmd._src.strategy.replica import ReduceOp, current_island, running_strategy
+from spmd._src.strategy.state_placement import place_state
 from spmd._src.topologies import check_runnable, eager_refused
 from spmd._src.validate import positive_int
 
 __all__ = ["DiLoCo", "DiLoCoState"]
 
 P = PartitionSpec
-
-NNX_STATE = (
-    "A DiLoCo state is a pytree of arrays: islands hold stacked copies of it.",
-    "Received: flax NNX objects from create_fn",
-    "return `nnx.split(model, ...)`'s state (e.g. {'params': nnx.state(model, nnx.Param), "
-    "'opt': tx.init(...)}) and merge it inside the step with nnx.merge(graphdef, ...).",
-)
 
 
 class DiLoCo:
@@ -140,6 +135,9 @@ class DiLoCo:
                 )
             )
         self._positions: dict[Any, tuple] = {}
+        # The NNX graph of a state made from flax NNX objects, by its arrays' structure:
+        # islands hold the arrays; each island's step merges them into the objects again.
+        self._graphs: dict[Any, Any] = {}
 
     # -- what the strategy is -------------------------------------------------
 
@@ -215,9 +213,11 @@ class DiLoCo:
     def init(self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DiLoCoState:
         """Creates the DiLoCo state: every island starts from `create_fn(*args)`.
 
-        `create_fn` runs under jit, as for `Strategy.init`, and returns your state
-        (a pytree; NNX objects: `nnx.split` them first). Nothing is made whole on
-        one device.
+        `create_fn` runs under jit, as for `Strategy.init`, and returns your state:
+        a pytree, or flax NNX objects (a module and its `nnx.Optimizer`), whose
+        arrays the islands hold (their `nnx.Param`s averaged, unless `params`
+        says otherwise) and which each island's step gets as objects again.
+        Nothing is made whole on one device.
 
         Returns:
           A `DiLoCoState`, placed: islands sharded over the `island` axis.
@@ -228,6 +228,23 @@ class DiLoCo:
         with self.layout.context():
             abstract = jax.eval_shape(make, *args)
             return jax.jit(make, out_shardings=self.state_sharding(abstract))(*args)
+
+    def put(self, state: Any) -> DiLoCoState:
+        """Places a state: a `DiLoCoState` (restored, remembered) as `init` lays it out, or
+        your own state (a pytree of arrays), from which every island starts, as `init`.
+
+        Returns:
+          A `DiLoCoState`, placed.
+        """
+        check_runnable(self, "put")
+        if isinstance(state, DiLoCoState):
+            return place_state(state, self.state_sharding(state))
+        return self.init(lambda user: user, self.synchronous.put(self._pure(state)))
+
+    @property
+    def placement(self) -> str:
+        """Where the state lives between steps: "device" (islands keep it in device memory)."""
+        return self.layout.placement
 
     def abstract_state(
         self, create_fn: Callable[..., Any], *args: Any, **kwargs: Any
@@ -244,9 +261,7 @@ class DiLoCo:
         )
 
     def _make(self, create_fn: Callable, kwargs: dict, *args: Any) -> DiLoCoState:
-        user = create_fn(*args, **kwargs)
-        if nnx_state.has_graph(user):
-            raise ConfigurationError(message(*NNX_STATE))
+        user = self._pure(create_fn(*args, **kwargs))
         leaves, treedef = jax.tree.flatten(user)
         positions, params_def = self._params_of(treedef)
         params = [leaves[p] for p in positions]
@@ -287,6 +302,18 @@ class DiLoCo:
             ) from error
         return state
 
+    def _pure(self, user: Any) -> Any:
+        """`user`'s arrays: of flax NNX objects (a module, an optimizer, a tuple of them)
+        their `nnx.split` state, whose graph is kept for the step to merge them again."""
+        graphdef, pure = nnx_state.split(user)
+        if graphdef is not None:
+            self._graphs[jax.tree.structure(pure)] = graphdef
+        return pure
+
+    def graphdef(self, state: DiLoCoState) -> Any:
+        """The NNX graph of a state made from flax NNX objects (None for a pytree state)."""
+        return self._graphs.get(jax.tree.structure(state.islands))
+
     def _per_island(self, x: Any) -> Any:
         """A leaf copied to every island; a typed PRNG key folded with the island's index,
         so that islands draw their own random numbers (dropout masks, noise)."""
@@ -301,8 +328,11 @@ class DiLoCo:
         found = self._positions.get(treedef)
         if found is None:
             labels = treedef.unflatten([_Label(i) for i in range(treedef.num_leaves)])
+            get = self._get_params
+            if treedef in self._graphs and self.params == "params":  # NNX: its nnx.Params
+                get = _nnx_params
             try:
-                part = self._get_params(labels)
+                part = get(labels)
             except (KeyError, AttributeError, TypeError, IndexError, ValueError) as error:
                 raise ConfigurationError(
                     message(
@@ -410,7 +440,7 @@ class DiLoCo:
                 out[p] = value
             return treedef.unflatten(out)
 
-        return jax.jit(pick, out_shardings=sharding)(state)
+        return nnx_state.merge(self.graphdef(state), jax.jit(pick, out_shardings=sharding)(state))
 
     # -- batches --------------------------------------------------------------
 
@@ -672,6 +702,11 @@ class _Label:
 
 def _inexact(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _nnx_params(state: Any) -> Any:
+    """The `nnx.Param` variables of an NNX state: what DiLoCo averages by default."""
+    return nnx.filter_state(state, nnx.Param)
 
 
 def _path_getter(path: str) -> Callable[[Any], Any]:

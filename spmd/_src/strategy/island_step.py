@@ -18,6 +18,7 @@ from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import ConfigurationError, ContextError, message, received
 from spmd._src.explain import explain_traced
+from spmd._src.strategy import nnx_state
 from spmd._src.strategy.islands import (
     ISLAND,
     DiLoCoState,
@@ -108,9 +109,13 @@ class IslandStep:
         if not isinstance(state, DiLoCoState):
             raise ConfigurationError(
                 message(
-                    "A DiLoCo step takes the DiLoCoState that strategy.init (or a restore) made.",
+                    "A DiLoCo step takes the DiLoCoState that strategy.init (or a restore) made: "
+                    "every island holds its own copy of your state.",
                     received(state=type(state).__name__),
-                    "make the state with strategy.init(create_fn, key).",
+                    "make the state with strategy.init(create_fn, key), or from existing "
+                    "objects (an NNX model and optimizer, a pytree) with "
+                    "state = strategy.put((model, optimizer)); the step then gets them as "
+                    "objects in each island: state, loss = step(state, x, y).",
                 )
             )
         if self._last is not None and state is self._last[0]:
@@ -202,12 +207,18 @@ class _Programs:
         rows = {x.shape[0] // k for x in jax.tree.leaves(data) if np.ndim(x)}
         island = Island(strategy, k, min(rows) if rows else None)
 
+        graphdef = strategy.graphdef(state)
+
         def per_island(islands: Any, batch: tuple) -> tuple[Any, tuple]:
             one = jax.tree.map(lambda x: x[0], islands)
             batch = jax.tree.map(lambda x: x[0] if np.ndim(x) else x, batch)
+            live = one if graphdef is None else nnx_state.merge(graphdef, one)
             with island_context(island):  # the per-replica quantities are the island's
-                out = self.fn(one, *batch)
-            returns, new, metrics = _split_output(out, one, True)
+                out = self.fn(live, *batch)
+            if graphdef is None:
+                returns, new, metrics = _split_output(out, one, True)
+            else:  # NNX objects updated in place: their arrays are the new state
+                returns, new, metrics = "tuple", _nnx_arrays(graphdef, live), (out,)
             self.returns = returns
             return jax.tree.map(lambda x: x[None], (new, metrics))
 
@@ -262,6 +273,22 @@ class _Programs:
         )
 
 
+def _nnx_arrays(graphdef: Any, live: Any) -> Any:
+    """The arrays of an island's NNX objects after its step, which kept their graph."""
+    new_graphdef, new = nnx_state.split(live)
+    if new_graphdef != graphdef:
+        raise ConfigurationError(
+            message(
+                "A DiLoCo step over flax NNX objects keeps their structure: every island "
+                "holds the same arrays, stacked.",
+                received(changed="an attribute rebound, or a Variable added or removed"),
+                "create every Variable in the module's __init__ (no lazy init, no sow "
+                "kept in the state), and set flags outside the step.",
+            )
+        )
+    return new
+
+
 def _spread(spec: PartitionSpec, shape: tuple[int, ...], mesh: Any) -> PartitionSpec:
     """A leaf's spec inside an island, also split over the island's axes it leaves free.
 
@@ -286,6 +313,7 @@ def _spread(spec: PartitionSpec, shape: tuple[int, ...], mesh: Any) -> Partition
 def explain_islands(step: IslandStep, state: Any, *data: Any) -> IslandsExplanation:
     """What `step`'s programs cost, and the bytes that cross between islands (see `DiLoCo.explain`)."""
     strategy = step.strategy
+    strategy.synchronous.check_batch(data)  # the islands' and replicas' split, as a step checks
     sizes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), data)
     batches = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(

@@ -229,8 +229,30 @@ def MultiWorkerMirroredStrategy(  # noqa: N802
 
 
 def _topology(topology: Any) -> Any:
-    """A `topology=` argument: a Cloud TPU name is `spmd.topology(name)`."""
-    return spmd_topology(topology) if isinstance(topology, str) else topology
+    """A `topology=` argument: a Cloud TPU name is `spmd.topology(name)`; a `Topology`
+    (or a list of its devices) as it is.
+
+    Raises:
+      ConfigurationError: anything else (a number, a shape, a list of other things).
+    """
+    if isinstance(topology, str):
+        return spmd_topology(topology)
+    if isinstance(topology, Sequence) and topology and all(_is_device(d) for d in topology):
+        return topology
+    raise ConfigurationError(
+        message(
+            "topology is an spmd.topology(...) (the abstract devices of a TPU slice), its "
+            'name ("v5p-8"), or a list of its devices.',
+            received(topology=topology, type=type(topology).__name__),
+            'pass topology=spmd.topology("v5p-8") (or "v5p-8"); for the devices you have, '
+            "leave topology out.",
+        )
+    )
+
+
+def _is_device(device: Any) -> bool:
+    """A jax device, real or abstract (a topology's): what has an id and a platform."""
+    return hasattr(device, "platform") and hasattr(device, "id")
 
 
 def _dividing_mesh(global_batch_size: int) -> Any:
@@ -284,8 +306,9 @@ def TPUStrategy(  # noqa: N802
         abstract states and compiles and explains steps, but cannot run them.
 
     Raises:
-      ConfigurationError: there are no TPU devices, or both devices and
-        topology are given.
+      ConfigurationError: there are no TPU devices, both devices and
+        topology are given, or topology is neither a topology, its name nor
+        a list of its devices.
     """
     check_initialized_under_launcher()
     if topology is not None and devices is not None:

@@ -32,28 +32,21 @@ _KERAS_OPTIMIZERS = {
 }
 
 
-def check_strategy(strategy: Any) -> Strategy:
-    """`strategy` if it is a `Strategy` (what any named strategy returns).
+def check_strategy(strategy: Any) -> Strategy | DiLoCo:
+    """`strategy` if it is a `Strategy` (what any named strategy returns) or a `DiLoCo`.
 
     Raises:
-      ConfigurationError: anything else; a `DiLoCo` is told to write its loop, a name
-        ("mirrored") or a constructor (`spmd.MirroredStrategy`) the call to pass.
+      ConfigurationError: anything else; a name ("mirrored") or a constructor
+        (`spmd.MirroredStrategy`) is told the call to pass.
     """
-    if isinstance(strategy, Strategy):
+    if isinstance(strategy, Strategy | DiLoCo):
         return strategy
-    if isinstance(strategy, DiLoCo):
-        fix = (
-            "for spmd.DiLoCo write the loop: state = strategy.init(create, key); "
-            "step = strategy.step(train_step); state, metrics = step(state, x, y) "
-            "(docs/diloco.md)."
-        )
-    else:
-        fix = f"pass a strategy, e.g. strategy={_strategy_call(strategy)}, or leave it None "
-        fix += "for the current one (spmd.get_strategy())."
+    fix = f"pass a strategy, e.g. strategy={_strategy_call(strategy)}, or leave it None "
+    fix += "for the current one (spmd.get_strategy())."
     raise ConfigurationError(
         message(
-            "A Trainer runs on a spmd.Strategy: what a named strategy (spmd.MirroredStrategy(), "
-            "spmd.TPUStrategy(), ...) returns.",
+            "A Trainer runs on a spmd.Strategy (what a named strategy, spmd.MirroredStrategy(), "
+            "spmd.TPUStrategy(), ..., returns) or a spmd.DiLoCo.",
             received(strategy=strategy),
             fix,
         )

@@ -11,6 +11,7 @@ from flax import nnx
 
 from spmd._src.errors import BatchError, message, received
 from spmd._src.rules import path_str
+from spmd._src.strategy.diloco import DiLoCo
 from spmd._src.trainer.data import (
     BatchSpecs,
     check_label_range,
@@ -32,6 +33,12 @@ _DROPPED = (
     "where Keras trains on it: the model's training pass writes %s, which the padding and "
     "mask that batch needs would enter, so it is never padded. To train on every example, "
     "pass a batch_size that divides the examples."
+)
+_DROPPED_ISLANDS = (
+    "fit drops the last partial batch of each epoch, %d of %d examples (batch_size=%d), "
+    "where Keras trains on it: on spmd.DiLoCo each island steps its own optimizer on its "
+    "rows of the batch, and an island given padding only would still take a step. To train "
+    "on every example, pass a batch_size that divides the examples."
 )
 
 
@@ -83,7 +90,7 @@ class BatchChecks:
             lambda v: jax.ShapeDtypeStruct(
                 np.shape(v), np.asarray(v).dtype if not hasattr(v, "dtype") else v.dtype
             ),
-            (trainer.state["params"], trainer.state["rest"], x, y),
+            (trainer.entry("params"), trainer.entry("rest"), x, y),
         )
         labels = abstract[3]
         leaves, treedef = jax.tree.flatten(abstract)
@@ -110,6 +117,10 @@ class BatchChecks:
         """
         examples = np.shape(jax.tree.leaves(data[0])[0])[0]
         if not isinstance(batch_size, int) or batch_size <= 0 or examples % batch_size == 0:
+            return False
+        if isinstance(trainer.strategy, DiLoCo):
+            if examples > batch_size:
+                _log.warning(_DROPPED_ISLANDS, examples % batch_size, examples, batch_size)
             return False
         if self._written is None:
             first = jax.tree.map(lambda a: np.asarray(a)[:batch_size], data[0])
@@ -144,7 +155,7 @@ def written_state(trainer: Trainer, x: Any) -> list[str]:
     """
     shapes = jax.tree.map(  # shapes only: the state may live in host memory
         lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype),
-        (trainer.state["params"], trainer.state["rest"], x),
+        (trainer.entry("params"), trainer.entry("rest"), x),
     )
     written: list[str] = []
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from spmd._src.errors import ConfigurationError, message, received
@@ -207,9 +208,9 @@ def example_weights(y: Any, w: Any, mask: Any) -> tuple[jax.Array, jax.Array]:
 
 def averages(sums: dict) -> dict[str, float]:
     """Each sum over the real examples' count (the loss too: Keras' sum_over_batch_size)."""
-    count = float(sums["count"])
+    count = float(np.sum(sums["count"]))  # DiLoCo's islands' sums add up (a leading axis)
     internal = ("count", "weight_sum")
-    return {k: float(v) / max(count, 1.0) for k, v in sums.items() if k not in internal}
+    return {k: float(np.sum(v)) / max(count, 1.0) for k, v in sums.items() if k not in internal}
 
 
 def stack(strategy: Strategy, group: list[tuple]) -> tuple:

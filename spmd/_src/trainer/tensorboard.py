@@ -61,7 +61,7 @@ class TensorBoard(Callback):
         if jax.process_index() or not isinstance(self.update_freq, int):
             return
         if self.trainer.iterations % self.update_freq == 0:
-            sums = self.trainer.state["metrics"]
+            sums = self.trainer.entry("metrics")
             scalars = functools.partial(_batch_scalars, list(sums), _snapshot(list(sums.values())))
             self._files.add("train", scalars, self.trainer.iterations)
 

@@ -23,6 +23,7 @@ from spmd._src.errors import (
     shown_as_public,
 )
 from spmd._src.strategy.base import Strategy, get_strategy
+from spmd._src.trainer import islands
 from spmd._src.trainer.arguments import check_optimizer, check_strategy, check_verbose
 from spmd._src.trainer.batch_checks import BatchChecks
 from spmd._src.trainer.callbacks import (
@@ -196,6 +197,7 @@ class Trainer:
                 )
             )
         self.strategy = check_strategy(strategy or get_strategy())
+        islands.check_options(self.strategy, steps_per_execution, grad_accum_steps)
         self.optimizer = check_optimizer(optimizer)
         self.loss_name, self.loss_fn = resolve_loss(loss)
         self.metrics = resolve_metrics(metrics, self.loss_name)
@@ -248,7 +250,8 @@ class Trainer:
     def model(self) -> Any:
         """The NNX module, holding the trained parameters (or the params of an (init, apply) pair)."""
         if self.state is not None and self._model.module is not None:
-            live = {"params": self.state["params"], "rest": self.state["rest"]}
+            live = islands.single(self.state)
+            live = {"params": live["params"], "rest": live["rest"]}
             if self.strategy.placement == "host":  # the module is for eager use: device memory
                 live = jax.tree.map(
                     lambda v: jax.device_put(v, v.sharding.with_memory_kind("device")), live
@@ -261,7 +264,7 @@ class Trainer:
                 nnx.update(graph, live["params"], rest)
         if self._model.module is not None:
             return self._model.module
-        return self.state["params"] if self.state is not None else self._model.params
+        return self.entry("params") if self.state is not None else self._model.params
 
     def host_state(self) -> Any:
         """The whole train state as numpy arrays, gathered from every process (typed PRNG
@@ -286,7 +289,13 @@ class Trainer:
 
     def running_metrics(self) -> dict[str, float]:
         """The epoch's metrics so far (reads the devices: a sync)."""
-        return averages(jax.device_get(self.state["metrics"]))
+        return averages(jax.device_get(self.entry("metrics")))
+
+    def entry(self, name: str, default: Any = None) -> Any:
+        """The train state's entry `name` ("params", "metrics", "step", ...) as one state
+        holds it: on `spmd.DiLoCo`, the global parameters, the islands' metric sums,
+        island 0's other entries."""
+        return islands.entry(self.state, name, default)
 
     # -- the compiled steps ---------------------------------------------------
 
@@ -375,6 +384,8 @@ class Trainer:
     def _step(self, name: str):
         if name not in self._steps:
             s = self.strategy
+            if name in ("eval", "predict"):  # DiLoCo: the global parameters, synchronously
+                s = islands.synchronous(s)
             self._steps[name] = {
                 "train": lambda: s.step(self._train_step),
                 "many": lambda: s.step(self._train_many, batch_axis=1),
@@ -398,7 +409,7 @@ class Trainer:
         and at most every `_NAN_READ_S` (always at `wait`, the epoch's end), so the steps
         never wait for the check and a tiny step pays no transfer each. The flag holds
         the first non-finite step, so a later read still names it."""
-        flag = self.state.get("nan_step")
+        flag = self.entry("nan_step")
         if not self.terminate_on_nan or flag is None:
             return
         if not wait:  # a read is a host transfer: at most every _NAN_READ_S, once computed
@@ -410,11 +421,19 @@ class Trainer:
         if step >= 0:
             # The flag counts the state's steps, which need not be `iterations` (a
             # state trained elsewhere): the epoch began this epoch's batches ago.
-            start = int(jax.device_get(self.state["step"])) - (self.iterations - self._epoch_start)
-            cause = int(jax.device_get(self.state.get("nan_cause", NAN_LOSS)))
+            start = int(jax.device_get(self.entry("step"))) - (self.iterations - self._epoch_start)
+            cause = int(jax.device_get(self.entry("nan_cause", NAN_LOSS)))
+            written = {part: self.entry(part) for part in ("params", "opt_state", "rest")}
             raise NonFiniteLossError(
-                _non_finite_message(cause, self.epoch, step - start, step, self.state)
+                _non_finite_message(cause, self.epoch, step - start, step, written)
             )
+
+    def _evaluated_state(self) -> Any:
+        """The state evaluate and predict read: on DiLoCo the global parameters (and
+        island 0's other state), laid out by the synchronous strategy of its mesh."""
+        if self.state is None or self.state is islands.single(self.state):
+            return self.state
+        return self.strategy.synchronous.put(islands.single(self.state))
 
     def _check_batch(self, batch: tuple, what: str, first: bool, placed: bool = True) -> None:
         """Checks a batch before it runs (see `BatchChecks.check`)."""
@@ -427,7 +446,7 @@ class Trainer:
             what == "fit" and is_arrays(data) and self._checks.keeps_partial(self, data, batch_size)
         )
         return as_dataset(
-            self.strategy,
+            islands.synchronous(self.strategy),  # DiLoCo: the batch split over islands first
             data,
             batch_size,
             shuffle=shuffle,
@@ -481,6 +500,7 @@ class Trainer:
         check_count("steps_per_epoch", steps_per_epoch, allow_none=True)
         check_count("epochs", epochs, allow_none=False)
         check_verbose(verbose)
+        islands.check_batch_size(self.strategy, batch_size)
         callbacks = as_callbacks(callbacks)
         self.build()
         self.dataset = self._dataset(data, batch_size, shuffle=shuffle, pad=False, what="fit")
@@ -492,10 +512,9 @@ class Trainer:
                 validation_data, val_size, shuffle=False, pad=True, what="validation_data"
             )
         self._precheck(data, batch_size, validation_data, val_size)
-        if "nan_step" in self.state:
-            self.state["nan_step"] = _like(jnp.full((), -1, jnp.int32), self.state["nan_step"])
-        if "nan_cause" in self.state:
-            self.state["nan_cause"] = _like(jnp.zeros((), jnp.int32), self.state["nan_cause"])
+        for name, value in (("nan_step", -1), ("nan_cause", 0)):
+            if self.entry(name) is not None:
+                self.state = islands.reset(self.state, name, jnp.full((), value, jnp.int32))
         history = History()
         steps = steps_per_epoch or self.dataset.num_batches
         verbose = (1 if sys.stdout.isatty() else 2) if verbose == "auto" else verbose
@@ -545,7 +564,7 @@ class Trainer:
                 )
             self._check_finite(wait=True)
             logs = self.running_metrics()
-            self.state["metrics"] = _like(self._zero_sums(), self.state["metrics"])
+            self.state = islands.reset(self.state, "metrics", self._zero_sums())
             if val_data is not None:
                 val = self._evaluate_dataset(val_data, "validation_data", hooks)
                 logs.update({f"val_{k}": v for k, v in val.items()})
@@ -610,7 +629,7 @@ class Trainer:
         ran += len(group)
         self.iterations += len(group)  # applied, whether or not the check below raises
         self._check_finite(wait=False)
-        hooks.on_train_batch_end(ran - 1, BatchLogs(self.state["metrics"]))
+        hooks.on_train_batch_end(ran - 1, BatchLogs(self.entry("metrics")))
         return ran
 
     def evaluate(
@@ -653,13 +672,13 @@ class Trainer:
     def _evaluate_dataset(self, dataset: Any, what: str, hooks: CallbackList) -> dict[str, float]:
         """Evaluates every batch of `dataset`, calling the test hooks as Keras does."""
         hooks.on_test_begin({})
-        step, totals = self._step("eval"), None
+        step, totals, state = self._step("eval"), None, self._evaluated_state()
         batch_logs = hooks.overrides("on_test_batch_end")  # else no per-batch read
         for index, batch in enumerate(dataset):
             hooks.on_test_batch_begin(index, {})
             batch = train_args(batch, what)
             self._check_batch(batch, what, first=totals is None)
-            sums = step(self.state, *batch)
+            sums = step(state, *batch)
             totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
             hooks.on_test_batch_end(index, averages(jax.device_get(totals)) if batch_logs else {})
         logs = _evaluated(totals, dataset, what)
@@ -699,12 +718,12 @@ class Trainer:
         dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="predict")
         hooks = self._hooks(callbacks, dataset, verbose=0)
         hooks.on_predict_begin({})
-        step, rows = self._step("predict"), []
+        step, rows, state = self._step("predict"), [], self._evaluated_state()
         for index, batch in enumerate(dataset):
             hooks.on_predict_batch_begin(index, {})
             elements, mask = split_batch(batch)
             check_rows(elements[0], "predict")
-            out, mask = jax.device_get(step(self.state, elements[0], mask))
+            out, mask = jax.device_get(step(state, elements[0], mask))
             if mask is not None:  # a padded batch: keep the real rows
                 keep = mask > 0
                 out = jax.tree.map(lambda o, keep=keep: o[keep], out)
@@ -742,9 +761,3 @@ def _evaluated(totals: Any, dataset: Any, what: str) -> dict[str, float]:
 def _is_key(leaf: Any) -> bool:
     """Whether a state leaf is a typed PRNG key array (no numpy form: gathered as key data)."""
     return isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-
-
-def _like(values: Any, placed: Any) -> Any:
-    """`values` placed as the arrays `placed` are (a reset of part of the train state,
-    without resolving the strategy's rules again)."""
-    return jax.device_put(values, jax.tree.map(lambda a: a.sharding, placed))
