@@ -21,7 +21,7 @@ TOL = {jnp.float32: {"rtol": 1e-5, "atol": 1e-5}, jnp.bfloat16: {"rtol": 2e-2, "
 def qkv(heads=4, kv_heads=2, length=16, dtype=jnp.float32, batch=4, head_dim=8):
     keys = jax.random.split(jax.random.key(0), 3)
     shapes = [(batch, length, heads, head_dim)] + [(batch, length, kv_heads, head_dim)] * 2
-    return [jax.random.normal(key, s).astype(dtype) for key, s in zip(keys, shapes)]
+    return [jax.random.normal(key, s).astype(dtype) for key, s in zip(keys, shapes, strict=True)]
 
 
 def loss_of(fn, **kwargs):

@@ -6,7 +6,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from spmd._src.errors import ConfigurationError, ContextError, message, received
 
@@ -145,7 +146,7 @@ def _axis_size(axis: str) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or axis not in mesh.axis_names:
         return 1
-    if dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Manual:
+    if dict(zip(mesh.axis_names, mesh.axis_types, strict=True))[axis] == AxisType.Manual:
         raise ContextError(
             message(
                 f"spmd.attention splits the length over the mesh axis {axis!r} itself, "
@@ -159,7 +160,9 @@ def _axis_size(axis: str) -> int:
 
 
 def _manual(mesh: jax.sharding.AbstractMesh) -> tuple[str, ...]:
-    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Manual)
+    return tuple(
+        n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual
+    )
 
 
 def _check_shapes(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
