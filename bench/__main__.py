@@ -31,6 +31,7 @@ MODULES = (
     "bench_scale",
     "bench_plan",
     "plan_maxtext",
+    "bench_attention",
 )
 HIDDEN = {"benchmark", "median_s"}
 

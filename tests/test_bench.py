@@ -127,3 +127,14 @@ def test_bench_quick_plans_on_cpu_devices_and_for_a_tpu_slice(tmp_path):
     assert "| yes |" in ranking  # the layout auto_strategy chose
     decoder = text.split("## planning a MaxText-shaped decoder for a TPU slice (no TPU)", 1)[1]
     assert "| v5e:2x2 | 1.88 B | does not fit |" in decoder and "| pass |" in decoder
+
+
+@pytest.mark.bench
+def test_bench_quick_times_context_parallel_attention_and_its_memory(tmp_path):
+    # spmd.attention against jax.nn.dot_product_attention (CPU devices), and its peak per
+    # device as the context axis grows (v5p-16, the TPU compiler), in the quick mode.
+    out = tmp_path / "performance.md"
+    run_bench(["-m", "bench", "--quick", "--output", str(out), "--only", "attention"], timeout=900)
+    text = out.read_text()
+    assert "## context-parallel attention: step time" in text and "x |" in text
+    assert "| length 2048, context 4 |" in text
