@@ -62,7 +62,7 @@ def step_time(quick: bool) -> list[dict]:
     import spmd
 
     rows = []
-    for length in (256,) if quick else (512, 2048):
+    for length in (256,) if quick else (512, 1024):
         args = _qkv(8, length)
         data = spmd.make_mesh({"data": 8})
         context = spmd.make_mesh({"data": 2, "context": 4})
