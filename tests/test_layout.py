@@ -67,6 +67,7 @@ PUBLIC = [
     "Topology",
     "Traffic",
     "Trainer",
+    "attention",
     "auto_strategy",
     "callbacks",
     "cluster",
