@@ -118,6 +118,7 @@ def test_the_program_gathers_keys_and_values_and_keeps_queries_split():
     assert out.sharding.spec[1] == "context"  # the output stays split
 
 
+@pytest.mark.slow  # 3 s of CPU
 def test_without_a_context_axis_it_is_plain_attention():
     q, k, v = qkv()
     want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
@@ -137,12 +138,16 @@ def _error(exc, fn, *args, **kwargs):
     return text
 
 
+def zeros(length, heads=4, kv_heads=2):
+    return [jnp.zeros((4, length, h, 8)) for h in (heads, kv_heads, kv_heads)]
+
+
 def test_a_length_that_does_not_divide_the_context_axis_is_an_error():
-    q, k, v = qkv(length=10)
+    q, k, v = zeros(10)
     with strategy(DATA_CONTEXT).scope():
         text = _error(spmd.ConfigurationError, spmd.attention, q, k, v)
     assert "q_length=10" in text and "axis_size=4" in text
-    q, k, v = qkv(length=2)  # blocks under one row each
+    q, k, v = zeros(2)  # blocks under one row each
     with strategy(DATA_CONTEXT).scope():
         _error(spmd.ConfigurationError, jax.jit(spmd.attention), q, k, v)
 
@@ -162,7 +167,7 @@ def test_bad_shapes_are_errors(shapes, words):
 
 
 def test_bad_dtypes_and_segment_ids_are_errors():
-    q, k, v = qkv()
+    q, k, v = zeros(16)
     assert "one dtype" in _error(
         spmd.ConfigurationError, spmd.attention, q, k.astype(jnp.bfloat16), v
     )

@@ -34,6 +34,7 @@ def spmd_train(strategy, steps):
     return state, losses
 
 
+@pytest.mark.slow  # 9 s of CPU
 def test_a_step_with_context_and_data_axes_trains_as_one_device():
     strategy = spmd.Strategy(mesh=spmd.make_mesh({"data": 2, "context": 4}), batch_axes=("data",))
     state, losses = spmd_train(strategy, 3)
