@@ -108,6 +108,18 @@ def test_scale_and_segment_ids_equal_the_masked_one_device_attention():
     np.testing.assert_allclose(pair, want_pair, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 2 s of CPU
+def test_a_mask_is_split_by_its_query_rows_and_combined_with_causal():
+    q, k, v = qkv()
+    mask = jax.random.bernoulli(jax.random.key(3), 0.5, (4, 1, 16, 16)) | jnp.eye(16, dtype=bool)
+    causal = jnp.tril(jnp.ones((16, 16), bool))[None, None]
+    want = jax.nn.dot_product_attention(q, k, v, mask=mask & causal)
+    with strategy(DATA_CONTEXT).scope():
+        fn = lambda q, k, v, m: spmd.attention(q, k, v, causal=True, mask=m)  # noqa: E731
+        got = jax.jit(fn)(q, k, v, mask)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_program_gathers_keys_and_values_and_keeps_queries_split():
     q, k, v = qkv()
     with strategy(DATA_CONTEXT).scope():
@@ -171,6 +183,8 @@ def test_bad_dtypes_and_segment_ids_are_errors():
     assert "one dtype" in _error(
         spmd.ConfigurationError, spmd.attention, q, k.astype(jnp.bfloat16), v
     )
+    for mask in (jnp.ones((4, 1, 1, 16), bool), jnp.ones((4, 1, 16, 16), jnp.float32)):
+        assert "mask" in _error(spmd.ConfigurationError, spmd.attention, q, k, v, mask=mask)
     bad = jnp.zeros((4, 15), jnp.int32)
     assert "segment_ids" in _error(
         spmd.ConfigurationError, spmd.attention, q, k, v, segment_ids=bad

@@ -23,6 +23,7 @@ def attention(
     axis: str = "context",
     scale: float | None = None,
     segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+    mask: jax.Array | None = None,
 ) -> jax.Array:
     """Dot-product attention whose sequence is split over the mesh axis `axis`.
 
@@ -62,12 +63,16 @@ def attention(
       segment_ids: [batch, length] integers: a query sees only keys of its own
         segment (packed sequences). One array for self-attention, or a pair
         (q_segment_ids, kv_segment_ids).
+      mask: a boolean [batch | 1, heads | 1, q_length, kv_length] array, True
+        where a query may attend to a key (`jax.nn.dot_product_attention`'s
+        `mask`), split over `axis` by its query rows; combined with `causal`
+        and `segment_ids`.
 
     Returns:
       The attention output, the shape and dtype of `q`.
 
     Raises:
-      ConfigurationError: q, k, v or segment_ids are not shaped as above, or a
+      ConfigurationError: q, k, v, segment_ids or mask are not shaped as above, or a
         length does not divide by the size of `axis`.
       ContextError: `axis` is already manual here (inside `strategy.run` or a
         `shard_map` over it).
@@ -78,27 +83,35 @@ def attention(
     """
     _check_shapes(q, k, v)
     q_seg, kv_seg = _segments(segment_ids, q, k)
+    _check_mask(mask, q, k)
     size = _axis_size(axis)
     if size == 1:
-        mask = _mask(causal, q_seg, kv_seg, q.shape[1], 0, k.shape[1])
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+        where = _mask(causal, q_seg, kv_seg, q.shape[1], 0, k.shape[1], mask)
+        return jax.nn.dot_product_attention(q, k, v, mask=where, scale=scale)
     _check_divides(q, k, axis, size)
+    extra = {"q_seg": q_seg, "kv_seg": kv_seg, "mask": mask}
+    extra = {name: x for name, x in extra.items() if x is not None}
+    # The length is dimension 1 of q, k, v and the segment ids; the mask's query rows are 2.
+    specs = {name: P(None, None, axis) if name == "mask" else P(None, axis) for name in extra}
 
-    def block(q, k, v, q_seg=None, kv_seg=None):
+    def block(q, k, v, extra):
         k, v = _gather(k, axis), _gather(v, axis)
+        kv_seg = extra.get("kv_seg")
         if kv_seg is not None:
             kv_seg = jax.lax.all_gather(kv_seg, axis, axis=1, tiled=True)
         offset = jax.lax.axis_index(axis) * q.shape[1]
-        mask = _mask(causal, q_seg, kv_seg, q.shape[1], offset, k.shape[1])
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale)
+        where = _mask(
+            causal, extra.get("q_seg"), kv_seg, q.shape[1], offset, k.shape[1], extra.get("mask")
+        )
+        return jax.nn.dot_product_attention(q, k, v, mask=where, scale=scale)
 
-    args = (q, k, v) if q_seg is None else (q, k, v, q_seg, kv_seg)
+    split = P(None, axis)
     return jax.shard_map(
         block,
-        in_specs=(P(None, axis),) * len(args),  # the length is dimension 1 of each
-        out_specs=P(None, axis),
+        in_specs=(split, split, split, specs),
+        out_specs=split,
         axis_names=frozenset({axis}),
-    )(*args)
+    )(q, k, v, extra)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -129,16 +142,17 @@ def _mask(
     q_len: int,
     offset: jax.Array | int,
     kv_len: int,
+    given: jax.Array | None = None,
 ) -> jax.Array | None:
-    """The [batch | 1, 1, q_len, kv_len] mask of queries at `offset + arange(q_len)`."""
-    mask = None
+    """The mask of queries at `offset + arange(q_len)`: causal, segments and `given`, and-ed."""
+    masks = [given]
     if causal:
         rows = offset + jnp.arange(q_len)
-        mask = (rows[:, None] >= jnp.arange(kv_len)[None, :])[None, None]
+        masks.append((rows[:, None] >= jnp.arange(kv_len)[None, :])[None, None])
     if q_seg is not None:
-        same = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
-        mask = same if mask is None else mask & same
-    return mask
+        masks.append((q_seg[:, :, None] == kv_seg[:, None, :])[:, None])
+    masks = [m for m in masks if m is not None]
+    return functools.reduce(jnp.logical_and, masks) if masks else None
 
 
 def _axis_size(axis: str) -> int:
@@ -217,6 +231,32 @@ def _check_divides(q: jax.Array, k: jax.Array, axis: str, size: int) -> None:
                     "segment_ids), or choose a context axis whose size divides the length.",
                 )
             )
+
+
+def _check_mask(mask: jax.Array | None, q: jax.Array, k: jax.Array) -> None:
+    """A boolean [batch | 1, heads | 1, q_length, kv_length] mask, or None."""
+    if mask is None:
+        return
+    shape, dtype = jnp.shape(mask), jnp.result_type(mask)
+    fits = len(shape) == 4 and shape[2:] == (q.shape[1], k.shape[1])
+    if not fits or shape[0] not in (1, q.shape[0]) or shape[1] not in (1, q.shape[2]):
+        raise ConfigurationError(
+            message(
+                "mask is [batch | 1, heads | 1, q_length, kv_length], its query and key "
+                "lengths whole (the query rows are split over the context axis).",
+                received(mask_shape=shape, q_shape=q.shape, k_shape=k.shape),
+                "jnp.broadcast_to the mask's last two dimensions to (q_length, kv_length), "
+                "or use causal=True / segment_ids, which need no mask array.",
+            )
+        )
+    if dtype != jnp.bool_:
+        raise ConfigurationError(
+            message(
+                "mask is boolean: True where a query may attend to a key.",
+                received(mask_dtype=dtype),
+                "pass mask.astype(bool), or an additive bias folded into q or the logits.",
+            )
+        )
 
 
 def _segments(
