@@ -37,8 +37,8 @@ def attention(
     The schedule is all-gathered K/V (MaxText's `ici_context_parallelism`):
     every device gathers the keys and values of the whole sequence, then
     attends with its own block of queries at their global positions. The
-    gradient of the gather is a reduce-scatter, so the K/V gradients come back
-    split. Why not a ring of collective permutes: with K/V an order of
+    gradient of the gather is a reduce-scatter (summed in float32 for narrower
+    dtypes), so the K/V gradients come back split. Why not a ring of collective permutes: with K/V an order of
     magnitude smaller than the [length, length] scores (grouped-query heads make
     them smaller still), the gather costs one collective XLA can overlap, and
     the scores, the term that grows with the square of the length, fall by c on
@@ -46,7 +46,9 @@ def attention(
     [length / c, length] block, causal or not, as XLA's attention on one device
     computes the whole square and masks it; a ring that skips the blocks above
     the diagonal (with load-balanced chunks) would save up to half the FLOPs of
-    causal attention, at the price of c permutes in sequence.
+    causal attention, at the price of c permutes in sequence. Positions are
+    the tokens' order along the length: keep them in order (no load-balancing
+    reorder of the sequence in the input pipeline).
 
     Without `axis` in the current mesh, or with it of size 1, this is plain
     `jax.nn.dot_product_attention`.
