@@ -33,6 +33,7 @@ MODULES = (
     "bench_pipeline",
     "bench_plan",
     "plan_maxtext",
+    "bench_attention",
 )
 HIDDEN = {"benchmark", "median_s"}
 

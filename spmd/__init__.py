@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # generated from _WHERE by `python -m spmd._src.exports`; do 
     from spmd import losses as losses
     from spmd import partitioners as partitioners
     from spmd import testing as testing
+    from spmd._src.attention import attention as attention
     from spmd._src.checkpoint.manager import CheckpointManager as CheckpointManager
     from spmd._src.checkpoint.preemption import Preempted as Preempted
     from spmd._src.clusters.initialize import cluster as cluster
@@ -100,6 +101,7 @@ __version__ = "0.1.0"
 # module that defines it), or the name itself for a public submodule. `__all__` and the
 # TYPE_CHECKING imports above come from it.
 _WHERE = {
+    "attention": "spmd._src.attention",
     "AutoShardPolicy": "spmd._src.data.input_context",
     "auto_strategy": "spmd._src.planning",
     "BatchError": "spmd._src.errors",

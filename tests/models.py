@@ -76,3 +76,64 @@ def nnx_update(
     value, grads = nnx.value_and_grad(loss)(model, *args)
     optimizer.update(model, grads)
     return value
+
+
+LM = {"vocab": 32, "length": 16, "width": 16, "heads": 4, "kv_heads": 2}
+
+
+def lm_create(key: jax.Array, inner: str = "adamw") -> dict:
+    """A one-block causal transformer LM's parameters (grouped-query attention through
+    `spmd.attention`) and its optimizer state: {"params", "opt"}."""
+    v, n, d, h, kh = (LM[k] for k in ("vocab", "length", "width", "heads", "kv_heads"))
+    shapes = {
+        "embed": (v, d), "pos": (n, d), "wq": (d, d), "wk": (d, d * kh // h),
+        "wv": (d, d * kh // h), "wo": (d, d), "up": (d, 2 * d), "down": (2 * d, d), "out": (d, v),
+    }  # fmt: skip
+    keys = jax.random.split(key, len(shapes))
+    params = {
+        name: jax.random.normal(k, s) / np.sqrt(s[0])
+        for k, (name, s) in zip(keys, shapes.items(), strict=True)
+    }
+    return {"params": params, "opt": INNER_LM[inner].init(params)}
+
+
+INNER_LM = {"adamw": optax.adamw(1e-2), "sgd": optax.sgd(0.5)}
+
+
+def lm_logits(p: dict, tokens: jax.Array) -> jax.Array:
+    """[batch, length] tokens -> [batch, length, vocab] next-token logits."""
+    import spmd
+
+    b, n = tokens.shape
+    h, kh = LM["heads"], LM["kv_heads"]
+    x = p["embed"][tokens] + p["pos"][:n]
+    q, k, v = ((x @ p[w]).reshape(b, n, heads, -1) for w, heads in
+               (("wq", h), ("wk", kh), ("wv", kh)))  # fmt: skip
+    x = x + spmd.attention(q, k, v, causal=True).reshape(b, n, -1) @ p["wo"]
+    x = x + jax.nn.gelu(x @ p["up"]) @ p["down"]
+    return x @ p["out"]
+
+
+def lm_loss(p: dict, tokens: jax.Array) -> jax.Array:
+    """The mean next-token cross-entropy of `tokens`."""
+    logits = lm_logits(p, tokens)[:, :-1]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def lm_step(inner: str = "adamw") -> Callable:
+    """One optimizer step of the LM on a [batch, length] token batch."""
+
+    def train_step(state: dict, tokens: jax.Array) -> tuple[dict, dict]:
+        loss, grads = jax.value_and_grad(lm_loss)(state["params"], tokens)
+        updates, opt = INNER_LM[inner].update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {"loss": loss}
+
+    return train_step
+
+
+def lm_batches(steps: int, batch: int = 8, seed: int = 0) -> list[np.ndarray]:
+    """`steps` batches of token rows that count up by a row's own stride (learnable)."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, LM["vocab"], (steps, batch, 1))
+    stride = rng.integers(1, 4, (steps, batch, 1))
+    return list(((start + stride * np.arange(LM["length"])) % LM["vocab"]).astype(np.int32))

@@ -137,3 +137,13 @@ def test_bench_quick_measures_the_pipelined_step_against_the_scan(tmp_path):
     )
     rows = [line for line in out.read_text().splitlines() if "GPipe: 2 stages" in line]
     assert len(rows) == 2 and all("x |" in row and "%" in row for row in rows)
+
+
+def test_bench_quick_times_context_parallel_attention_and_its_memory(tmp_path):
+    # spmd.attention against jax.nn.dot_product_attention (CPU devices), and its peak per
+    # device as the context axis grows (v5p-16, the TPU compiler), in the quick mode.
+    out = tmp_path / "performance.md"
+    run_bench(["-m", "bench", "--quick", "--output", str(out), "--only", "attention"], timeout=900)
+    text = out.read_text()
+    assert "## context-parallel attention: step time" in text and "x |" in text
+    assert "| length 2048, context 4 |" in text

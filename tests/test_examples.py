@@ -23,6 +23,7 @@ FAST_ARGS = {
     "10_diloco.py": ["--steps", "150"],
     "11_sidecar_evaluator.py": ["--epochs", "2"],
     "12_pipeline_parallel_lm.py": ["--steps", "10"],
+    "13_context_parallel_lm.py": ["--steps", "10"],
 }
 # Examples that start several processes themselves.
 MULTIPROCESS = {"03_multi_worker_tf_config.py", "11_sidecar_evaluator.py"}

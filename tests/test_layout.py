@@ -68,6 +68,7 @@ PUBLIC = [
     "Topology",
     "Traffic",
     "Trainer",
+    "attention",
     "auto_strategy",
     "callbacks",
     "cluster",
