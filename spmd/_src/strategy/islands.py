@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,6 +17,7 @@ from spmd._src.explain import Collective, Explanation
 from spmd._src.mesh import make_mesh, order_devices, resolve_devices
 from spmd._src.roofline import flows, ring_bytes
 from spmd._src.strategy.base import Strategy
+from spmd._src.strategy.diloco_state import DiLoCoState
 
 __all__ = [
     "ISLAND",
@@ -27,24 +28,6 @@ __all__ = [
 ]
 
 ISLAND = "island"  # the outermost mesh axis: one index per island
-
-
-class DiLoCoState(NamedTuple):
-    """A DiLoCo train state: a pytree that `spmd.CheckpointManager` saves and restores.
-
-    Attributes:
-      params: the global parameters (the `params` part of your state), kept on every
-        island's devices, laid out as inside one island.
-      outer: the outer optimizer's state, one per fragment.
-      islands: your state, one per island: every leaf has a leading island axis,
-        sharded over the mesh's `island` axis (inner optimizer state kept per island).
-      step: inner steps taken (int32); the sync schedule counts from it.
-    """
-
-    params: Any
-    outer: tuple
-    islands: Any
-    step: jax.Array
 
 
 def island_strategies(

@@ -27,6 +27,7 @@ from spmd._src.data.host_batches import fingerprint
 from spmd._src.errors import BatchError, ConfigurationError, message, received
 from spmd._src.rules import path_str
 from spmd._src.strategy import nnx_state
+from spmd._src.strategy.diloco_state import DiLoCoState
 from spmd._src.strategy.state_placement import buffers
 from spmd._src.validate import positive_number
 
@@ -481,8 +482,6 @@ def check_arguments(
 def _check_not_diloco(strategy: Strategy, state: Any) -> None:
     """A DiLoCo state (`spmd.DiLoCo.init`'s) is stepped by its DiLoCo's step: a plain step
     would train its stacked islands as one model, never synchronising them."""
-    from spmd._src.strategy.islands import DiLoCoState  # islands builds on this module
-
     if not isinstance(state, DiLoCoState):
         return
     raise ConfigurationError(
