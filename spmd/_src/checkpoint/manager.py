@@ -19,7 +19,7 @@ from spmd._src.checkpoint.position import as_json as _json
 from spmd._src.checkpoint.position import position_of as _position
 from spmd._src.checkpoint.position import restore_position as _set_position
 from spmd._src.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
-from spmd._src.checkpoint.store import forget_listings, make_store
+from spmd._src.checkpoint.store import SharedStore, forget_listings, make_store
 from spmd._src.clusters.initialize import check_initialized_under_launcher
 from spmd._src.errors import CheckpointError, ConfigurationError, message, received
 from spmd._src.strategy.base import get_strategy
@@ -529,8 +529,21 @@ class CheckpointManager:
         failed = {p: r for p, r in reports.items() if r is not None}
         if failed:
             where = str(self._store.step_dir(step))
+            if self.read_only and all(r["damage"] for r in failed.values()) and self._gone(step):
+                errors = {p: r["error"] for p, r in failed.items()}
+                raise integrity.removed(step, where, what, errors) from error
             raise integrity.read_failed(step, where, what, failed, error) from error
         return result
+
+    def _gone(self, step: int) -> bool:
+        """Whether step `step`'s folder is gone (a reader's: the writer removed it); only
+        a shared folder can tell (with shared_filesystem=False it is process 0's)."""
+        if not isinstance(self._store, SharedStore):
+            return False
+        try:
+            return not self._store.step_dir(step).exists()
+        except OSError:
+            return False
 
     def _record(self, step: int) -> dict:
         """The step's metadata record, verified (format and checksum)."""

@@ -23,6 +23,7 @@ from spmd._src.errors import (
     shown_as_public,
 )
 from spmd._src.strategy.base import Strategy, get_strategy
+from spmd._src.strategy.step_layout import put_leaf
 from spmd._src.trainer.arguments import check_optimizer, check_strategy, check_verbose
 from spmd._src.trainer.batch_checks import BatchChecks
 from spmd._src.trainer.callbacks import (
@@ -746,5 +747,7 @@ def _is_key(leaf: Any) -> bool:
 
 def _like(values: Any, placed: Any) -> Any:
     """`values` placed as the arrays `placed` are (a reset of part of the train state,
-    without resolving the strategy's rules again)."""
-    return jax.device_put(values, jax.tree.map(lambda a: a.sharding, placed))
+    without resolving the strategy's rules again). The values go through the host: a
+    device_put of one device's array to a sharding over several processes makes an array
+    whose shards are not its devices' (Orbax cannot save it)."""
+    return jax.tree.map(lambda v, a: put_leaf(np.asarray(v), a.sharding), values, placed)
