@@ -15,6 +15,7 @@ from etils import epath
 from spmd._src.checkpoint import final, guard, integrity, quiet
 from spmd._src.checkpoint import tree as ct
 from spmd._src.checkpoint.integrity import Damaged
+from spmd._src.checkpoint.notices import NoticeBoard
 from spmd._src.checkpoint.position import as_json as _json
 from spmd._src.checkpoint.position import position_of as _position
 from spmd._src.checkpoint.position import restore_position as _set_position
@@ -125,6 +126,7 @@ class CheckpointManager:
         )
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
+        self._board = NoticeBoard(self._timeout)  # the preemption notices, where not agreed
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
         self._maybe_final = False  # this writer marked a final step (a later save clears it)
         self._session = final.new_session()  # names this writer in the markers it writes
@@ -255,15 +257,10 @@ class CheckpointManager:
             failed (the message names its step).
         """
         self._check_writer("save")
-        votes = guard.agree(
-            f"save(step={step})",
-            {"step": step, "notice": self._watcher.noticed()},
-            self._timeout,
-            guard.same_step,
-        )
-        preempted = self._watcher.reached(step, notices=[v["notice"] for v in votes.values()])
+        due = force or step % self._interval == 0
+        preempted = self._watcher.reached(step, notices=self._notices(step, due))
         saved = False
-        if force or preempted or step % self._interval == 0:
+        if due or preempted:
             saved = self._save(step, state, data, metadata)
         elif not self._prepared:  # compile the checksums' programs before the first write
             integrity.prepare(ct.to_saveable(_leaves(state))[0])
@@ -271,6 +268,26 @@ class CheckpointManager:
         if preempted:
             self._stop(step)
         return saved
+
+    def _notices(self, step: int, due: bool) -> list[bool]:
+        """Every process's preemption notice at `step`, exchanged only where they could differ.
+
+        A step due for a save (every process computes the same `due` from the
+        same step) is agreed on in full: the step numbers are compared, and the
+        notices ride along. Another step needs an exchange only where the
+        processes look for notices ("signal" mode, every preemption_check_steps):
+        a barrier, no key kept (see notices.py). Elsewhere nothing is exchanged.
+        """
+        noticed = self._watcher.noticed()
+        if jax.process_count() == 1:
+            return [noticed]
+        if due:
+            vote = {"step": step, "notice": noticed}
+            votes = guard.agree(f"save(step={step})", vote, self._timeout, guard.same_step)
+            return [v["notice"] for v in votes.values()]
+        if self._watcher.mode == "signal" and step % self._watcher.check_every == 0:
+            return self._board.exchange(step, noticed)
+        return []
 
     def _save(self, step: int, state: Any, data: Any, metadata: Any) -> bool:
         folders = self._store.step_folders()
@@ -587,6 +604,7 @@ class CheckpointManager:
                 self._release_hold()  # before the lock: no other writer comes between
             self._lock.release()
             self._watcher.close()
+            self._board.close()
 
     def _finish(self, wait: Callable[[], None]) -> None:
         try:

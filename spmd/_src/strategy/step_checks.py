@@ -216,9 +216,9 @@ def agree_on_batch(
     if client is None:
         return None
     batch = describe_call(fn, data, kwargs, static, names)
-    prefix = f"spmd/step/{next(_AGREEMENTS)}"
-    _BatchSignatures(client, prefix, batch, previous, hang_watch.STEPS[0], caller).agree(
-        0, {"batch": batch}
+    # One prefix, an index per agreement: process 0 deletes each one's keys at the next.
+    _BatchSignatures(client, "spmd/step", batch, previous, hang_watch.STEPS[0], caller).agree(
+        next(_AGREEMENTS), {"batch": batch}
     )
     return batch
 
