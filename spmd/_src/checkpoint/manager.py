@@ -71,16 +71,18 @@ class CheckpointManager:
         processes, agree on notices every this many steps.
       coordination_timeout: with several processes, how many seconds the
         processes wait for each other when they agree on the directory (at
-        construction) and on the step (each save): a process that never
-        comes, or brings another directory or step, is a `CheckpointError`
-        after at most this long, never a hang.
+        construction), on the step (each save that writes a checkpoint) and
+        on preemption notices (every `preemption_check_steps`): a process that
+        never comes, or brings another directory or step, is a
+        `CheckpointError` after at most this long, never a hang.
       read_only: a reader of a directory another job (or manager) writes,
         e.g. an evaluator's: it takes no lock (any number of readers beside
         the one writer), never creates, writes or deletes anything (not
         even a writer's unfinished saves), and lists the directory anew at
         each `all_steps`, `latest_step` and `restore`, so it sees steps as
         the writer commits them; never one being written, nor a damaged
-        one. Works on a read-only filesystem. `save` and `mark_final` are
+        one; a step the writer's `max_to_keep` removes meanwhile is skipped
+        with a log line. Works on a read-only filesystem. `save` and `mark_final` are
         errors; the saving arguments are ignored.
 
     Raises:
