@@ -23,7 +23,7 @@ from spmd._src.checkpoint import tree as ct
 from spmd._src.checkpoint.integrity import Damaged, RecordHandler, damage
 from spmd._src.errors import CheckpointError
 
-__all__ = ["REMOVED_WHILE_LISTED", "ChiefStore", "SharedStore", "forget_listings", "make_store"]
+__all__ = ["ChiefStore", "SharedStore", "forget_listings", "make_store"]
 
 _SAVE = {"state": ocp.args.PyTreeSave, "data": ocp.args.JsonSave, "metadata": ocp.args.JsonSave}
 _RESTORE = {"state": ocp.args.PyTreeRestore, "data": ocp.args.JsonRestore}
@@ -34,7 +34,7 @@ _STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # how Orbax names a step folder (its 
 # sees a step whole or not at all, never half deleted (which would read as damaged).
 _REMOVED = ".spmd-removed"
 _A_FILE = "a file, not a step folder, has the step's name"
-REMOVED_WHILE_LISTED = "removed by the writer (max_to_keep) while it was listed: skipped"
+_REMOVED_WHILE_LISTED = "removed by the writer (max_to_keep) while it was listed: skipped"
 _log = logging.getLogger("spmd.checkpoint")
 
 
@@ -135,7 +135,7 @@ class SharedStore:
         """Whether step `step`'s folder is gone (a reader's listing; logged when it is)."""
         if self.step_dir(step).exists():
             return False
-        _log.info("checkpoint step %d in %s: %s", step, self.directory, REMOVED_WHILE_LISTED)
+        _log.info("checkpoint step %d in %s: %s", step, self.directory, _REMOVED_WHILE_LISTED)
         return True
 
     def step_dir(self, step: int) -> epath.Path:
