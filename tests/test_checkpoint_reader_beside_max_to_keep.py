@@ -84,6 +84,7 @@ def test_a_file_with_a_steps_name_is_named_by_readers_and_writers(tmp_path):
         assert list(writer.damaged_steps()) == [2]
 
 
+@pytest.mark.slow  # 14 s of CPU
 def test_a_reader_lists_and_restores_while_a_writer_removes_steps(tmp_path):
     """A writer thread saving with max_to_keep=1 against a reader that lists and restores:
     every listing works, and every failed restore is a Removed."""
