@@ -29,6 +29,7 @@ _SAVE = {"state": ocp.args.PyTreeSave, "data": ocp.args.JsonSave, "metadata": oc
 _RESTORE = {"state": ocp.args.PyTreeRestore, "data": ocp.args.JsonRestore}
 _RESTORE["metadata"] = ocp.args.JsonRestore
 _UNFINISHED = ".orbax-checkpoint-tmp"  # how Orbax names a step folder still being written
+_COMMITTED = "commit_success.txt"  # how Orbax commits a step on an object store (no rename)
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # how Orbax names a step folder (its default format)
 # Where max_to_keep moves a step before spmd deletes it (local and mounted folders): a reader
 # sees a step whole or not at all, never half deleted (which would read as damaged).
@@ -157,7 +158,8 @@ class SharedStore:
 
         A reader's listing: no file of a step is read (Orbax's listing reads each
         step's metadata, and a step the writer's max_to_keep removes meanwhile
-        made it fail), so a step removed during it is simply not listed.
+        made it fail), so a step removed during it is simply not listed. On an
+        object store a step is listed once its commit marker is there.
         """
         forget_listings(self.directory)
         with _listing(self.directory):
@@ -166,12 +168,14 @@ class SharedStore:
             except (FileNotFoundError, NotADirectoryError):
                 return [], []  # no directory yet (a NotADirectoryError: a file there; see open)
         folders, files = [], []
+        remote = "://" in str(self.directory)
         for name in names:
             if not _STEP_NAME.fullmatch(name):
                 continue
             path = self.directory / name
             if path.is_dir():
-                folders.append(int(name))
+                if not remote or (path / _COMMITTED).exists():
+                    folders.append(int(name))
             elif path.exists():
                 files.append(int(name))
         return sorted(folders), sorted(files)
