@@ -1,6 +1,13 @@
-"""2 processes x 4 devices against 1 process x 8 devices: the same CNN, the same losses.
+"""2 processes x 4 devices against 1 process x 8 devices: the same CNN, the same losses;
+and what `CheckpointManager.save` adds to each step at 2, 4 and 8 processes.
 
 Run: python bench/bench_multiprocess.py [--quick]
+
+The save rows: the tiny model's step (one CPU device a process), alone and followed
+by `save(step, state)` with no checkpoint due, in turns (bench/save_worker.py):
+what BackupAndRestore adds to every batch between its checkpoints. The ratio is
+the median over turns of (step + save) / step; "growth" is the saving turns' last
+quarter of steps against their first quarter (1.0: no growth with steps).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ if __package__ in (None, ""):
 from bench import common  # noqa: E402
 
 WORKER = Path(__file__).with_name("mp_worker.py")
+SAVE_WORKER = Path(__file__).with_name("save_worker.py")
 
 
 def _run(processes: int, devices: int, steps: int) -> dict:
@@ -33,6 +41,47 @@ def _run(processes: int, devices: int, steps: int) -> dict:
             env={"PYTHONPATH": str(ROOT)},
         )
         return json.loads(out.read_text())
+
+
+def _save_run(processes: int, steps: int) -> dict:
+    from spmd.testing import run_processes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [sys.executable, str(SAVE_WORKER), str(steps), str(Path(tmp) / "ckpt"), str(out)]
+        run_processes(
+            command, processes, devices_per_process=1, timeout=600, env={"PYTHONPATH": str(ROOT)}
+        )
+        return json.loads(out.read_text())
+
+
+def save_rows(quick: bool = False) -> list[dict]:
+    """Per-step cost of save() with no checkpoint due, at 2, 4 and 8 processes (2 with --quick)."""
+    rows = []
+    for processes in (2,) if quick else (2, 4, 8):
+        run = _save_run(processes, 40 if quick else 200)
+        ratio = statistics.median(s / p for s, p in zip(run["save"], run["plain"], strict=True))
+        growth = statistics.median(
+            last / first
+            for first, last in zip(run["first_quarter"], run["last_quarter"], strict=True)
+        )
+        added = statistics.median(s - p for s, p in zip(run["save"], run["plain"], strict=True))
+        rows.append(
+            {
+                "benchmark": "checkpoint save per step",
+                "case": f"tiny step + save(), no checkpoint due, {processes} processes (gloo)",
+                "time/step": common.fmt_time(
+                    {
+                        "median": statistics.median(run["save"]),
+                        "min": min(run["save"]),
+                        "max": max(run["save"]),
+                    }
+                ),
+                "ratio": f"{ratio:.3f}x",
+                "note": f"added {added * 1e3:.2f} ms/step; growth {growth:.2f}",
+            }
+        )
+    return rows
 
 
 def main(quick: bool = False) -> list[dict]:
@@ -62,6 +111,7 @@ def main(quick: bool = False) -> list[dict]:
             "ratio": common.ratio(t2, t1),
             "note": f"largest loss difference over {steps - 1} steps: {gap:.1e}",
         },
+        *save_rows(quick),
     ]
 
 

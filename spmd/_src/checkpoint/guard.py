@@ -9,6 +9,7 @@ collective.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -45,7 +46,10 @@ __all__ = [
 _LOCK_NAME = ".spmd-lock"
 _PROBE = ".spmd-probe-"
 _calls = itertools.count()  # this process's agreements, in order: the same on every process
-_POLL_S = 0.05
+# Each agreement's keys, under _KEYS<call>/: process 0 deletes those of call n once every
+# process has posted its value for call n + 1 (so has read call n's), keeping one call's.
+_KEYS = "spmd/_src/checkpoint/"
+_WAIT_S = 1.0  # the longest blocking read of a missing value (signals are handled between)
 
 
 class DirectoryLock:
@@ -274,10 +278,13 @@ def agree(
         found = {jax.process_index(): value}
     else:
         client = _client()
-        prefix = f"spmd/_src/checkpoint/{next(_calls)}/"
+        call = next(_calls)
+        prefix = f"{_KEYS}{call}/"
         deadline = time.monotonic() + timeout
         texts = _gather(client, f"{prefix}value/", json.dumps(value), what, deadline, timeout)
         found = {p: json.loads(v) for p, v in sorted(texts.items())}
+        if call and jax.process_index() == 0:  # every process posted this call's value, so
+            client.key_value_delete(f"{_KEYS}{call - 1}")  # it is done reading the previous
     error = check(found) if check else None
     if error is not None:
         if jax.process_count() > 1:  # all have read before any raises (and maybe exits,
@@ -291,15 +298,17 @@ def _gather(client: Any, prefix: str, value: str, what: str, deadline: float, ti
     """Sets this process's key under `prefix`, then waits for every process's."""
     me, count = jax.process_index(), jax.process_count()
     client.key_value_set(f"{prefix}{me}", value)
-    pause = 0.0005
-    while True:
+    while True:  # one listing, then a blocking read of a missing value, then the listing again
         found = {int(k.rsplit("/", 1)[1]): v for k, v in client.key_value_dir_get(prefix)}
-        if len(found) == count:
+        missing = sorted(set(range(count)) - set(found))
+        if not missing:
             return found
-        if time.monotonic() > deadline:
-            raise _absent(what, sorted(set(range(count)) - set(found)), sorted(found), timeout)
-        time.sleep(pause)
-        pause = min(2 * pause, _POLL_S)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _absent(what, missing, sorted(found), timeout)
+        with contextlib.suppress(Exception):  # the client raises at its timeout: list again
+            wait_ms = max(1, int(min(left, _WAIT_S) * 1000))
+            client.blocking_key_value_get(f"{prefix}{missing[0]}", wait_ms)
 
 
 def _client() -> Any:

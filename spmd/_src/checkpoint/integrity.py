@@ -45,6 +45,7 @@ __all__ = [
     "Pending",
     "PendingRecord",
     "RecordHandler",
+    "Removed",
     "checksums",
     "commit_time",
     "compile_count",
@@ -56,6 +57,7 @@ __all__ = [
     "prepare",
     "read_error",
     "read_failed",
+    "removed",
     "seal",
     "verify",
     "verify_position",
@@ -83,6 +85,26 @@ _BATCH_BYTES = 32 * 2**20  # most bytes of one call's blocks on a device: the ca
 
 class Damaged(CheckpointError):
     """A step whose files are unreadable or whose arrays fail their checksums."""
+
+
+class Removed(Damaged):
+    """A step a reader listed whole, which its writer removed (max_to_keep) while it was read.
+
+    A `Damaged`: whatever skips damaged steps (restore_newest, SidecarEvaluator) skips it.
+    """
+
+
+def removed(step: int, where: str, what: str, errors: dict[int, str]) -> Removed:
+    """The error for a read of `step` that failed because the step's folder went away."""
+    return Removed(
+        message(
+            f"Checkpoint step {step} stays in place while it is read ({what}).",
+            received(step=step, checkpoint=where, exists=False, errors_by_process=errors),
+            "the training job's max_to_keep removed it while this reader read it: read a "
+            "later step (latest_step()), or keep more steps (a larger max_to_keep) so that "
+            "a reader has time to read each one.",
+        )
+    )
 
 
 def _bits_np(x: np.ndarray) -> np.ndarray:

@@ -15,11 +15,12 @@ from etils import epath
 from spmd._src.checkpoint import final, guard, integrity, quiet
 from spmd._src.checkpoint import tree as ct
 from spmd._src.checkpoint.integrity import Damaged
+from spmd._src.checkpoint.notices import NoticeBoard
 from spmd._src.checkpoint.position import as_json as _json
 from spmd._src.checkpoint.position import position_of as _position
 from spmd._src.checkpoint.position import restore_position as _set_position
 from spmd._src.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
-from spmd._src.checkpoint.store import forget_listings, make_store
+from spmd._src.checkpoint.store import SharedStore, forget_listings, make_store
 from spmd._src.clusters.initialize import check_initialized_under_launcher
 from spmd._src.errors import CheckpointError, ConfigurationError, message, received
 from spmd._src.strategy.base import get_strategy
@@ -70,16 +71,18 @@ class CheckpointManager:
         processes, agree on notices every this many steps.
       coordination_timeout: with several processes, how many seconds the
         processes wait for each other when they agree on the directory (at
-        construction) and on the step (each save): a process that never
-        comes, or brings another directory or step, is a `CheckpointError`
-        after at most this long, never a hang.
+        construction), on the step (each save that writes a checkpoint) and
+        on preemption notices (every `preemption_check_steps`): a process that
+        never comes, or brings another directory or step, is a
+        `CheckpointError` after at most this long, never a hang.
       read_only: a reader of a directory another job (or manager) writes,
         e.g. an evaluator's: it takes no lock (any number of readers beside
         the one writer), never creates, writes or deletes anything (not
         even a writer's unfinished saves), and lists the directory anew at
         each `all_steps`, `latest_step` and `restore`, so it sees steps as
         the writer commits them; never one being written, nor a damaged
-        one. Works on a read-only filesystem. `save` and `mark_final` are
+        one; a step the writer's `max_to_keep` removes meanwhile is skipped
+        with a log line. Works on a read-only filesystem. `save` and `mark_final` are
         errors; the saving arguments are ignored.
 
     Raises:
@@ -125,6 +128,7 @@ class CheckpointManager:
         )
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
+        self._board = NoticeBoard(self._timeout)  # the preemption notices, where not agreed
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
         self._maybe_final = False  # this writer marked a final step (a later save clears it)
         self._session = final.new_session()  # names this writer in the markers it writes
@@ -255,15 +259,10 @@ class CheckpointManager:
             failed (the message names its step).
         """
         self._check_writer("save")
-        votes = guard.agree(
-            f"save(step={step})",
-            {"step": step, "notice": self._watcher.noticed()},
-            self._timeout,
-            guard.same_step,
-        )
-        preempted = self._watcher.reached(step, notices=[v["notice"] for v in votes.values()])
+        due = force or step % self._interval == 0
+        preempted = self._watcher.reached(step, notices=self._notices(step, due))
         saved = False
-        if force or preempted or step % self._interval == 0:
+        if due or preempted:
             saved = self._save(step, state, data, metadata)
         elif not self._prepared:  # compile the checksums' programs before the first write
             integrity.prepare(ct.to_saveable(_leaves(state))[0])
@@ -271,6 +270,26 @@ class CheckpointManager:
         if preempted:
             self._stop(step)
         return saved
+
+    def _notices(self, step: int, due: bool) -> list[bool]:
+        """Every process's preemption notice at `step`, exchanged only where they could differ.
+
+        A step due for a save (every process computes the same `due` from the
+        same step) is agreed on in full: the step numbers are compared, and the
+        notices ride along. Another step needs an exchange only where the
+        processes look for notices ("signal" mode, every preemption_check_steps):
+        a barrier, no key kept (see notices.py). Elsewhere nothing is exchanged.
+        """
+        noticed = self._watcher.noticed()
+        if jax.process_count() == 1:
+            return [noticed]
+        if due:
+            vote = {"step": step, "notice": noticed}
+            votes = guard.agree(f"save(step={step})", vote, self._timeout, guard.same_step)
+            return [v["notice"] for v in votes.values()]
+        if self._watcher.mode == "signal" and step % self._watcher.check_every == 0:
+            return self._board.exchange(step, noticed)
+        return []
 
     def _save(self, step: int, state: Any, data: Any, metadata: Any) -> bool:
         folders = self._store.step_folders()
@@ -529,8 +548,21 @@ class CheckpointManager:
         failed = {p: r for p, r in reports.items() if r is not None}
         if failed:
             where = str(self._store.step_dir(step))
+            if self.read_only and all(r["damage"] for r in failed.values()) and self._gone(step):
+                errors = {p: r["error"] for p, r in failed.items()}
+                raise integrity.removed(step, where, what, errors) from error
             raise integrity.read_failed(step, where, what, failed, error) from error
         return result
+
+    def _gone(self, step: int) -> bool:
+        """Whether step `step`'s folder is gone (a reader's: the writer removed it); only
+        a shared folder can tell (with shared_filesystem=False it is process 0's)."""
+        if not isinstance(self._store, SharedStore):
+            return False
+        try:
+            return not self._store.step_dir(step).exists()
+        except OSError:
+            return False
 
     def _record(self, step: int) -> dict:
         """The step's metadata record, verified (format and checksum)."""
@@ -574,6 +606,7 @@ class CheckpointManager:
                 self._release_hold()  # before the lock: no other writer comes between
             self._lock.release()
             self._watcher.close()
+            self._board.close()
 
     def _finish(self, wait: Callable[[], None]) -> None:
         try:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
-import time
+import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +18,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Sharding
 
-from spmd._src.checkpoint import guard
+from spmd._src.checkpoint import guard, turns
 from spmd._src.checkpoint import tree as ct
 from spmd._src.checkpoint.integrity import Damaged, RecordHandler, damage
 from spmd._src.errors import CheckpointError
@@ -27,6 +29,14 @@ _SAVE = {"state": ocp.args.PyTreeSave, "data": ocp.args.JsonSave, "metadata": oc
 _RESTORE = {"state": ocp.args.PyTreeRestore, "data": ocp.args.JsonRestore}
 _RESTORE["metadata"] = ocp.args.JsonRestore
 _UNFINISHED = ".orbax-checkpoint-tmp"  # how Orbax names a step folder still being written
+_COMMITTED = "commit_success.txt"  # how Orbax commits a step on an object store (no rename)
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # how Orbax names a step folder (its default format)
+# Where max_to_keep moves a step before spmd deletes it (local and mounted folders): a reader
+# sees a step whole or not at all, never half deleted (which would read as damaged).
+_REMOVED = ".spmd-removed"
+_A_FILE = "a file, not a step folder, has the step's name"
+_REMOVED_WHILE_LISTED = "removed by the writer (max_to_keep) while it was listed: skipped"
+_log = logging.getLogger("spmd.checkpoint")
 
 
 class SharedStore:
@@ -48,13 +58,19 @@ class SharedStore:
     ):
         multiprocessing = multiprocessing or ocp.options.MultiprocessingOptions()
         chief_only = multiprocessing.active_processes is not None
+        role = "read" if read_only else "chief" if chief_only else "write"
+        prefix = turns.barrier_prefix(directory, role)  # two managers' barriers never meet
+        multiprocessing = dataclasses.replace(multiprocessing, barrier_sync_key_prefix=prefix)
         self.read_only = read_only
+        self._async = async_save and not read_only
+        self._failure: Exception | None = None  # a save in flight that failed, while settled
         self._intact: set[int] = set()  # a reader's steps found whole: committed, they stay so
         if chief_only and not read_only:  # Orbax creates the root only when all processes write
             directory.mkdir(parents=True, exist_ok=True)
         if read_only:  # no folder made, no save, no deletion, no cleanup of a writer's tmp folders
             options = ocp.CheckpointManagerOptions(
                 read_only=True,
+                lightweight_initialize=True,  # no step's file read: the writer may remove it
                 create=False,
                 cleanup_tmp_directories=False,
                 save_interval_steps=0,
@@ -70,6 +86,7 @@ class SharedStore:
                 cleanup_tmp_directories=True,
                 create=not chief_only,
                 multiprocessing_options=multiprocessing,
+                todelete_subdir=None if "://" in str(directory) else _REMOVED,
             )
         with _listing(directory):
             self.manager = ocp.CheckpointManager(
@@ -88,23 +105,39 @@ class SharedStore:
 
     def all_steps(self) -> list[int]:
         """The committed, intact steps, oldest first (see `damaged_steps`)."""
-        folders = self.step_folders()
-        damaged = self._damaged(folders)
-        return [s for s in folders if s not in damaged]
+        return self._looked_at(self.step_folders())[0]
 
     def damaged_steps(self) -> dict[int, str]:
-        """step -> why its folder is not a complete checkpoint, for the step folders that are not."""
-        return self._damaged(self.step_folders())
+        """step -> why its folder is not a complete checkpoint, for the step folders that are
+        not, and for files that have a step folder's name."""
+        found = self._looked_at(self.step_folders())[1]
+        for step in self._step_files():
+            found[step] = _A_FILE
+        return dict(sorted(found.items()))
 
-    def _damaged(self, steps: list[int]) -> dict[int, str]:
-        """Why each of `steps` is not a complete step folder (those that are not). A reader
-        looks at each folder until it is found whole, not at every listing: a committed step
-        changes no more (a deleted one leaves the listing)."""
+    def _looked_at(self, steps: list[int]) -> tuple[list[int], dict[int, str]]:
+        """(the intact steps of `steps`, step -> why for the others).
+
+        A reader looks at each folder until it is found whole, not at every
+        listing: a committed step changes no more (a deleted one leaves the
+        listing). A folder the writer removed since it was listed (max_to_keep)
+        is in neither, with a log line: it is not damaged.
+        """
         fresh = [s for s in steps if s not in self._intact]
         found = {s: damage(self.step_dir(s), s) for s in fresh}
+        gone = set()
         if self.read_only:
-            self._intact = {s for s in steps if s in self._intact or found[s] is None}
-        return {s: why for s, why in sorted(found.items()) if why is not None}
+            gone = {s for s, why in found.items() if why is not None and self._removed(s)}
+            self._intact = {s for s in steps if s in self._intact or found.get(s, "") is None}
+        damaged = {s: why for s, why in found.items() if why is not None and s not in gone}
+        return [s for s in steps if s not in damaged and s not in gone], damaged
+
+    def _removed(self, step: int) -> bool:
+        """Whether step `step`'s folder is gone (a reader's listing; logged when it is)."""
+        if self.step_dir(step).exists():
+            return False
+        _log.info("checkpoint step %d in %s: %s", step, self.directory, _REMOVED_WHILE_LISTED)
+        return True
 
     def step_dir(self, step: int) -> epath.Path:
         """The folder of step `step` (Orbax's default names: the step number)."""
@@ -117,21 +150,48 @@ class SharedStore:
         process writes (and deletes) its steps.
         """
         if self.read_only:
-            self._reload()
+            return self._listed()[0]
         return sorted(self.manager.all_steps())
 
-    def _reload(self) -> None:
-        """Orbax's listing, retried while a folder it listed vanishes before it is read
-        (the writer's max_to_keep deleting a step during the listing)."""
+    def _listed(self) -> tuple[list[int], list[int]]:
+        """(step folders, files with a step's name) in the directory now, by name alone.
+
+        A reader's listing: no file of a step is read (Orbax's listing reads each
+        step's metadata, and a step the writer's max_to_keep removes meanwhile
+        made it fail), so a step removed during it is simply not listed. On an
+        object store a step is listed once its commit marker is there.
+        """
         forget_listings(self.directory)
         with _listing(self.directory):
-            for pause in (0.01, 0.05, 0.2, 1.0):
-                try:
-                    self.manager.reload()
-                    return
-                except FileNotFoundError:
-                    time.sleep(pause)
-            self.manager.reload()
+            try:
+                names = [p.name for p in self.directory.iterdir()]
+            except (FileNotFoundError, NotADirectoryError):
+                return [], []  # no directory yet (a NotADirectoryError: a file there; see open)
+        folders, files = [], []
+        remote = "://" in str(self.directory)
+        for name in names:
+            if not _STEP_NAME.fullmatch(name):
+                continue
+            path = self.directory / name
+            if path.is_dir():
+                if not remote or (path / _COMMITTED).exists():
+                    folders.append(int(name))
+            elif path.exists():
+                files.append(int(name))
+        return sorted(folders), sorted(files)
+
+    def _step_files(self) -> list[int]:
+        """Steps whose name a file (not a folder) has in the directory."""
+        if self.read_only:
+            return self._listed()[1]
+        folders = set(self.step_folders())
+        with contextlib.suppress(OSError):
+            return sorted(
+                int(p.name)
+                for p in self.directory.iterdir()
+                if _STEP_NAME.fullmatch(p.name) and int(p.name) not in folders and not p.is_dir()
+            )
+        return []
 
     def set_aside(self, steps: list[int]) -> None:
         """Renames the folders of `steps` to `<step>.damaged` (process 0; call `reload` after)."""
@@ -169,8 +229,39 @@ class SharedStore:
             data=ocp.args.JsonSave({"position": data}),
             metadata=ocp.args.JsonSave(meta),
         )
+        turns.take_turn(self)
+        self._raise_failure()
+        self._delete_removed()
+        if self._async:
+            turns.in_flight(self)
         self.manager.save(step, args=args, force=True)
         return True
+
+    def _delete_removed(self, all_of_it: bool = False) -> None:
+        """Deletes the steps max_to_keep moved aside (process 0, which moved them). Best
+        effort: one the finalizing save is moving now goes at the next call."""
+        aside = self.directory / _REMOVED
+        if jax.process_index() != 0 or self.read_only or not aside.exists():
+            return
+        with contextlib.suppress(OSError):
+            for folder in list(aside.iterdir()):
+                folder.rmtree()
+            if all_of_it:
+                aside.rmdir()
+
+    def settle(self) -> None:
+        """Waits for this store's saves in flight (another store's turn); a failure is kept
+        and raised by this store's next `save`, `wait` or `close`."""
+        turns.settled(self)
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._failure = self._failure or e
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     def saved_tree(self, step: int) -> dict[str, tuple]:
         """path -> (shape, dtype) of the arrays saved at `step`."""
@@ -200,12 +291,17 @@ class SharedStore:
 
     def wait(self) -> None:
         """Blocks until saves in flight are committed."""
+        turns.settled(self)
+        self._raise_failure()
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         """Waits, then stops Orbax's threads."""
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            self._delete_removed(all_of_it=True)
 
 
 class ChiefStore:
@@ -230,9 +326,7 @@ class ChiefStore:
         self._directory = directory
         self._inner: SharedStore | None = None
         if self.is_chief:
-            only_me = ocp.options.MultiprocessingOptions(
-                primary_host=0, active_processes={0}, barrier_sync_key_prefix="spmd_chief"
-            )
+            only_me = ocp.options.MultiprocessingOptions(primary_host=0, active_processes={0})
             self._inner = SharedStore(
                 directory, max_to_keep, interval, async_save, only_me, read_only
             )

@@ -131,9 +131,10 @@ def _check_same(paths: list[str], values: list[np.ndarray | _HostKey]) -> None:
     if client is None:
         return
     prints = [fingerprint(v.data if isinstance(v, _HostKey) else v) for v in values]
-    agreement = _SameValues(client, AGREE_TIMEOUT_S, f"spmd/place/{next(_PLACEMENTS)}", paths)
+    # One prefix, an index per placement: process 0 deletes each placement's keys at the next.
+    agreement = _SameValues(client, AGREE_TIMEOUT_S, "spmd/place", paths)
     try:
-        agreement.agree(0, {"fingerprints": prints})
+        agreement.agree(next(_PLACEMENTS), {"fingerprints": prints})
     except BatchError as error:
         raise ConfigurationError(str(error)) from None
 

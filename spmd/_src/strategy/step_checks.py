@@ -295,9 +295,11 @@ def agree_on_batch(
     if client is None:
         return None
     batch = describe_call(fn, data, kwargs, static, names)
-    prefix = f"spmd/step/{next(_AGREEMENTS)}"
     record = {"batch": batch} if values is None else {"batch": batch, "values": values}
-    _BatchSignatures(client, prefix, batch, previous, hang_watch.STEPS[0], caller).agree(0, record)
+    # One prefix, an index per agreement: process 0 deletes each one's keys at the next.
+    _BatchSignatures(client, "spmd/step", batch, previous, hang_watch.STEPS[0], caller).agree(
+        next(_AGREEMENTS), record
+    )
     return batch
 
 
@@ -311,8 +313,8 @@ def agree_on_values(values: dict[str, str], caller: str = STEP) -> None:
     """
     client = coordination_client()
     if client is not None:
-        prefix = f"spmd/values/{next(_VALUE_CHECKS)}"
-        _BatchValues(client, prefix, caller).agree(0, {"values": values})
+        # As agree_on_batch: one prefix, process 0 deleting each comparison's keys at the next.
+        _BatchValues(client, "spmd/values", caller).agree(next(_VALUE_CHECKS), {"values": values})
 
 
 def host_prints(data: tuple, names: list[str]) -> dict[str, str]:

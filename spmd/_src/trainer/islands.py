@@ -6,10 +6,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spmd._src.errors import BatchError, ConfigurationError, message, received
 from spmd._src.strategy.diloco import DiLoCo
 from spmd._src.strategy.islands import DiLoCoState
+from spmd._src.strategy.step_layout import put_leaf
 
 __all__ = ["check_batch_size", "check_options", "entry", "reset", "single", "synchronous"]
 
@@ -122,5 +124,7 @@ def _first_nan(steps: jax.Array, causes: jax.Array) -> dict:
 
 def _like(values: Any, placed: Any) -> Any:
     """`values` placed as the arrays `placed` are (a reset of part of the train state,
-    without resolving the strategy's rules again)."""
-    return jax.device_put(values, jax.tree.map(lambda a: a.sharding, placed))
+    without resolving the strategy's rules again). The values go through the host: a
+    device_put of one device's array to a sharding over several processes makes an array
+    whose shards are not its devices' (Orbax cannot save it)."""
+    return jax.tree.map(lambda v, a: put_leaf(np.asarray(v), a.sharding), values, placed)
