@@ -13,9 +13,11 @@ from spmd._src.errors import BatchError, message, received
 from spmd._src.rules import path_str
 from spmd._src.trainer.data import (
     BatchSpecs,
+    check_batched,
     check_label_range,
     check_microbatches,
     check_rows,
+    check_sample_weight,
 )
 from spmd._src.trainer.losses import check_fit, check_labels, check_outputs
 
@@ -171,8 +173,10 @@ def _variables(tree: Any) -> dict[str, nnx.Variable]:
 
 
 def _check_form(trainer: Trainer, batch: tuple, what: str, placed: bool) -> None:
-    """The checks of a batch's form (rows, microbatches)."""
+    """The checks of a batch's form (a batch, rows, sample weights, microbatches)."""
+    check_batched(batch, what)
     check_rows(batch, what)
+    check_sample_weight(batch, what)
     if what == "fit" and placed:
         replicas = trainer.strategy.num_replicas_in_sync
         check_microbatches(batch, trainer.grad_accum_steps, replicas)
