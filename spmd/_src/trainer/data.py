@@ -114,6 +114,7 @@ def as_dataset(
     """
 
     check_tuple(data, what)
+    check_lists(data, what)
     check_batch_size(data, batch_size, what)
     if isinstance(data, DistributedDataset):
         check_distributed(data, pad=pad, what=what)
@@ -135,7 +136,6 @@ def as_dataset(
             arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=not (pad or keep_partial)
         )
         return strategy.distribute_dataset(ds, InputOptions(**uneven))
-    check_lists(data, what)
     if is_tf_dataset(data):
         check_tf_elements(data, what)
     if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
@@ -177,6 +177,8 @@ def check_batch_size(data: Any, batch_size: Any, what: str) -> None:
                 f"pass trainer.{call}; sample weights go in the tuple: (x, y, sample_weight).",
             )
         )
+    if isinstance(data, dict | str | bytes):  # not data as_dataset reads: it says so
+        return
     if not is_arrays(data) and not (what == "predict" and _is_inputs(data)):
         raise ConfigurationError(
             message(
