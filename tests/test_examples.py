@@ -22,6 +22,7 @@ FAST_ARGS = {
     "08_flax_mnist_tutorial.py": ["--steps", "20"],
     "10_diloco.py": ["--steps", "150"],
     "11_sidecar_evaluator.py": ["--epochs", "2"],
+    "12_keras_tf_data_tutorial.py": ["--epochs", "2"],
 }
 # Examples that start several processes themselves.
 MULTIPROCESS = {"03_multi_worker_tf_config.py", "11_sidecar_evaluator.py"}
@@ -70,6 +71,15 @@ def test_quickstart_on_other_strategies(strategy):
 def test_quickstart_under_launch():
     out = _launch(2, "quickstart.py", "--strategy", "multi_worker_mirrored", "--steps", "5")
     assert "[0] MultiWorkerMirroredStrategy(mesh=(host=2, replica=2)" in out
+
+
+@pytest.mark.multiprocess
+def test_keras_tf_data_tutorial_under_launch():
+    """Each process reads its task index from the TF_CONFIG spmd launch wrote; the tf.data
+    pipeline's partial batches, sample and class weights over 2 processes as on one device."""
+    out = _launch(2, "12_keras_tf_data_tutorial.py", "--devices", "2", "--epochs", "1", timeout=400)
+    assert "[1] task {'type': 'worker', 'index': 1}" in out
+    assert "[0] largest difference from one device" in out
 
 
 @pytest.mark.multiprocess

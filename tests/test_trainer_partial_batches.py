@@ -183,3 +183,19 @@ def test_a_sample_weight_column_of_shape_batch_by_one_weighs_as_a_vector():
     trainer = _trainer()
     trainer.fit([(x, y, w[:, None])], verbose=0)
     assert_same_params(trainer, oracle([(x, y, w)]))
+
+
+@pytest.mark.slow  # 4 s of CPU
+def test_steps_per_execution_runs_a_short_batch_among_whole_ones_as_one_device_does():
+    x, y = labelled(EXAMPLES + 16)
+    batches = _cut(x, y, [16, 8, 16, 16])  # K=2: (16, 8) mixes a padded batch with a whole one
+    trainer = spmd.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.sgd(LR),
+        "sparse_categorical_crossentropy",
+        strategy=spmd.MirroredStrategy(),
+        steps_per_execution=2,
+    )
+    trainer.fit(batches, verbose=0)
+    assert trainer.iterations == 4
+    assert_same_params(trainer, oracle(batches))

@@ -641,7 +641,7 @@ class Trainer:
 
     def _run_group(self, hooks: CallbackList, group: list[tuple], ran: int) -> int:
         hooks.on_train_batch_begin(ran, {})
-        if len(group) == self.steps_per_execution > 1:
+        if len(group) == self.steps_per_execution > 1 and _one_form(group):
             stacked = stack(self.strategy, group)
             self.state = self._step("many")(self.state, *stacked)
         else:
@@ -819,6 +819,12 @@ def _evaluated(totals: Any, dataset: Any, what: str) -> dict[str, float]:
             )
         )
     return averages(totals)
+
+
+def _one_form(group: list[tuple]) -> bool:
+    """Whether a group's batches stack into one: each with a mask and sample weights, or
+    each without (a padded batch among whole ones, from an iterable, runs by itself)."""
+    return all(len({batch[i] is None for batch in group}) == 1 for i in range(len(group[0])))
 
 
 def _is_key(leaf: Any) -> bool:
