@@ -77,7 +77,7 @@ def test_quickstart_under_launch():
 def test_keras_tf_data_tutorial_under_launch():
     """Each process reads its task index from the TF_CONFIG spmd launch wrote; the tf.data
     pipeline's partial batches, sample and class weights over 2 processes as on one device."""
-    out = _launch(2, "12_keras_tf_data_tutorial.py", "--devices", "2", "--epochs", "1", timeout=400)
+    out = _launch(2, "12_keras_tf_data_tutorial.py", "--devices", "2", "--epochs", "2", timeout=400)
     assert "[1] task {'type': 'worker', 'index': 1}" in out
     assert "[0] largest difference from one device" in out
 

@@ -285,11 +285,13 @@ class Trainer:
 
     def host_state(self) -> Any:
         """The whole train state as numpy arrays, gathered from every process (typed PRNG
-        keys, e.g. a Dropout's, as key arrays over their gathered key data)."""
+        keys, e.g. a Dropout's, as key arrays over their gathered key data); a state this
+        process holds whole (a strategy over its own devices) is read as it is."""
         from jax.experimental import multihost_utils
 
-        if jax.process_count() == 1:
-            return jax.device_get(self.state)
+        leaves = jax.tree.leaves(self.state)
+        if jax.process_count() == 1 or all(_addressable(a) for a in leaves):
+            return jax.device_get(self.state)  # this process's strategy: nothing to gather
         data = jax.tree.map(lambda a: jax.random.key_data(a) if _is_key(a) else a, self.state)
         gathered = multihost_utils.process_allgather(data, tiled=True)
         return jax.tree.map(
@@ -825,6 +827,12 @@ def _one_form(group: list[tuple]) -> bool:
     """Whether a group's batches stack into one: each with a mask and sample weights, or
     each without (a padded batch among whole ones, from an iterable, runs by itself)."""
     return all(len({batch[i] is None for batch in group}) == 1 for i in range(len(group[0])))
+
+
+def _addressable(leaf: Any) -> bool:
+    """Whether this process holds the whole leaf (a process-local strategy's state, e.g.
+    OneDeviceStrategy's under several processes), which gathering would repeat per process."""
+    return not isinstance(leaf, jax.Array) or leaf.is_fully_addressable
 
 
 def _is_key(leaf: Any) -> bool:
