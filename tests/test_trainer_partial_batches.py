@@ -121,8 +121,10 @@ def test_pad_if_partial_pads_a_smaller_batch_anywhere_and_masks_only_it(sizes):
 def test_a_batch_larger_than_the_first_is_still_an_error_under_pad_if_partial():
     batches = [(np.ones((8, 1), np.float32),), (np.ones((16, 1), np.float32),)]
     options = spmd.InputOptions(remainder="pad_if_partial")
-    with pytest.raises(spmd.BatchError, match="batch_size=16, first_batch_size=8"):
+    with pytest.raises(spmd.BatchError, match="batch_size=16, first_batch_size=8") as error:
         list(spmd.MirroredStrategy().distribute_dataset(batches, options))
+    assert "at most as large as the first" in str(error.value)
+    assert "put a largest batch first" in str(error.value)
 
 
 @pytest.mark.slow  # 3 s of CPU

@@ -284,6 +284,8 @@ def _sized(
         if size == expected:
             yield index, leaves, treedef, expected, size
             continue
+        if size > expected and remainder == "pad_if_partial":
+            raise BatchError(_larger_message(index, size, expected))
         if size > expected or size == 0 or not (is_last or remainder == "pad_if_partial"):
             raise BatchError(
                 message(
@@ -299,6 +301,17 @@ def _sized(
         if remainder == "drop":
             return
         yield index, leaves, treedef, expected, size
+
+
+def _larger_message(index: int, size: int, expected: int) -> str:
+    """Why a batch larger than the first is refused where smaller ones are padded."""
+    return message(
+        "Every batch is at most as large as the first: the first fixes the shape the step "
+        "is compiled for, and a smaller one is padded to it (remainder='pad_if_partial').",
+        received(batch_index=index, batch_size=size, first_batch_size=expected),
+        "batch the data with one batch size, so that only a pass's last batch is smaller "
+        "(tf.data's .batch(n) does), or put a largest batch first.",
+    )
 
 
 def _checked_size(leaves: list[np.ndarray], treedef: Any, index: int) -> int:

@@ -191,7 +191,8 @@ def _padded_state(trainer: Trainer, batch: tuple, written: list[str]) -> str:
         "parameters (and RNG state): the mask keeps the padding out of the loss and the "
         "gradients, but the padded rows would enter the variables the forward pass writes "
         "(BatchNorm statistics, a running mean, a counter of rows). Batches are "
-        "padded where the last batch is partial (remainder='pad'), or where the global batch "
+        "padded where a batch is smaller than the others (an iterable's or tf.data's "
+        "partial batch, remainder='pad' or 'pad_if_partial'), or where the global batch "
         "does not split evenly over the replicas (x grad_accum_steps).",
         received(
             written_variables=written,
@@ -199,7 +200,8 @@ def _padded_state(trainer: Trainer, batch: tuple, written: list[str]) -> str:
             num_replicas_in_sync=trainer.strategy.num_replicas_in_sync,
             grad_accum_steps=trainer.grad_accum_steps,
         ),
-        "train on a dataset that drops the last partial batch (drop_remainder=True, or "
+        "train on a dataset that drops the last partial batch (tf.data's .batch(n, "
+        "drop_remainder=True), drop_remainder=True, or "
         'InputOptions(remainder="drop"); fit on arrays drops it for such a model), with a global batch size '
         "that splits over the replicas x grad_accum_steps at every process count the job runs "
         "at (e.g. 12 for 6, 4 and 2 replicas), or over a strategy whose replica count divides "

@@ -122,6 +122,16 @@ def _weighted(batch: Any, table: np.ndarray, what: str) -> Any:
     return (x, y, weights)
 
 
+def _tf_range_message(classes: int) -> str:
+    """The message of tf.data's check of the labels (TF prints the labels after it)."""
+    return message(
+        f"Every label fit weighs by class_weight is a class id it names (ids 0..{classes - 1}; "
+        "ids it leaves out weigh 1.0).",
+        "Received: the labels below",
+        "name every class in class_weight, or map the labels into its range.",
+    )
+
+
 def _tf_weighted(dataset: Any, table: np.ndarray) -> Any:
     """A tf.data dataset with the class weights mapped in, in tf.data's own graph."""
     import tensorflow as tf
@@ -131,9 +141,7 @@ def _tf_weighted(dataset: Any, table: np.ndarray) -> Any:
     def weigh(x, y, *w):
         ids = tf.argmax(y, -1) if y.shape.rank == 2 and y.shape[1] != 1 else tf.reshape(y, [-1])
         ids = tf.cast(ids, tf.int32)
-        tf.debugging.assert_less(
-            ids, len(table), message="a label above every class id class_weight names"
-        )
+        tf.debugging.assert_less(ids, len(table), message=_tf_range_message(len(table)))
         weights = tf.gather(constant, ids)
         if w:
             weights = tf.cast(tf.reshape(w[0], [-1]), tf.float32) * weights
