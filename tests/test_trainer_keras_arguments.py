@@ -41,6 +41,14 @@ def test_batch_size_beside_batched_data_is_an_error_naming_both(data):
     _teaches(error, "batch_size=16", "data=", "drop batch_size=")
 
 
+def test_validation_batch_size_beside_a_validation_dataset_is_an_error_naming_it():
+    with pytest.raises(spmd.ConfigurationError) as error:
+        _trainer().fit(
+            (X, Y), batch_size=16, validation_data=_ds().batch(16), validation_batch_size=8
+        )
+    _teaches(error, "validation_batch_size=8", "validation_data='_BatchDataset'")
+
+
 def test_keras_fit_x_y_positional_is_an_error_saying_to_pass_one_tuple():
     with pytest.raises(spmd.ConfigurationError) as error:
         _trainer().fit(X, Y)

@@ -155,6 +155,9 @@ def as_dataset(
     )
 
 
+_DATA_NAMES = {"predict": "x", "validation_data": "validation_data"}  # the data's argument
+
+
 def check_batch_size(data: Any, batch_size: Any, what: str) -> None:
     """Raises for a `batch_size` Keras would refuse: beside batched data, or not an int.
 
@@ -180,12 +183,13 @@ def check_batch_size(data: Any, batch_size: Any, what: str) -> None:
     if isinstance(data, dict | str | bytes):  # not data as_dataset reads: it says so
         return
     if not is_arrays(data) and not (what == "predict" and _is_inputs(data)):
+        name = "validation_batch_size" if what == "validation_data" else "batch_size"
         raise ConfigurationError(
             message(
-                f"{what} takes batch_size only with arrays: a dataset or an iterable yields "
-                "batches already (Keras raises for batch_size with a dataset too).",
-                received(batch_size=batch_size, data=_kind(data)),
-                "drop batch_size= (each batch the data yields is a global batch), or rebatch "
+                f"{what} takes {name} only with arrays: a dataset or an iterable yields "
+                f"batches already (Keras raises for {name} with a dataset too).",
+                received(**{name: batch_size, _DATA_NAMES.get(what, "data"): _kind(data)}),
+                f"drop {name}= (each batch the data yields is a global batch), or rebatch "
                 "the data: a tf.data dataset by ds.unbatch().batch(n), or pass the arrays "
                 "(x, y) with batch_size.",
             )
