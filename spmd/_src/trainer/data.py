@@ -97,7 +97,8 @@ def as_dataset(
     smaller than its first (a generator's last, the end of each pass of a
     tf.data `.batch(n).repeat()`) is padded to the first's shape and masked
     (`remainder="pad_if_partial"`): one compiled shape, the loss a mean over
-    its real rows.
+    its real rows; for predict only the last batch may be smaller
+    (`remainder="pad"`, every batch masked).
     A global batch the replicas (times `microbatches`) do not split evenly is
     padded at its end with masked rows (`uneven_batch="pad_if_uneven"`): the
     steps weigh only the real rows, so the global batch, and the training,
@@ -140,8 +141,10 @@ def as_dataset(
         check_tf_elements(data, what)
     if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
         # Keras trains (and evaluates) on a smaller batch wherever the data yields one: it
-        # is padded to the compiled batch shape, its padding masked.
-        options = InputOptions(remainder="pad_if_partial", **uneven)
+        # is padded to the compiled batch shape, its padding masked. predict pads its last
+        # batch and masks every batch, so a list batch stays one element: several inputs.
+        remainder = "pad" if what == "predict" else "pad_if_partial"
+        options = InputOptions(remainder=remainder, **uneven)
         return strategy.distribute_dataset(data, options)
     raise ConfigurationError(
         message(
@@ -182,7 +185,8 @@ def check_batch_size(data: Any, batch_size: Any, what: str) -> None:
         )
     if isinstance(data, dict | str | bytes):  # not data as_dataset reads: it says so
         return
-    if not is_arrays(data) and not (what == "predict" and _is_inputs(data)):
+    inputs = isinstance(data, tuple) and len(data) == 1 and _is_inputs(data[0])  # predict's
+    if not is_arrays(data) and not inputs:
         name = "validation_batch_size" if what == "validation_data" else "batch_size"
         raise ConfigurationError(
             message(
