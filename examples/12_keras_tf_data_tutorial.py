@@ -4,8 +4,8 @@ The tutorial maps a `scale` function over an unbatched dataset, shuffles it,
 batches it by the global batch size and calls `model.fit(x=train_datasets,
 epochs=3, callbacks=[ModelCheckpoint(filepath=...)])` under a strategy, each
 worker reading its task index from TF_CONFIG. Here, as a Keras user would grow it:
-the examples do not fill the last batch of an epoch (1000 rows in batches of 64:
-15 whole, then 40), the data carries sample weights, and fit weighs classes
+the examples do not fill the last batch of an epoch (600 rows in batches of 64:
+9 whole, then 24), the data carries sample weights, and fit weighs classes
 (`class_weight`). Every number is checked against the same Trainer on one device.
 
 Run: python examples/12_keras_tf_data_tutorial.py [--devices 8] [--epochs 2]
@@ -35,7 +35,7 @@ import tensorflow as tf  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-EXAMPLES, GLOBAL_BATCH_SIZE, SIZE, BUFFER_SIZE = 1000, 64, 12, 10000
+EXAMPLES, GLOBAL_BATCH_SIZE, SIZE, BUFFER_SIZE = 600, 64, 12, 10000
 
 # As the tutorial reads it: TF_CONFIG's task (spmd launch writes one for each process).
 task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {"type": "worker", "index": 0})
@@ -43,12 +43,13 @@ assert task["index"] == spmd.cluster().process_index, (task, spmd.cluster())
 
 
 class CNN(nnx.Module):
-    """build_and_compile_cnn_model: Conv2D(32, 3, relu) -> Flatten -> Dense(64, relu) -> Dense(10)."""
+    """build_and_compile_cnn_model, narrower: Conv2D(16, 3, relu) -> Flatten -> Dense(32, relu)
+    -> Dense(10)."""
 
     def __init__(self, rngs: nnx.Rngs):
-        self.conv = nnx.Conv(1, 32, (3, 3), padding="VALID", rngs=rngs)
-        self.dense = nnx.Linear((SIZE - 2) ** 2 * 32, 64, rngs=rngs)
-        self.logits = nnx.Linear(64, 10, rngs=rngs)  # the loss takes logits, not softmax
+        self.conv = nnx.Conv(1, 16, (3, 3), padding="VALID", rngs=rngs)
+        self.dense = nnx.Linear((SIZE - 2) ** 2 * 16, 32, rngs=rngs)
+        self.logits = nnx.Linear(32, 10, rngs=rngs)  # the loss takes logits, not softmax
 
     def __call__(self, x):
         x = nnx.relu(self.conv(x)).reshape(x.shape[0], -1)
@@ -80,7 +81,7 @@ def train_datasets():
 def fit(strategy, checkpoint_dir=None):
     with strategy.scope():
         trainer = spmd.Trainer(
-            CNN(nnx.Rngs(0)), optax.sgd(0.05), "sparse_categorical_crossentropy", ("accuracy",)
+            CNN(nnx.Rngs(0)), optax.sgd(0.1), "sparse_categorical_crossentropy", ("accuracy",)
         )
     callbacks = [spmd.callbacks.ModelCheckpoint(filepath=checkpoint_dir)] if checkpoint_dir else []
     history = trainer.fit(

@@ -22,7 +22,7 @@ FAST_ARGS = {
     "08_flax_mnist_tutorial.py": ["--steps", "20"],
     "10_diloco.py": ["--steps", "150"],
     "11_sidecar_evaluator.py": ["--epochs", "2"],
-    "12_keras_tf_data_tutorial.py": ["--epochs", "2"],
+    "12_keras_tf_data_tutorial.py": ["--epochs", "2", "--devices", "4"],
 }
 # Examples that start several processes themselves.
 MULTIPROCESS = {"03_multi_worker_tf_config.py", "11_sidecar_evaluator.py"}
