@@ -55,6 +55,13 @@ def test_keras_fit_x_y_positional_is_an_error_saying_to_pass_one_tuple():
     _teaches(error, "batch_size=", "fit((x, y)")
 
 
+@pytest.mark.parametrize("call", ["fit", "evaluate"])
+def test_keras_x_and_y_keywords_are_an_error_saying_to_pass_one_tuple(call):
+    with pytest.raises(spmd.ArgumentTypeError) as error:
+        getattr(_trainer(), call)(x=X, y=Y, batch_size=16)
+    _teaches(error, "x='an array of shape (40, 6)'", f"trainer.{call}((x, y), batch_size=64)")
+
+
 def test_a_four_tuple_of_arrays_is_an_error_in_keras_terms():
     w = np.ones(40, np.float32)
     with pytest.raises(spmd.ConfigurationError) as error:

@@ -120,8 +120,8 @@ _PREFETCH = (
 # Keras' arguments of fit / evaluate / predict / the callbacks that spmd spells otherwise
 # or does not take, with what to do instead.
 _KERAS_ARGUMENTS = {
-    "x": "pass the data as the first argument: trainer.fit((x, y), batch_size=64).",
-    "y": "pass (x, y) as one tuple, the first argument: trainer.fit((x, y), batch_size=64).",
+    "x": "pass the data as the first argument: trainer.{what}((x, y), batch_size=64).",
+    "y": "pass (x, y) as one tuple, the first argument: trainer.{what}((x, y), batch_size=64).",
     "sample_weight": "put the weights in the data: fit((x, y, sample_weight), "
     "batch_size=64), or batches of (x, y, sample_weight).",
     "validation_split": "split the arrays yourself, as Keras does (the last fraction, "
@@ -170,7 +170,7 @@ def check_keras_arguments(what: str, extra: dict[str, Any], takes: tuple[str, ..
     name = next(iter(extra))
     if name in _KERAS_ARGUMENTS:
         expected = f"{what} takes Keras' arguments but {name!r}, which spmd does not take."
-        fix = _KERAS_ARGUMENTS[name]
+        fix = _KERAS_ARGUMENTS[name].replace("{what}", what)
     else:
         expected = f"{what} takes the arguments {', '.join(takes)}."
         fix = f"drop {name}= or spell it as one of those."

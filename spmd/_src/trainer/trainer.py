@@ -466,7 +466,7 @@ class Trainer:
 
     def fit(
         self,
-        data: Any,
+        data: Any = None,  # None: Keras' x=/y= keywords are named as such, not a TypeError
         batch_size: int | None = None,
         epochs: int = 1,
         steps_per_epoch: int | None = None,
@@ -483,7 +483,8 @@ class Trainer:
 
         Args:
           data: (x, y) arrays (or (x, y, sample_weight)) with `batch_size` the
-            global batch, the last partial batch trained on as Keras does
+            global batch (Keras' `x=`/`y=` keywords are an error saying so),
+            the last partial batch trained on as Keras does
             (padded and masked; dropped, logged at WARNING, for a model whose
             training pass writes state); an iterable of such batches
             (re-iterable for several epochs); or a distributed dataset.
@@ -657,7 +658,7 @@ class Trainer:
 
     def evaluate(
         self,
-        data: Any,
+        data: Any = None,  # None: Keras' x=/y= keywords are named as such, not a TypeError
         batch_size: int | None = None,
         verbose: int = 0,
         callbacks: Sequence[Callback] | Callback = (),
