@@ -24,6 +24,7 @@ FAST_ARGS = {
     "11_sidecar_evaluator.py": ["--epochs", "2"],
     "12_pipeline_parallel_lm.py": ["--steps", "10"],
     "13_context_parallel_lm.py": ["--steps", "10"],
+    "14_keras_tf_data_tutorial.py": ["--epochs", "2", "--devices", "4"],
 }
 # Examples that start several processes themselves.
 MULTIPROCESS = {"03_multi_worker_tf_config.py", "11_sidecar_evaluator.py"}
@@ -72,6 +73,15 @@ def test_quickstart_on_other_strategies(strategy):
 def test_quickstart_under_launch():
     out = _launch(2, "quickstart.py", "--strategy", "multi_worker_mirrored", "--steps", "5")
     assert "[0] MultiWorkerMirroredStrategy(mesh=(host=2, replica=2)" in out
+
+
+@pytest.mark.multiprocess
+def test_keras_tf_data_tutorial_under_launch():
+    """Each process reads its task index from the TF_CONFIG spmd launch wrote; the tf.data
+    pipeline's partial batches, sample and class weights over 2 processes as on one device."""
+    out = _launch(2, "14_keras_tf_data_tutorial.py", "--devices", "2", "--epochs", "2", timeout=400)
+    assert "[1] task {'type': 'worker', 'index': 1}" in out
+    assert "[0] largest difference from one device" in out
 
 
 @pytest.mark.multiprocess

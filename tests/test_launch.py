@@ -12,6 +12,7 @@ from commands import child_env
 
 from spmd._src.cli import main as cli
 from spmd._src.clusters.launch import PREEMPTED_EXIT_CODE, TIMEOUT_EXIT_CODE, launch, process_env
+from spmd._src.clusters.resolvers.tf_config import TfConfigResolver
 from spmd._src.errors import ConfigurationError, LaunchError
 from spmd.testing import run_processes
 
@@ -161,6 +162,37 @@ def test_process_env_contract():
         "SPMD_RESTART_COUNT": "3",
     }
     assert process_env(base, 0, 2, "h:1", 4, 0)["SPMD_DEVICES_PER_PROCESS"] == "4"
+
+
+def test_each_launched_process_gets_a_tf_config_with_its_task_index(monkeypatch):
+    base = {"TF_CONFIG": '{"cluster": {"worker": ["other:1"]}}', "HOME": "/h"}
+    workers = ["127.0.0.1:9", "127.0.0.1:10"]
+    env = process_env(base, 1, 2, "127.0.0.1:9", None, 0, workers)
+    assert json.loads(env["TF_CONFIG"]) == {
+        "cluster": {"worker": workers},
+        "task": {"type": "worker", "index": 1},
+    }
+    # spmd resolves from SPMD_* while TF_CONFIG is the launcher's; one the program sets wins
+    for name in ("TF_CONFIG", "SPMD_LAUNCH_TF_CONFIG", *(k for k in env if k.startswith("SPMD_"))):
+        monkeypatch.setenv(name, env[name])
+    assert not TfConfigResolver().is_present()
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        '{"cluster": {"worker": ["a:1", "b:2"]}, "task": {"index": 1, "type": "worker"}}',
+    )
+    assert TfConfigResolver().is_present()
+
+
+@pytest.mark.multiprocess
+def test_a_launched_tf_script_reads_its_task_index_from_tf_config():
+    code = (
+        "import json, os, spmd; spmd.initialize(); c = json.loads(os.environ['TF_CONFIG']); "
+        "print('task', c['task']['index'], len(c['cluster']['worker']), "
+        "spmd.cluster().process_index, spmd.cluster().source)"
+    )
+    results = run_processes(code, 2, devices_per_process=1, timeout=120)
+    lines = [next(x for x in r.stdout.splitlines() if x.startswith("task")) for r in results]
+    assert lines == ["task 0 2 0 spmd launch", "task 1 2 1 spmd launch"]
 
 
 @pytest.mark.multiprocess

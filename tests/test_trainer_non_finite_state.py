@@ -129,3 +129,16 @@ def test_padded_batches_raise_no_false_alarm(kwargs):
     history = trainer.fit(_data(100), epochs=2, shuffle=False, verbose=0, **fit)
     assert np.isfinite(history.history["loss"]).all()
     assert int(jax.device_get(trainer.state["nan_step"])) == -1
+
+
+@pytest.mark.parametrize("class_weight", [None, {0: 1.0, 1: 2.0, 2: 3.0}])
+def test_a_nan_sample_weight_is_named_as_the_source_of_the_nan_loss(class_weight):
+    x, y = _data(32)
+    w = np.ones(32, np.float32)
+    w[20] = np.nan  # in the second batch
+    trainer = _trainer(optimizer=optax.sgd(0.1))
+    with pytest.raises(spmd.NonFiniteLossError) as info:
+        trainer.fit((x, y, w), batch_size=16, shuffle=False, class_weight=class_weight, verbose=0)
+    text = str(info.value)
+    assert "batch_in_epoch=1" in text and "sample weights of global_step=1 hold a NaN" in text
+    assert "np.isfinite(sample_weight)" in text

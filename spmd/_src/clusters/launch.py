@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -35,6 +36,7 @@ from spmd._src.clusters.spec import (
     ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,
     ENV_HANG_TIMEOUT,
+    ENV_LAUNCH_TF_CONFIG,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_RESTART_COUNT,
@@ -92,14 +94,22 @@ def process_env(
     coordinator: str,
     devices_per_process: int | None,
     restart: int,
+    workers: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """The environment of process `index`: `base` plus what `spmd.initialize()` reads.
 
-    TF_CONFIG is removed: it comes before the SPMD_* variables in the resolution
-    order, and a TF_CONFIG inherited from the shell would override the launcher.
+    An inherited TF_CONFIG is replaced: it would describe another cluster than
+    the launcher's. With `workers` (every process's "host:port", the
+    coordinator's first) the process gets a TF_CONFIG of its own, task
+    `worker` `index`, as a TF program reads it for its task index; spmd itself
+    resolves from the SPMD_* variables while TF_CONFIG is that text
+    (SPMD_LAUNCH_TF_CONFIG), so a TF_CONFIG the program sets for itself wins.
     """
-    env = {k: v for k, v in base.items() if k != TF_CONFIG}
+    env = {k: v for k, v in base.items() if k not in (TF_CONFIG, ENV_LAUNCH_TF_CONFIG)}
     env.pop(ENV_DEVICES_PER_PROCESS, None)
+    if workers is not None:
+        config = {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": index}}
+        env[TF_CONFIG] = env[ENV_LAUNCH_TF_CONFIG] = json.dumps(config)
     env.update(
         {
             ENV_COORDINATOR_ADDRESS: coordinator,
@@ -266,6 +276,7 @@ def run_group(
       A GroupResult.
     """
     coordinator = f"127.0.0.1:{free_port()}"
+    workers = [coordinator] + [f"127.0.0.1:{free_port()}" for _ in range(num_processes - 1)]
     base = {**os.environ, **(env or {})}
     procs: list[subprocess.Popen[bytes]] = []
     sinks: list[list[str]] = [[] for _ in range(2 * num_processes)]  # stdout, stderr of each
@@ -278,7 +289,7 @@ def run_group(
     try:
         for i in range(num_processes):
             child_env = process_env(
-                base, i, num_processes, coordinator, devices_per_process, restart
+                base, i, num_processes, coordinator, devices_per_process, restart, workers
             )
             procs.append(_start(command, child_env))
             keeper.watch(procs[i].pid)

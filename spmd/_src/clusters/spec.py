@@ -18,6 +18,9 @@ ENV_NUM_PROCESSES = "SPMD_NUM_PROCESSES"  # how many processes the job has
 ENV_PROCESS_ID = "SPMD_PROCESS_ID"  # this process's index, 0 .. num_processes - 1
 ENV_DEVICES_PER_PROCESS = "SPMD_DEVICES_PER_PROCESS"  # simulated CPU devices per process
 ENV_RESTART_COUNT = "SPMD_RESTART_COUNT"  # 0 on the first attempt, then 1, 2, ...
+# The TF_CONFIG `spmd launch` wrote for the program to read (its task index): while
+# TF_CONFIG is still that text, the SPMD_* variables describe the cluster.
+ENV_LAUNCH_TF_CONFIG = "SPMD_LAUNCH_TF_CONFIG"
 ENV_HANG_TIMEOUT = "SPMD_HANG_TIMEOUT"  # seconds without a step before a process is hung
 TF_CONFIG = "TF_CONFIG"
 

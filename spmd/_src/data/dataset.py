@@ -380,7 +380,7 @@ def _count(examples: int, size: int, remainder: str) -> int:
     whole, rest = divmod(examples, size)
     if rest and remainder == "error":
         raise BatchError(partial_message(whole, rest, size))
-    return whole + (1 if rest and remainder == "pad" else 0)
+    return whole + (1 if rest and remainder in ("pad", "pad_if_partial") else 0)
 
 
 def _plan_files(ds: FileDataset, ctx: InputContext, policy, remainder, padding: Padding) -> Plan:

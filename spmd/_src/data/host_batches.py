@@ -21,6 +21,7 @@ __all__ = [
     "fingerprint",
     "fingerprint_leaves",
     "global_batches",
+    "is_masked",
     "leading_size",
     "local_batches",
     "partial_message",
@@ -121,7 +122,7 @@ def global_batches(
     per_pipeline = _sized(elements, remainder, start, batch_size, resumed)
     for index, leaves, treedef, expected, real in per_pipeline:
         rows = placed_rows(expected, replicas, padding, index)
-        masked = remainder == "pad" or padding.masked(expected, replicas)
+        masked = is_masked(remainder, real, expected) or padding.masked(expected, replicas)
         whole, mask = _pad(leaves, real, rows, masked)
         mine = whole
         if pipelines > 1:
@@ -154,9 +155,15 @@ def local_batches(
     ):
         size = expected * pipelines
         rows = placed_rows(size, replicas, padding, index, per_pipeline=expected)
-        masked = remainder == "pad" or padding.masked(size, replicas)
+        masked = is_masked(remainder, real, expected) or padding.masked(size, replicas)
         leaves, mask = _pad(leaves, real, rows // pipelines, masked)
         yield HostBatch.of_leaves(leaves, treedef, mask, rows, batch_size=size)
+
+
+def is_masked(remainder: Remainder, real: int, expected: int) -> bool:
+    """Whether a batch of `real` rows of `expected` carries a mask for `remainder`: under
+    "pad" always, under "pad_if_partial" when it is smaller than the others."""
+    return remainder == "pad" or (remainder == "pad_if_partial" and real < expected)
 
 
 def placed_rows(
@@ -277,13 +284,16 @@ def _sized(
         if size == expected:
             yield index, leaves, treedef, expected, size
             continue
-        if size > expected or not is_last or size == 0:
+        if size > expected and remainder == "pad_if_partial":
+            raise BatchError(_larger_message(index, size, expected))
+        if size > expected or size == 0 or not (is_last or remainder == "pad_if_partial"):
             raise BatchError(
                 message(
                     "Every batch but the last must have the same size, and the last no more.",
                     received(batch_index=index, batch_size=size, first_batch_size=expected),
                     "batch the data with one batch size (drop_remainder=True, or let spmd "
-                    "pad the last batch with remainder='pad').",
+                    "pad the last batch with remainder='pad', or any smaller batch with "
+                    "remainder='pad_if_partial', as Trainer.fit does).",
                 )
             )
         if remainder == "error":
@@ -291,6 +301,17 @@ def _sized(
         if remainder == "drop":
             return
         yield index, leaves, treedef, expected, size
+
+
+def _larger_message(index: int, size: int, expected: int) -> str:
+    """Why a batch larger than the first is refused where smaller ones are padded."""
+    return message(
+        "Every batch is at most as large as the first: the first fixes the shape the step "
+        "is compiled for, and a smaller one is padded to it (remainder='pad_if_partial').",
+        received(batch_index=index, batch_size=size, first_batch_size=expected),
+        "batch the data with one batch size, so that only a pass's last batch is smaller "
+        "(tf.data's .batch(n) does), or put a largest batch first.",
+    )
 
 
 def _checked_size(leaves: list[np.ndarray], treedef: Any, index: int) -> int:

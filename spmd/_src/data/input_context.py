@@ -25,8 +25,8 @@ __all__ = [
     "rows_of",
 ]
 
-Remainder = Literal["error", "drop", "pad"]
-_REMAINDERS = ("error", "drop", "pad")
+Remainder = Literal["error", "drop", "pad", "pad_if_partial"]
+_REMAINDERS = ("error", "drop", "pad", "pad_if_partial")
 UnevenBatch = Literal["error", "pad", "pad_if_uneven"]
 _UNEVEN = ("error", "pad", "pad_if_uneven")
 
@@ -126,7 +126,10 @@ class InputOptions:
         ahead of the step; 0 turns the thread off.
       remainder: what to do with a last batch smaller than the others:
         "drop" it, "pad" it (every batch then carries a mask, see
-        docs/input.md), or raise ("error"). None takes the dataset's own choice
+        docs/input.md), or raise ("error"); "pad_if_partial" pads a smaller
+        batch anywhere in the stream (a `.batch(n).repeat()` pipeline's end of
+        each pass, as Keras trains on it) and gives only padded batches a
+        mask. None takes the dataset's own choice
         (`drop_remainder=` of `make_numpy_dataset` / `FileDataset`), else "error".
       check_hosts: with several processes, check before each batch that every
         process has one and that their shapes agree; a disagreement is an

@@ -17,6 +17,7 @@ from spmd._src.data.host_batches import (
     fingerprint,
     global_batches,
     holdable,
+    is_masked,
     leading_size,
     local_batches,
     partial_message,
@@ -182,7 +183,8 @@ class NumpyDataset:
             real = len(picked)
             if real < size and remainder == "error":
                 raise BatchError(partial_message(b, real, size))
-            mask = batch_mask(rows, real)[low:high] if masked else None
+            partial = is_masked(remainder, real, size)
+            mask = batch_mask(rows, real)[low:high] if masked or partial else None
             if real == rows and not self.shuffle:  # in order: rows b*size+low .. b*size+high
                 first = b * size
                 mine = [np.array(a[first + low : first + high]) for a in leaves]

@@ -23,6 +23,7 @@ from spmd._src.mesh import (
 )
 from spmd._src.rules import MinSizePartitioner, Partitioner
 from spmd._src.strategy.base import Strategy, _default_strategy
+from spmd._src.strategy.cluster_resolver import resolver_and_partitioner
 from spmd._src.topologies import topology as spmd_topology
 from spmd._src.validate import positive_int
 
@@ -382,6 +383,7 @@ def OneDeviceStrategy(  # noqa: N802
 
 
 def ParameterServerStrategy(  # noqa: N802
+    cluster_resolver: Any = None,
     variable_partitioner: Partitioner | None = None,
     devices: Sequence[Any] | None = None,
     *,
@@ -403,6 +405,11 @@ def ParameterServerStrategy(  # noqa: N802
     mesh cannot make is rounded down (up for `MaxSizePartitioner`).
 
     Args:
+      cluster_resolver: TF's first argument: None, or a resolver (e.g. TF's
+        `TFConfigClusterResolver()`) describing the cluster `spmd.initialize()`
+        joined (checked; a cluster with 'ps' tasks is an error: spmd runs none).
+        A partitioner given here (spmd's positional spelling,
+        `ParameterServerStrategy(FixedShardsPartitioner(4))`) is the partitioner.
       variable_partitioner: from `spmd.partitioners`, or any callable
         `(shape, dtype) -> shard count per axis` (tf.distribute's protocol;
         only the first axis may be split); None keeps every variable whole.
@@ -412,6 +419,7 @@ def ParameterServerStrategy(  # noqa: N802
         shards nothing on this mesh is split by the partitioner.
     """
     check_initialized_under_launcher()
+    variable_partitioner = resolver_and_partitioner(cluster_resolver, variable_partitioner)
     devices = order_devices(jax.devices() if devices is None else resolve_devices(devices))
     factors = prime_factors(len(devices)) or [1]
     mesh = make_mesh({f"ps{i}": f for i, f in enumerate(factors)}, devices)

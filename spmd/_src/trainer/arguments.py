@@ -1,4 +1,5 @@
-"""Checks of the Trainer's strategy, optimizer and `verbose`: Keras' spellings named in spmd's."""
+"""Checks of the Trainer's strategy, optimizer, `verbose` and keyword arguments: Keras'
+spellings named in spmd's."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ from typing import Any
 
 import optax
 
-from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.errors import ArgumentTypeError, ConfigurationError, message, received
 from spmd._src.strategy import strategies
 from spmd._src.strategy.base import Strategy
 from spmd._src.strategy.diloco import DiLoCo
 
-__all__ = ["check_optimizer", "check_strategy", "check_verbose"]
+__all__ = ["check_keras_arguments", "check_optimizer", "check_strategy", "check_verbose"]
 
 # Keras' optimizer names with optax's equivalent at Keras' default learning rate.
 _KERAS_OPTIMIZERS = {
@@ -103,3 +104,70 @@ def check_verbose(verbose: Any) -> None:
             'pass one of 0, 1, 2 or "auto".',
         )
     )
+
+
+_PREFETCH = (
+    "drop it: spmd reads the data in a background thread of its own, placing "
+    "InputOptions(prefetch=2) batches ahead (strategy.distribute_dataset(ds, options))."
+)
+# Keras' arguments of fit / evaluate / predict / the callbacks that spmd spells otherwise
+# or does not take, with what to do instead.
+_KERAS_ARGUMENTS = {
+    "x": "pass the data as the first argument: trainer.{what}((x, y), batch_size=64).",
+    "y": "pass (x, y) as one tuple, the first argument: trainer.{what}((x, y), batch_size=64).",
+    "sample_weight": "put the weights in the data: fit((x, y, sample_weight), "
+    "batch_size=64), or batches of (x, y, sample_weight).",
+    "validation_split": "split the arrays yourself, as Keras does (the last fraction, "
+    "before shuffling): n = int(len(x) * (1 - split)); fit((x[:n], y[:n]), "
+    "validation_data=(x[n:], y[n:])).",
+    "validation_steps": "give validation_data the batches to evaluate (e.g. ds.take(n) for "
+    "a tf.data dataset): it is read to its end.",
+    "validation_freq": "evaluate every epoch (validation_data=), or call trainer.evaluate "
+    "from a callback's on_epoch_end on the epochs you want.",
+    "steps": "give the data the batches to read (e.g. ds.take(n) for a tf.data dataset): "
+    "it is read to its end.",
+    "max_queue_size": _PREFETCH,
+    "workers": _PREFETCH,
+    "use_multiprocessing": _PREFETCH,
+    "save_weights_only": "drop it: a checkpoint holds the whole train state (parameters, "
+    "optimizer state, step), restored with trainer.load_state.",
+    "initial_value_threshold": "drop it, or stop on a threshold with EarlyStopping(baseline=...).",
+    "options": "drop it: checkpoints are Orbax's, with CheckpointManager's options.",
+    "double_checkpoint": "drop it: BackupAndRestore always keeps the last two backups and "
+    "resumes from the older where the newer is damaged.",
+    **{
+        name: "drop it: spmd's TensorBoard writes the logs' scalars only (for a profile, "
+        "jax.profiler.trace(log_dir) around the fit)."
+        for name in (
+            "histogram_freq",
+            "write_graph",
+            "write_images",
+            "write_steps_per_second",
+            "profile_batch",
+            "embeddings_freq",
+            "embeddings_metadata",
+        )
+    },
+}
+
+
+def check_keras_arguments(what: str, extra: dict[str, Any], takes: tuple[str, ...]) -> None:
+    """Raises for keyword arguments `what` does not take: a Keras one named as such, with
+    what spmd does instead; any other with the arguments it does take.
+
+    Raises:
+      ArgumentTypeError: (a ConfigurationError and a TypeError) any argument in `extra`.
+    """
+    if not extra:
+        return
+    name = next(iter(extra))
+    if name in _KERAS_ARGUMENTS:
+        expected = f"{what} takes Keras' arguments but {name!r}, which spmd does not take."
+        fix = _KERAS_ARGUMENTS[name].replace("{what}", what)
+    else:
+        expected = f"{what} takes the arguments {', '.join(takes)}."
+        fix = f"drop {name}= or spell it as one of those."
+    value = extra[name]
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        value = f"an array of shape {tuple(value.shape)}"
+    raise ArgumentTypeError(message(expected, received(**{name: value}), fix))

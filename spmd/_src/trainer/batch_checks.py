@@ -14,9 +14,11 @@ from spmd._src.rules import path_str
 from spmd._src.strategy.diloco import DiLoCo
 from spmd._src.trainer.data import (
     BatchSpecs,
+    check_batched,
     check_label_range,
     check_microbatches,
     check_rows,
+    check_sample_weight,
 )
 from spmd._src.trainer.losses import check_fit, check_labels, check_outputs
 
@@ -184,8 +186,10 @@ def _variables(tree: Any) -> dict[str, nnx.Variable]:
 
 
 def _check_form(trainer: Trainer, batch: tuple, what: str, placed: bool) -> None:
-    """The checks of a batch's form (rows, microbatches)."""
+    """The checks of a batch's form (a batch, rows, sample weights, microbatches)."""
+    check_batched(batch, what)
     check_rows(batch, what)
+    check_sample_weight(batch, what)
     if what == "fit" and placed:
         replicas = trainer.strategy.num_replicas_in_sync
         check_microbatches(batch, trainer.grad_accum_steps, replicas)
@@ -200,7 +204,8 @@ def _padded_state(trainer: Trainer, batch: tuple, written: list[str]) -> str:
         "parameters (and RNG state): the mask keeps the padding out of the loss and the "
         "gradients, but the padded rows would enter the variables the forward pass writes "
         "(BatchNorm statistics, a running mean, a counter of rows). Batches are "
-        "padded where the last batch is partial (remainder='pad'), or where the global batch "
+        "padded where a batch is smaller than the others (an iterable's or tf.data's "
+        "partial batch, remainder='pad' or 'pad_if_partial'), or where the global batch "
         "does not split evenly over the replicas (x grad_accum_steps).",
         received(
             written_variables=written,
@@ -208,7 +213,8 @@ def _padded_state(trainer: Trainer, batch: tuple, written: list[str]) -> str:
             num_replicas_in_sync=trainer.strategy.num_replicas_in_sync,
             grad_accum_steps=trainer.grad_accum_steps,
         ),
-        "train on a dataset that drops the last partial batch (drop_remainder=True, or "
+        "train on a dataset that drops the last partial batch (tf.data's .batch(n, "
+        "drop_remainder=True), drop_remainder=True, or "
         'InputOptions(remainder="drop"); fit on arrays drops it for such a model), with a global batch size '
         "that splits over the replicas x grad_accum_steps at every process count the job runs "
         "at (e.g. 12 for 6, 4 and 2 replicas), or over a strategy whose replica count divides "

@@ -4,7 +4,9 @@ EarlyStopping, checkpoints (TensorBoard is in spmd/_src/trainer/tensorboard.py).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
@@ -15,6 +17,7 @@ import numpy as np
 
 from spmd._src.checkpoint.manager import CheckpointManager
 from spmd._src.errors import ConfigurationError, ContextError, message, received
+from spmd._src.trainer.arguments import check_keras_arguments
 from spmd._src.trainer.model import averages
 from spmd._src.validate import positive_int
 
@@ -379,6 +382,7 @@ class EarlyStopping(Callback):
       baseline: a value the metric must beat, else training stops after `patience`.
       restore_best_weights: put back the state of the best epoch when stopping.
       start_from_epoch: epochs to wait before watching.
+      verbose: accepted for Keras compatibility.
 
     Raises:
       ConfigurationError: an unknown mode, or (at the first epoch end) a
@@ -394,7 +398,11 @@ class EarlyStopping(Callback):
         baseline: float | None = None,
         restore_best_weights: bool = False,
         start_from_epoch: int = 0,
+        *,
+        verbose: int = 0,
+        **keras: Any,
     ) -> None:
+        check_keras_arguments("EarlyStopping", keras, _takes(EarlyStopping))
         if mode not in ("auto", "min", "max"):
             raise ConfigurationError(
                 message(
@@ -468,27 +476,39 @@ class ModelCheckpoint(Callback):
     reading the directory stops.
 
     Args:
-      directory: where the checkpoints go (shared by every process).
+      filepath: the directory the checkpoints go in (shared by every process),
+        one subdirectory per step (Keras' name; not a file name pattern).
       monitor: the log key `save_best_only` compares.
       save_best_only: save an epoch only if `monitor` improved.
       mode: "min", "max" or "auto" (max for accuracy-like keys).
       save_freq: "epoch", or a number of batches.
       max_to_keep: how many checkpoints to keep.
       async_save: write in background threads.
+      verbose: accepted for Keras compatibility.
+
+    Raises:
+      ConfigurationError: a Keras file name (`"ckpt.weights.h5"`, `"{epoch:02d}"`).
+      ArgumentTypeError: a Keras argument spmd does not take (`save_weights_only`).
     """
 
     def __init__(
         self,
-        directory: str,
+        filepath: str | os.PathLike,
         monitor: str = "val_loss",
         save_best_only: bool = False,
         mode: str = "auto",
         save_freq: str | int = "epoch",
         max_to_keep: int | None = 3,
         async_save: bool = True,
+        *,
+        verbose: int = 0,
+        **keras: Any,
     ) -> None:
+        check_keras_arguments("ModelCheckpoint", keras, _takes(ModelCheckpoint))
         check_freq(save_freq, "ModelCheckpoint")
-        self.directory, self.monitor, self.save_best_only = directory, monitor, save_best_only
+        _check_filepath(filepath)
+        self.filepath = self.directory = filepath
+        self.monitor, self.save_best_only = monitor, save_best_only
         self.mode = ("max" if "acc" in monitor else "min") if mode == "auto" else mode
         self.save_freq, self.max_to_keep, self.async_save = save_freq, max_to_keep, async_save
         self.manager = None
@@ -548,6 +568,36 @@ class ModelCheckpoint(Callback):
             self.manager = None
 
 
+def _takes(callback: type) -> tuple[str, ...]:
+    """The arguments a callback's constructor takes (for an error naming them)."""
+    names = inspect.signature(callback.__init__).parameters
+    return tuple(n for n in names if n not in ("self", "keras"))
+
+
+def _check_filepath(filepath: Any) -> None:
+    """Raises for a Keras checkpoint file name: spmd's checkpoints are directories.
+
+    Raises:
+      ConfigurationError: a name with a format field or a Keras file suffix.
+    """
+    name = os.fspath(filepath) if isinstance(filepath, str | os.PathLike) else None
+    if name is not None and "{" not in name and not name.endswith(_KERAS_SUFFIXES):
+        return
+    raise ConfigurationError(
+        message(
+            "ModelCheckpoint's filepath is a directory: Orbax writes each checkpoint in a "
+            "subdirectory named by its global step (no Keras file name or {epoch} pattern; "
+            "the epoch and logs are each checkpoint's metadata).",
+            received(filepath=filepath),
+            'pass a directory, e.g. ModelCheckpoint(filepath="ckpt/"); restore with '
+            "spmd.CheckpointManager(filepath).restore(target=trainer.state).",
+        )
+    )
+
+
+_KERAS_SUFFIXES = (".h5", ".keras", ".weights.h5", ".hdf5", ".ckpt")
+
+
 class BackupAndRestore(Callback):
     """Resumes an interrupted fit where it stopped: same epoch, same batch, same weights.
 
@@ -567,8 +617,13 @@ class BackupAndRestore(Callback):
     """
 
     def __init__(
-        self, backup_dir: str, save_freq: str | int = "epoch", delete_checkpoint: bool = True
+        self,
+        backup_dir: str,
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+        **keras: Any,
     ) -> None:
+        check_keras_arguments("BackupAndRestore", keras, _takes(BackupAndRestore))
         check_freq(save_freq, "BackupAndRestore")
         self.backup_dir, self.save_freq, self.delete_checkpoint = (
             backup_dir,

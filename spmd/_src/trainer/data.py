@@ -11,6 +11,7 @@ import numpy as np
 
 from spmd._src.data.dataset import DistributedDataset, InputOptions
 from spmd._src.data.sources import PaddedBatch
+from spmd._src.data.tf_source import is_tf_dataset
 from spmd._src.errors import BatchError, ConfigurationError, message, received
 from spmd._src.validate import positive_int
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 __all__ = [
     "BatchSpecs",
     "as_dataset",
+    "check_batch_size",
+    "check_batched",
     "check_count",
     "check_distributed",
     "check_examples",
@@ -27,6 +30,9 @@ __all__ = [
     "check_lists",
     "check_microbatches",
     "check_rows",
+    "check_sample_weight",
+    "check_tf_elements",
+    "check_tuple",
     "host_first",
     "is_arrays",
     "is_bare_arrays",
@@ -87,7 +93,12 @@ def as_dataset(
     With `pad` (evaluate, predict), or `keep_partial` (fit on arrays, as Keras
     trains on the last partial batch), a last partial batch of arrays is
     padded and every batch is a `PaddedBatch`, so nothing is dropped and
-    padding never counts; without either, it is dropped.
+    padding never counts; without either, it is dropped. An iterable's batch
+    smaller than its first (a generator's last, the end of each pass of a
+    tf.data `.batch(n).repeat()`) is padded to the first's shape and masked
+    (`remainder="pad_if_partial"`): one compiled shape, the loss a mean over
+    its real rows; for predict only the last batch may be smaller
+    (`remainder="pad"`, every batch masked).
     A global batch the replicas (times `microbatches`) do not split evenly is
     padded at its end with masked rows (`uneven_batch="pad_if_uneven"`): the
     steps weigh only the real rows, so the global batch, and the training,
@@ -96,11 +107,16 @@ def as_dataset(
     Raises:
       BatchError: arrays without a batch size, or without examples (or, for
         training, fewer than one batch); a distributed dataset known to yield
-        nothing, or (with `pad`) to drop examples.
+        nothing, or (with `pad`) to drop examples; a tf.data dataset of
+        unbatched, ragged or sparse elements.
       ConfigurationError: data of a kind the Trainer does not read (a dict; Python
-        lists of numbers, `check_lists`).
+        lists of numbers, `check_lists`; a tuple of four arrays or more);
+        `batch_size` beside batched data.
     """
 
+    check_tuple(data, what)
+    check_lists(data, what)
+    check_batch_size(data, batch_size, what)
     if isinstance(data, DistributedDataset):
         check_distributed(data, pad=pad, what=what)
         return data
@@ -121,9 +137,14 @@ def as_dataset(
             arrays, batch_size, shuffle=shuffle, seed=seed, drop_remainder=not (pad or keep_partial)
         )
         return strategy.distribute_dataset(ds, InputOptions(**uneven))
-    check_lists(data, what)
+    if is_tf_dataset(data):
+        check_tf_elements(data, what)
     if isinstance(data, Iterable) and not isinstance(data, dict | str | bytes):
-        options = InputOptions(remainder="pad" if pad else None, **uneven)
+        # Keras trains (and evaluates) on a smaller batch wherever the data yields one: it
+        # is padded to the compiled batch shape, its padding masked. predict pads its last
+        # batch and masks every batch, so a list batch stays one element: several inputs.
+        remainder = "pad" if what == "predict" else "pad_if_partial"
+        options = InputOptions(remainder=remainder, **uneven)
         return strategy.distribute_dataset(data, options)
     raise ConfigurationError(
         message(
@@ -135,6 +156,107 @@ def as_dataset(
             '({"image": ..., "text": ...}, y).',
         )
     )
+
+
+_DATA_NAMES = {"predict": "x", "validation_data": "validation_data"}  # the data's argument
+
+
+def check_batch_size(data: Any, batch_size: Any, what: str) -> None:
+    """Raises for a `batch_size` Keras would refuse: beside batched data, or not an int.
+
+    Raises:
+      ConfigurationError: `batch_size` with a dataset or an iterable of batches
+        (they are batched already, and Keras raises too); an array there (Keras'
+        `fit(x, y)`, which spmd spells `fit((x, y))`).
+    """
+    if batch_size is None:
+        return
+    if isinstance(batch_size, _ARRAY):
+        call = (
+            "predict(x, batch_size=64)" if what == "predict" else f"{what}((x, y), batch_size=64)"
+        )
+        raise ConfigurationError(
+            message(
+                f"{what} takes the data as its first argument, (x, y) in one tuple: Keras' "
+                f"{what}(x, y, ...) would put y in batch_size.",
+                received(batch_size=f"an array of shape {np.shape(batch_size)}"),
+                f"pass trainer.{call}; sample weights go in the tuple: (x, y, sample_weight).",
+            )
+        )
+    if isinstance(data, dict | str | bytes):  # not data as_dataset reads: it says so
+        return
+    inputs = isinstance(data, tuple) and len(data) == 1 and _is_inputs(data[0])  # predict's
+    if not is_arrays(data) and not inputs:
+        name = "validation_batch_size" if what == "validation_data" else "batch_size"
+        raise ConfigurationError(
+            message(
+                f"{what} takes {name} only with arrays: a dataset or an iterable yields "
+                f"batches already (Keras raises for {name} with a dataset too).",
+                received(**{name: batch_size, _DATA_NAMES.get(what, "data"): _kind(data)}),
+                f"drop {name}= (each batch the data yields is a global batch), or rebatch "
+                "the data: a tf.data dataset by ds.unbatch().batch(n), or pass the arrays "
+                "(x, y) with batch_size.",
+            )
+        )
+
+
+def check_tuple(data: Any, what: str) -> None:
+    """Raises for a tuple of four arrays or more, which Keras' (x, y, sample_weight) is not.
+
+    Raises:
+      ConfigurationError: naming the elements and Keras' reading of a tuple.
+    """
+    if not (isinstance(data, tuple) and len(data) > 3 and _is_inputs(data[0])):
+        return
+    if not all(isinstance(a, _ARRAY) for a in data[1:]):
+        return
+    raise ConfigurationError(
+        message(
+            f"{what} reads a tuple of arrays as Keras does: (x,), (x, y) or (x, y, "
+            "sample_weight); a fourth element has no place in it.",
+            received(tuple_elements=len(data), shapes=_describe(data)),
+            "pass (x, y, sample_weight) with one weight per example (multiply several "
+            "weights together: w1 * w2); several inputs go in x as a list or dict: "
+            "([x1, x2], y).",
+        )
+    )
+
+
+def check_tf_elements(dataset: Any, what: str) -> None:
+    """Raises for a tf.data dataset whose elements spmd cannot read as batches.
+
+    Raises:
+      BatchError: an element of ragged or sparse tensors, or one with a leaf of no
+        dimension (an unbatched dataset: its elements are examples, not batches).
+    """
+    import tensorflow as tf
+
+    specs = tf.nest.flatten(dataset.element_spec, expand_composites=False)
+    odd = [type(s).__name__ for s in specs if not isinstance(s, tf.TensorSpec)]
+    if odd:
+        raise BatchError(
+            message(
+                f"{what} reads dense batches: every element of a tf.data dataset a tuple of "
+                "dense tensors with the batch on the leading axis.",
+                received(element_spec=odd),
+                "make the ragged or sparse tensors dense before batching them: "
+                "ds.padded_batch(n) (pads each batch to its longest row), or "
+                ".map(lambda x, y: (x.to_tensor(), y)) for a RaggedTensor, "
+                "tf.sparse.to_dense for a SparseTensor.",
+            )
+        )
+    if any(s.shape.rank == 0 for s in specs):
+        shapes = [s.shape.as_list() for s in specs]
+        raise BatchError(
+            message(
+                f"{what} reads batches: a tf.data dataset's elements have the batch on their "
+                "leading axis; these have a leaf of no dimension, so they are single "
+                "examples (an unbatched dataset).",
+                received(element_shapes=shapes),
+                "batch it: ds.batch(global_batch_size) (a smaller last batch is padded and "
+                "masked; drop_remainder=True drops it).",
+            )
+        )
 
 
 def _is_numbers(value: Any) -> bool:
@@ -276,6 +398,55 @@ def check_rows(batch: tuple, what: str) -> None:
                 "made them).",
             )
         )
+
+
+def check_sample_weight(batch: tuple, what: str) -> None:
+    """Raises unless a batch's sample weights are one per example: shape (batch,) or
+    (batch, 1), as Keras takes them for a loss of one value per example.
+
+    Raises:
+      BatchError: weights of another shape (they would broadcast against the
+        per-example loss into a wrong number, or not at all).
+    """
+    y, w = batch[1], batch[2]
+    if w is None:
+        return
+    rows = np.shape(jax.tree.leaves(y)[0])[0] if jax.tree.leaves(y) else None
+    shape = tuple(np.shape(w))
+    if rows is not None and shape in ((rows,), (rows, 1)):
+        return
+    raise BatchError(
+        message(
+            f"{what}'s sample weights are one weight per example: shape (batch,) or "
+            "(batch, 1), as the loss is one value per example.",
+            received(
+                sample_weight_shape=shape, labels_shape=tuple(np.shape(jax.tree.leaves(y)[0]))
+            ),
+            "pass one weight per example (for per-timestep weights, fold them into a loss of "
+            "your own: (outputs, labels) -> per-example loss).",
+        )
+    )
+
+
+def check_batched(batch: tuple, what: str) -> None:
+    """Raises for a batch with a leaf of no dimension: an example, not a batch of them.
+
+    Raises:
+      BatchError: naming the leaves' shapes and how to batch the data.
+    """
+    leaves = jax.tree.leaves(batch)
+    if all(np.ndim(v) for v in leaves):
+        return
+    raise BatchError(
+        message(
+            f"{what} reads batches: every leaf of an element has the batch on its leading "
+            "axis; this element has a leaf of no dimension, so it is a single example (an "
+            "unbatched dataset).",
+            received(**{f"{what}_element": _describe(tuple(e for e in batch if e is not None))}),
+            "batch the examples: ds.batch(global_batch_size) for tf.data, or yield (x, y) "
+            "arrays with the examples on the leading axis.",
+        )
+    )
 
 
 def _kind(data: Any) -> str:

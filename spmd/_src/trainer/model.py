@@ -138,9 +138,9 @@ def _failing_layer(error: Exception) -> str | None:
     return f"{type(layer).__name__}({fields})"
 
 
-# What made a step non-finite (`first_nan`): its loss, or its update of the written leaf
-# `cause - NAN_UPDATE` (`written`).
-NAN_LOSS, NAN_UPDATE = 1, 2
+# What made a step non-finite (`first_nan`): its loss, its loss through a non-finite sample
+# (or class) weight, or its update of the written leaf `cause - NAN_UPDATE` (`written`).
+NAN_LOSS, NAN_WEIGHT, NAN_UPDATE = 1, 2, 3
 
 
 def cast(tree: Any, dtype: Any) -> Any:
@@ -161,12 +161,12 @@ def written(state: dict) -> list[tuple[str, Any]]:
 
 
 def first_nan(
-    state: dict, loss_sum: jax.Array, new: dict | None = None
+    state: dict, loss_sum: jax.Array, new: dict | None = None, weight_sum: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """The first step whose loss, or whose update of the state, was not finite, and which.
 
     Returns (step or -1, cause): cause is NAN_LOSS where the step's loss was NaN or
-    infinite, NAN_UPDATE + i where its loss was finite but it made the i-th leaf
+    infinite (NAN_WEIGHT where its weights' sum was too: a sample weight), NAN_UPDATE + i where its loss was finite but it made the i-th leaf
     of `written(new)` NaN or infinite (an infinite gradient, an overflowing update
     or optimizer moment, a statistic the model writes), 0 while all is finite.
     An element already non-finite in `state` (an optimizer's inf sentinel) is no
@@ -178,6 +178,7 @@ def first_nan(
       state: the train state before the step.
       loss_sum: the step's summed loss.
       new: the parts of `WRITTEN` the step wrote; None checks the loss only.
+      weight_sum: the step's summed loss weights (sample weights x padding mask).
     """
     seen = state.get("nan_step", jnp.full((), -1, jnp.int32))
     cause = state.get("nan_cause", jnp.zeros((), jnp.int32))
@@ -195,7 +196,9 @@ def first_nan(
             flags = jnp.stack([jnp.any(x) for x in became])
             bad_update, leaf = jnp.any(flags), jnp.argmax(flags).astype(jnp.int32)
     new_flag = (seen < 0) & (bad_loss | bad_update)
-    now = jnp.where(bad_loss, NAN_LOSS, NAN_UPDATE + leaf).astype(jnp.int32)
+    bad_weight = jnp.zeros((), bool) if weight_sum is None else ~jnp.isfinite(weight_sum)
+    on_loss = jnp.where(bad_weight, NAN_WEIGHT, NAN_LOSS)
+    now = jnp.where(bad_loss, on_loss, NAN_UPDATE + leaf).astype(jnp.int32)
     return jnp.where(new_flag, state["step"], seen), jnp.where(new_flag, now, cause)
 
 
@@ -203,7 +206,7 @@ def example_weights(y: Any, w: Any, mask: Any) -> tuple[jax.Array, jax.Array]:
     """(1 for each real example, 0 for padding; the loss's weights: sample weights x that)."""
     n = jax.tree.leaves(y)[0].shape[0]
     real = jnp.ones(n, jnp.float32) if mask is None else mask.astype(jnp.float32)
-    return real, real if w is None else w.astype(jnp.float32) * real
+    return real, real if w is None else w.reshape(n).astype(jnp.float32) * real
 
 
 def averages(sums: dict) -> dict[str, float]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.trainer.arguments import check_keras_arguments
 from spmd._src.trainer.callbacks import Callback, check_freq
 from spmd._src.trainer.event_files import EventFiles
 from spmd._src.trainer.model import averages
@@ -38,7 +40,8 @@ class TensorBoard(Callback):
       update_freq: "epoch", or a number of batches.
     """
 
-    def __init__(self, log_dir: str, update_freq: str | int = "epoch") -> None:
+    def __init__(self, log_dir: str, update_freq: str | int = "epoch", **keras: Any) -> None:
+        check_keras_arguments("TensorBoard", keras, ("log_dir", "update_freq"))
         check_freq(update_freq, "TensorBoard")
         try:
             import tensorboardX  # noqa: F401

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 import warnings
@@ -15,6 +16,7 @@ import optax
 from flax import nnx
 
 from spmd._src.errors import (
+    ArgumentTypeError,
     BatchError,
     ConfigurationError,
     SpmdError,
@@ -24,7 +26,12 @@ from spmd._src.errors import (
 )
 from spmd._src.strategy.base import Strategy, get_strategy
 from spmd._src.trainer import islands
-from spmd._src.trainer.arguments import check_optimizer, check_strategy, check_verbose
+from spmd._src.trainer.arguments import (
+    check_keras_arguments,
+    check_optimizer,
+    check_strategy,
+    check_verbose,
+)
 from spmd._src.trainer.batch_checks import BatchChecks
 from spmd._src.trainer.callbacks import (
     BatchLogs,
@@ -35,6 +42,7 @@ from spmd._src.trainer.callbacks import (
     ProgressBar,
     as_callbacks,
 )
+from spmd._src.trainer.class_weight import check_class_weight, with_class_weight
 from spmd._src.trainer.data import (
     as_dataset,
     check_count,
@@ -55,6 +63,7 @@ from spmd._src.trainer.losses import (
 from spmd._src.trainer.model import (
     NAN_LOSS,
     NAN_UPDATE,
+    NAN_WEIGHT,
     WRITTEN,
     averages,
     cast,
@@ -111,13 +120,24 @@ def _non_finite_message(cause: int, epoch: int, batch_in_epoch: int, step: int, 
             "clip the gradients (optax.clip_by_global_norm); pass "
             "Trainer(terminate_on_nan=False) to train on regardless.",
         )
+    if cause == NAN_WEIGHT:
+        return message(
+            "The loss is finite at every step (terminate_on_nan=True stops at the first "
+            "that is not, as Keras' TerminateOnNaN does); it is sum(loss x sample_weight), so "
+            "every sample weight is finite.",
+            where + f"; the sample weights of global_step={step} hold a NaN or inf",
+            "find it in the data's sample weights (np.isfinite(sample_weight).all()), or in "
+            "class_weight, and replace or drop those examples; a weight of 0 leaves an "
+            "example out.",
+        )
     return message(
         "The loss is finite at every step (terminate_on_nan=True stops at the first "
         "that is not, as Keras' TerminateOnNaN does).",
         where,
         "look for labels outside the loss's range (a class id >= the number of "
-        "outputs, or < 0), NaN or inf in the inputs, or a learning rate too high; "
-        "pass Trainer(terminate_on_nan=False) to train on regardless.",
+        "outputs, or < 0), NaN or inf in the inputs or the sample weights, or a "
+        "learning rate too high; pass Trainer(terminate_on_nan=False) to train on "
+        "regardless.",
     )
 
 
@@ -268,11 +288,13 @@ class Trainer:
 
     def host_state(self) -> Any:
         """The whole train state as numpy arrays, gathered from every process (typed PRNG
-        keys, e.g. a Dropout's, as key arrays over their gathered key data)."""
+        keys, e.g. a Dropout's, as key arrays over their gathered key data); a state this
+        process holds whole (a strategy over its own devices) is read as it is."""
         from jax.experimental import multihost_utils
 
-        if jax.process_count() == 1:
-            return jax.device_get(self.state)
+        leaves = jax.tree.leaves(self.state)
+        if jax.process_count() == 1 or all(_addressable(a) for a in leaves):
+            return jax.device_get(self.state)  # this process's strategy: nothing to gather
         data = jax.tree.map(lambda a: jax.random.key_data(a) if _is_key(a) else a, self.state)
         gathered = multihost_utils.process_allgather(data, tiled=True)
         return jax.tree.map(
@@ -354,7 +376,9 @@ class Trainer:
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new = {"params": params, "opt_state": opt_state, "rest": rest}
-        nan_step, nan_cause = first_nan(state, sums["loss"], new if self.terminate_on_nan else None)
+        nan_step, nan_cause = first_nan(
+            state, sums["loss"], new if self.terminate_on_nan else None, sums["weight_sum"]
+        )
         return {
             "params": params,
             "opt_state": opt_state,
@@ -461,7 +485,7 @@ class Trainer:
 
     def fit(
         self,
-        data: Any,
+        data: Any = None,  # None: Keras' x=/y= keywords are named as such, not a TypeError
         batch_size: int | None = None,
         epochs: int = 1,
         steps_per_epoch: int | None = None,
@@ -471,12 +495,15 @@ class Trainer:
         callbacks: Sequence[Callback] | Callback = (),
         verbose: int | str = "auto",
         initial_epoch: int = 0,
+        class_weight: dict[int, float] | None = None,
+        **keras: Any,
     ) -> History:
         """Trains for `epochs` epochs; returns the `History` of every epoch's metrics.
 
         Args:
           data: (x, y) arrays (or (x, y, sample_weight)) with `batch_size` the
-            global batch, the last partial batch trained on as Keras does
+            global batch (Keras' `x=`/`y=` keywords are an error saying so),
+            the last partial batch trained on as Keras does
             (padded and masked; dropped, logged at WARNING, for a model whose
             training pass writes state); an iterable of such batches
             (re-iterable for several epochs); or a distributed dataset.
@@ -493,19 +520,35 @@ class Trainer:
           verbose: 0 silent, 1 a progress bar, 2 a line per epoch; "auto" picks
             1 on a terminal, else 2. Only the chief prints.
           initial_epoch: the epoch to start from (BackupAndRestore sets it).
+          class_weight: Keras' {class id: weight}: each example's sample weight
+            (1 where the data has none) multiplied by its label's class weight
+            (an id left out weighs 1.0); the metrics stay unweighted.
+          **keras: none is taken; a Keras argument spmd does not take (e.g.
+            `validation_split`, `sample_weight`, `workers`) is an error saying
+            what to do instead.
 
         Returns:
           The `History`: `history.history["loss"]`, `["val_accuracy"]`, ...
+
+        Raises:
+          ArgumentTypeError: an argument fit does not take (Keras' named as such).
+          ConfigurationError: `batch_size` beside a dataset, a tuple of four arrays.
+          BatchError: data spmd cannot read as batches (unbatched, ragged), sample
+            weights of another shape than (batch,).
         """
+        check_keras_arguments("fit", keras, _FIT_ARGUMENTS)
         check_count("steps_per_epoch", steps_per_epoch, allow_none=True)
         check_count("epochs", epochs, allow_none=False)
         check_verbose(verbose)
         islands.check_batch_size(self.strategy, batch_size)
         callbacks = as_callbacks(callbacks)
         self.build()
+        data = with_class_weight(data, check_class_weight(class_weight), "fit")
         self.dataset = self._dataset(data, batch_size, shuffle=shuffle, pad=False, what="fit")
         check_endless(self.dataset, steps_per_epoch)
-        val_size = validation_batch_size or batch_size
+        val_size = validation_batch_size
+        if val_size is None and is_arrays(validation_data):
+            val_size = batch_size
         val_data = None
         if validation_data is not None:  # made now: its errors come before the first step
             val_data = self._dataset(
@@ -620,7 +663,7 @@ class Trainer:
 
     def _run_group(self, hooks: CallbackList, group: list[tuple], ran: int) -> int:
         hooks.on_train_batch_begin(ran, {})
-        if len(group) == self.steps_per_execution > 1:
+        if len(group) == self.steps_per_execution > 1 and _one_form(group):
             stacked = stack(self.strategy, group)
             self.state = self._step("many")(self.state, *stacked)
         else:
@@ -634,10 +677,12 @@ class Trainer:
 
     def evaluate(
         self,
-        data: Any,
+        data: Any = None,  # None: Keras' x=/y= keywords are named as such, not a TypeError
         batch_size: int | None = None,
         verbose: int = 0,
         callbacks: Sequence[Callback] | Callback = (),
+        return_dict: bool = True,
+        **keras: Any,
     ) -> dict[str, float]:
         """The loss and metrics over every example of `data`, each counted once.
 
@@ -649,6 +694,9 @@ class Trainer:
         over batches 0..i; read from the devices only when some callback
         overrides that hook), then `on_test_end(logs)`.
 
+        `return_dict` is Keras' (True is spmd's only form); other Keras
+        arguments spmd does not take are errors saying what to do instead.
+
         Returns:
           {"loss": ..., "accuracy": ...}: the loss is sum(loss x sample_weight)
           over the real examples' count (Keras' sum_over_batch_size), each metric
@@ -656,7 +704,10 @@ class Trainer:
 
         Raises:
           BatchError: no example, a dropping dataset, or sample weights all 0.
+          ArgumentTypeError: an argument evaluate does not take, return_dict=False.
         """
+        check_keras_arguments("evaluate", keras, _EVALUATE_ARGUMENTS)
+        _check_return_dict(return_dict)
         check_verbose(verbose)
         self.build()
         dataset = self._dataset(data, batch_size, shuffle=False, pad=True, what="evaluate")
@@ -686,7 +737,12 @@ class Trainer:
         return logs
 
     def predict(
-        self, x: Any, batch_size: int | None = None, callbacks: Sequence[Callback] | Callback = ()
+        self,
+        x: Any,
+        batch_size: int | None = None,
+        callbacks: Sequence[Callback] | Callback = (),
+        verbose: int | str = 0,
+        **keras: Any,
     ) -> Any:
         """The model's outputs for every row of `x`, in input order, on every process.
 
@@ -702,6 +758,9 @@ class Trainer:
             `on_predict_begin`, then per batch `on_predict_batch_begin(i)` and
             `on_predict_batch_end(i, {"outputs": ...})` (the batch's real rows),
             then `on_predict_end`.
+          verbose: accepted for Keras compatibility (predict prints nothing).
+          **keras: none is taken; a Keras argument spmd does not take (e.g.
+            `steps`, `workers`) is an error saying what to do instead.
 
         Returns:
           A numpy array with one row per input row (a pytree of them for a
@@ -709,7 +768,10 @@ class Trainer:
 
         Raises:
           ConfigurationError: a list of arrays without batch_size.
+          ArgumentTypeError: an argument predict does not take.
         """
+        check_keras_arguments("predict", keras, _PREDICT_ARGUMENTS)
+        check_verbose(verbose)
         self.build()
         check_lists(x, "predict")
         if is_bare_arrays(x) and batch_size is None:
@@ -735,6 +797,29 @@ class Trainer:
         return jax.tree.map(lambda *parts: np.concatenate(parts), *rows)
 
 
+_FIT_ARGUMENTS = tuple(inspect.signature(Trainer.fit).parameters)[1:-1]
+_EVALUATE_ARGUMENTS = tuple(inspect.signature(Trainer.evaluate).parameters)[1:-1]
+_PREDICT_ARGUMENTS = tuple(inspect.signature(Trainer.predict).parameters)[1:-1]
+
+
+def _check_return_dict(return_dict: Any) -> None:
+    """Raises unless `return_dict` is True: evaluate returns a dict, never Keras' list.
+
+    Raises:
+      ArgumentTypeError: return_dict=False.
+    """
+    if return_dict is True:
+        return
+    raise ArgumentTypeError(
+        message(
+            "evaluate returns its metrics as a dict (Keras' return_dict=True), never as "
+            "Keras' list, whose order would have to be guessed.",
+            received(return_dict=return_dict),
+            'drop return_dict, and read the values by name: logs["loss"], logs["accuracy"].',
+        )
+    )
+
+
 def _evaluated(totals: Any, dataset: Any, what: str) -> dict[str, float]:
     """The metrics of an evaluation's summed `totals`; raises if nothing was summed."""
     if totals is None:
@@ -756,6 +841,18 @@ def _evaluated(totals: Any, dataset: Any, what: str) -> dict[str, float]:
             )
         )
     return averages(totals)
+
+
+def _one_form(group: list[tuple]) -> bool:
+    """Whether a group's batches stack into one: each with a mask and sample weights, or
+    each without (a padded batch among whole ones, from an iterable, runs by itself)."""
+    return all(len({batch[i] is None for batch in group}) == 1 for i in range(len(group[0])))
+
+
+def _addressable(leaf: Any) -> bool:
+    """Whether this process holds the whole leaf (a process-local strategy's state, e.g.
+    OneDeviceStrategy's under several processes), which gathering would repeat per process."""
+    return not isinstance(leaf, jax.Array) or leaf.is_fully_addressable
 
 
 def _is_key(leaf: Any) -> bool:

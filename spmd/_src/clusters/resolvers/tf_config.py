@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import os
 
-from spmd._src.clusters.spec import TF_CONFIG, ClusterInfo, parse_tf_config
+from spmd._src.clusters.spec import (
+    ENV_LAUNCH_TF_CONFIG,
+    TF_CONFIG,
+    ClusterInfo,
+    parse_tf_config,
+)
 
 __all__ = ["TfConfigResolver"]
 
@@ -15,8 +20,10 @@ class TfConfigResolver:
     source = TF_CONFIG
 
     def is_present(self) -> bool:
-        """Whether TF_CONFIG is set to something other than blank or '{}'."""
-        return os.environ.get(TF_CONFIG, "").strip() not in ("", "{}")
+        """Whether TF_CONFIG is set to something other than blank or '{}', or than the
+        one `spmd launch` wrote for the program (its SPMD_* variables then answer)."""
+        text = os.environ.get(TF_CONFIG, "")
+        return text.strip() not in ("", "{}") and text != os.environ.get(ENV_LAUNCH_TF_CONFIG)
 
     def resolve(self) -> ClusterInfo:
         """Parses TF_CONFIG."""
