@@ -12,6 +12,7 @@ from flax import nnx
 from spmd._src.errors import BatchError, message, received
 from spmd._src.rules import path_str
 from spmd._src.strategy.diloco import DiLoCo
+from spmd._src.trainer import islands
 from spmd._src.trainer.data import (
     BatchSpecs,
     check_batched,
@@ -100,7 +101,7 @@ class BatchChecks:
         outputs = self._outputs.get(key)
         if outputs is None:  # what only the shapes decide: once per shapes (a trace each)
             self.specs.check(what, abstract[2], labels)
-            with trainer.strategy.context(traced=True):  # the step's mesh: spmd.pipeline's stages
+            with islands.synchronous(trainer.strategy).context(traced=True):  # the step's mesh
                 outputs = jax.eval_shape(
                     lambda p, r, x: trainer._forward(p, r, x, False)[0], *abstract[:3]
                 )
