@@ -55,6 +55,7 @@ class Config:
     seq: int = 4096  # max_target_length
     per_device_batch: int = 4  # per_device_batch_size
     remat: str = "minimal"  # remat_policy
+    annotate: bool = True  # activations laid out by logical names, as MaxText's are
 
     def parameters(self) -> int:
         """Parameters: embedding, head, per layer q/k/v/o, gate/up/down and two norms, final norm."""
@@ -119,17 +120,17 @@ def _norm(x, scale):
 QUERY_BLOCK = 512
 
 
-def _batch_split(h):
-    """Keeps activations split by batch over the data axes, as MaxText's logical constraints do.
+BATCH, LENGTH, EMBED, HEADS, MLP, VOCAB = spmd.logical.ACTIVATIONS
 
-    Without it XLA may split a layer's activations along the width (where the
-    FSDP weights are split) and hold the whole batch on every chip.
+
+def _constrain(x, names, annotate: bool):
+    """Lays out an activation by MaxText's logical names under the strategy's rules.
+
+    `annotate=False` leaves the activations to the compiler (a model without
+    annotations): under tensor parallelism XLA then keeps the residual stream
+    whole on every device of a tensor group.
     """
-    names = jax.sharding.get_abstract_mesh().axis_names
-    axes = tuple(a for a in ("data", "fsdp") if a in names)
-    if not axes:
-        return h
-    return jax.lax.with_sharding_constraint(h, jax.sharding.PartitionSpec(axes))
+    return spmd.logical.constrain(x, names) if annotate else x
 
 
 def _attention(q, k, v):
@@ -160,29 +161,37 @@ def step_fn(config: Config):
     """The train step: next-token cross entropy, AdamW."""
     c = config
     policy = {
+        "none": jax.checkpoint_policies.everything_saveable,
         "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
         "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv"),
         "full": jax.checkpoint_policies.nothing_saveable,
     }[c.remat]
+    residual = (BATCH, LENGTH, EMBED)
+
+    def at(x, names):
+        return _constrain(x, names, c.annotate)
 
     def layer(h, p):
         p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
         b, s, _ = h.shape
         x = _norm(h, p["norm1"])
-        q = checkpoint_name(x @ p["q"], "qkv").reshape(b, s, c.heads, -1)
-        k = checkpoint_name(x @ p["k"], "qkv").reshape(b, s, c.heads, -1)
-        v = checkpoint_name(x @ p["v"], "qkv").reshape(b, s, c.heads, -1)
+        heads = (BATCH, LENGTH, HEADS, None)
+        q = at(checkpoint_name(x @ p["q"], "qkv").reshape(b, s, c.heads, -1), heads)
+        k = at(checkpoint_name(x @ p["k"], "qkv").reshape(b, s, c.heads, -1), heads)
+        v = at(checkpoint_name(x @ p["v"], "qkv").reshape(b, s, c.heads, -1), heads)
         out = _attention(q, k, v).reshape(b, s, -1) @ p["o"]
-        h = h + out
+        h = at(h + out, residual)
         x = _norm(h, p["norm2"])
-        h = h + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
-        return _batch_split(h), None
+        hidden = at(jax.nn.silu(x @ p["gate"]) * (x @ p["up"]), (BATCH, LENGTH, MLP))
+        h = h + hidden @ p["down"]
+        return at(h, residual), None
 
     def loss_fn(params, tokens):
-        h = _batch_split(params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]])
+        h = at(params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]], residual)
         h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), h, params["layers"])
         h = _norm(h, params["final_norm"].astype(jnp.bfloat16))
-        logits = (h @ params["head"].astype(jnp.bfloat16)).astype(jnp.float32)
+        logits = at(h @ params["head"].astype(jnp.bfloat16), (BATCH, LENGTH, VOCAB))
+        logits = logits.astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def step(state, tokens):

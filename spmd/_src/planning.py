@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from spmd._src.activations import constrains_activations
+from spmd._src.calibration import calibration_note
 from spmd._src.candidates import MIN_SHARDED_ELEMENTS, candidates, idle_axes, model_layout
 from spmd._src.errors import (
     ArgumentTypeError,
@@ -87,10 +89,14 @@ class Plan:
     """Every candidate, the ranked ones first (fastest estimate first), then the dropped.
 
     `print()` it for a table; `plan.best` is the first ranked candidate.
+    `notes` are what the table's reader should know of the model (a
+    tensor-parallel candidate of a model that lays out none of its
+    activations, say).
     """
 
     target: str
     candidates: tuple[Candidate, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def ranked(self) -> tuple[Candidate, ...]:
@@ -148,6 +154,9 @@ class Plan:
                 "host/device: state kept in host memory, moved in and back out each step over "
                 "the host link (in the estimate)"
             )
+        if any(c.roofline.efficiency < 1 for c in self.ranked):
+            lines.append(calibration_note())
+        lines += [f"note: {note}" for note in self.notes]
         if self.dropped:
             lines.append("dropped:")
             lines += [f"  {c.name} ({_mesh(c.strategy)}): {c.dropped}" for c in self.dropped]
@@ -397,6 +406,7 @@ def auto_strategy(
     extra: Mapping[str, Strategy] | None = None,
     rules: Sequence[Rule] = (),
     logical_axis_rules: LogicalRules = (),
+    remat: Sequence[str] | None = None,
 ) -> tuple[Strategy, Plan]:
     """Compiles candidate layouts for a target, drops those that do not fit, ranks the rest.
 
@@ -423,7 +433,15 @@ def auto_strategy(
     A flax model's annotations are kept: every candidate's mesh has the mesh
     axes they name (through `logical_axis_rules`), tensor parallelism splits
     the one that is not data or fsdp, and a leaf keeps its annotation wherever
-    it splits (see `spmd._src.planning.candidates`).
+    it splits (see `spmd._src.planning.candidates`). Every candidate lays out
+    the activations the step names with `spmd.logical.constrain` by its own
+    rules (`spmd._src.activations.activation_rules`); where the step lays out
+    none, the plan notes that its tensor-parallel candidates hold the
+    residual stream whole on every device of a tensor group.
+
+    Where the model exposes its rematerialisation choices (`remat=`, with
+    `step` a function of the policy's name that returns the step), each
+    layout is tried with each policy ("FSDP over 8, remat full").
 
     Args:
       create_fn: builds the train state from `args` (as for `strategy.init`).
@@ -445,6 +463,9 @@ def auto_strategy(
       rules: state rules given to every candidate, ahead of its own.
       logical_axis_rules: maps the model's flax annotation names to mesh axes,
         in every candidate (as `spmd.Strategy(logical_axis_rules=)`).
+      remat: the model's remat policies to try, e.g. `("none", "minimal",
+        "full")`; `step` is then called as `step(remat=name)` for each and
+        returns the train step. None (the default): `step` is the train step.
 
     Returns:
       (the best `Strategy`, the `Plan`: every candidate with its estimate or
@@ -469,9 +490,13 @@ def auto_strategy(
     batch = _batch(batch)
     wanted = _only(only)
     extras = _extra(extra, devices)
+    steps = _remat_steps(step, remat)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
-    _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
+    constrained = [
+        _check_on_one_device(create_fn, s, batch, args, devices, model, rules, logical_axis_rules)
+        for _, s in steps
+    ]
     built = candidates(
         model.leaves,
         devices,
@@ -484,14 +509,20 @@ def auto_strategy(
     )
     built = [(name, build, True) for name, build in built]
     built += [(name, (lambda s=s: s), False) for name, s in extras]
+    built = [
+        (name + (f", remat {policy}" if policy else ""), b, own, s)
+        for name, b, own in built
+        for policy, s in steps
+    ]
     built = _matching(built, wanted)
     chip = chip_of(devices[0])
     results = [
-        _try(name, b, own, create_fn, step, batch, args, chip, len(devices))
-        for name, b, own in built
+        _try(name, b, own, create_fn, s, batch, args, chip, len(devices))
+        for name, b, own, s in built
     ]
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
-    plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
+    notes = () if all(constrained) else _unconstrained_note(built)
+    plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None), notes)
     if plan.best is None:
         raise _nothing_fits(target, plan)
     return plan.best.strategy, plan
@@ -515,14 +546,70 @@ def _traced(fn: Callable[[], Any], what: str = "create_fn") -> Any:
         raise
 
 
-def _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules):
-    """Traces the step on one device (every axis of size 1): what fails there fails anywhere."""
+def _check_on_one_device(
+    create_fn, step, batch, args, devices, model, rules, logical_axis_rules
+) -> bool:
+    """Traces the step on one device (every axis of size 1): what fails there fails anywhere.
+
+    Returns:
+      Whether the step lays out any of its activations (a sharding constraint).
+    """
     sizes = {"data": 1} | {a: 1 for a in model.axes}
     one = Strategy(
         make_mesh(sizes, devices[:1]), rules=rules, logical_axis_rules=logical_axis_rules
     )
     state = _traced(lambda: one.abstract_state(create_fn, *args))
-    _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
+    traced = _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
+    return constrains_activations(traced[0].jaxpr)
+
+
+REMAT_POLICIES = ("none", "minimal", "full")  # the usual names: MaxText's `remat_policy`
+
+
+def _remat_steps(step: Any, remat: Any) -> list[tuple[str | None, Any]]:
+    """(policy, train step) for each remat choice; `[(None, step)]` without choices."""
+    if remat is None:
+        return [(None, step)]
+    names = (remat,) if isinstance(remat, str) else remat
+    ok = isinstance(names, Iterable) and all(isinstance(n, str) for n in names)
+    names = tuple(names) if ok else ()
+    if not names or len(set(names)) != len(names):
+        raise ConfigurationError(
+            message(
+                "remat is the model's remat policies to try: distinct names its step builder "
+                f"takes, e.g. {REMAT_POLICIES}.",
+                received(remat=remat),
+                'pass remat=("none", "full") with step=build_step, where build_step(remat=name) '
+                "returns the train step; or remat=None with the train step itself.",
+            )
+        )
+    steps = []
+    for name in names:
+        built = _traced(lambda name=name: step(remat=name), f"step(remat={name!r})")
+        if not callable(built):
+            raise ArgumentTypeError(
+                message(
+                    "With remat=, step is a builder: step(remat=name) returns the train step.",
+                    received(remat=name, returned=type(built).__name__),
+                    "return the step function for that policy, e.g. "
+                    "def build_step(remat): return make_train_step(policy=POLICIES[remat]).",
+                )
+            )
+        steps.append((name, built))
+    return steps
+
+
+def _unconstrained_note(built: list) -> tuple[str, ...]:
+    """The note for a step that lays out no activation, where it matters: tensor parallelism."""
+    if not any(" x TP " in name or name.startswith("TP over") for name, *_ in built):
+        return ()
+    return (
+        "the step lays out none of its activations: under tensor parallelism (the TP "
+        "layouts) the compiler may keep the residual stream whole on every device of a "
+        "tensor group, and those layouts' memory is sized so. Name them as MaxText does: "
+        'spmd.logical.constrain(h, ("activation_batch", "activation_length", '
+        '"activation_embed")) (docs/planning.md)',
+    )
 
 
 def _bound(strategy: Strategy, step: Callable[..., Any] | Step) -> Step:

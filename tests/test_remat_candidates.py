@@ -1,0 +1,71 @@
+"""The model's remat policies as a dimension of auto_strategy's candidates."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import spmd
+
+pytestmark = pytest.mark.cpu_mesh
+
+POLICIES = {
+    "none": jax.checkpoint_policies.everything_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+X = jax.ShapeDtypeStruct((512, 256), jnp.float32)
+
+
+def _create(key):
+    params = {"w": jax.random.normal(key, (8, 256, 256)) * 0.05}
+    return {"params": params, "opt": optax.sgd(0.1).init(params)}
+
+
+def _build_step(remat: str):
+    """The train step under one remat policy: 8 scanned layers, each rematerialised so."""
+
+    def layer(h, w):
+        return jnp.tanh(jnp.tanh(h @ w) @ w), None
+
+    def loss(params, x):
+        layer_fn = jax.checkpoint(layer, policy=POLICIES[remat])
+        return (jax.lax.scan(layer_fn, x, params["w"])[0] ** 2).mean()
+
+    def step(state, x):
+        value, grads = jax.value_and_grad(loss)(state["params"], x)
+        updates, opt = optax.sgd(0.1).update(grads, state["opt"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, {
+            "loss": value
+        }
+
+    return step
+
+
+def test_full_remat_needs_less_temporary_memory_than_none_per_the_compiler():
+    _, plan = spmd.auto_strategy(
+        _create, _build_step, X, remat=("none", "full"), only=["data parallel"]
+    )
+    by_name = {c.name: c for c in plan.candidates}
+    assert set(by_name) == {"data parallel, remat none", "data parallel, remat full"}
+    none = by_name["data parallel, remat none"].explanation
+    full = by_name["data parallel, remat full"].explanation
+    # Saving every layer's activations for the backward pass, against recomputing them.
+    assert full.temp_bytes < none.temp_bytes
+    assert full.matmul_flops > none.matmul_flops  # the recomputed forward pass
+    assert "remat full" in str(plan) and "remat none" in str(plan)
+
+
+@pytest.mark.parametrize("remat", [(), ("full", "full"), [1], "full,none"])
+def test_remat_that_names_no_distinct_policies_is_refused(remat):
+    if remat == "full,none":  # one string is one policy's name, passed to the builder as is
+        with pytest.raises(KeyError):
+            spmd.auto_strategy(_create, _build_step, X, remat=remat, only=["data parallel"])
+        return
+    with pytest.raises(spmd.ConfigurationError, match="remat policies") as info:
+        spmd.auto_strategy(_create, _build_step, X, remat=remat)
+    assert "Received: remat=" in str(info.value)
+
+
+def test_a_builder_that_returns_no_step_is_refused():
+    with pytest.raises(spmd.ConfigurationError, match=r"step\(remat=name\) returns"):
+        spmd.auto_strategy(_create, lambda remat: None, X, remat=("none",))
