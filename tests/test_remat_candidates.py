@@ -69,3 +69,42 @@ def test_remat_that_names_no_distinct_policies_is_refused(remat):
 def test_a_builder_that_returns_no_step_is_refused():
     with pytest.raises(spmd.ConfigurationError, match=r"step\(remat=name\) returns"):
         spmd.auto_strategy(_create, lambda remat: None, X, remat=("none",))
+
+
+SCRIPT = """
+import jax, jax.numpy as jnp, optax
+
+
+def create(key):
+    return {"w": jax.random.normal(key, (4, 256, 256)) * 0.05}
+
+
+def build_step(remat):
+    policy = {"none": jax.checkpoint_policies.everything_saveable,
+              "full": jax.checkpoint_policies.nothing_saveable}[remat]
+
+    def step(state, x):
+        def loss(w):
+            layer = jax.checkpoint(lambda h, wi: (jnp.tanh(h @ wi), None), policy=policy)
+            return (jax.lax.scan(layer, x, w)[0] ** 2).mean()
+        value, grad = jax.value_and_grad(loss)(state["w"])
+        return {"w": state["w"] - 0.1 * grad}, {"loss": value}
+    return step
+
+
+def plan_inputs():
+    return dict(create_fn=create, step=build_step, remat=("none", "full"),
+                batch=(jax.ShapeDtypeStruct((64, 256), jnp.float32),))
+"""
+
+
+@pytest.mark.slow  # 6 s of CPU
+def test_spmd_plan_tries_the_remat_policies_plan_inputs_declares(tmp_path, capsys):
+    from spmd._src.cli.main import main
+
+    script = tmp_path / "remat_train.py"
+    script.write_text(SCRIPT)
+    code = main(["plan", "--target", "cpu", "--only", "data parallel", f"{script}:plan_inputs"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "data parallel, remat none" in out and "data parallel, remat full" in out

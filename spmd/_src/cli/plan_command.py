@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from spmd._src.planning import auto_strategy
 
     try:
-        create_fn, step, batch, create_args = load_entry(entry, argv)
+        create_fn, step, batch, create_args, remat = load_entry(entry, argv)
     except EntryRaised as e:
         print(f"spmd plan: error: {str(e).splitlines()[0]}", file=sys.stderr)
         _print_user_traceback(e.__cause__)
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         args=create_args,
         slices=args.slices or 1,
         only=args.only,
+        remat=remat,
     )
     print(plan)
     return 0
@@ -169,8 +170,8 @@ def _script(entry: str) -> bool:
     return entry.partition(":")[0].endswith(".py") or entry.endswith(".py")
 
 
-def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any]:
-    """An entry point -> (create_fn, step, batch, args) from what its function returns.
+def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any, Any]:
+    """An entry point -> (create_fn, step, batch, args, remat) from what its function returns.
 
     Args:
       entry: `MODULE:FUNCTION` (imported with the current directory on
@@ -178,8 +179,10 @@ def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any
       argv: a script's arguments, in `sys.argv` while it is imported.
 
     Returns:
-      The function's dict's `create_fn`, `step`, `batch` and `args` (None if
-      absent), or its tuple `(create_fn, step, batch[, args])`.
+      The function's dict's `create_fn`, `step`, `batch`, `args` and `remat`
+      (None if absent; with `remat`, the policies to try, `step` builds the
+      step for each: `step(remat=name)`), or its tuple `(create_fn, step,
+      batch[, args])` (no remat choices).
 
     Raises:
       ConfigurationError: the entry is none of those forms, its module or
@@ -255,11 +258,12 @@ def _load_script(path: str, argv: Sequence[str]) -> Any:
 _KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold; args optional
 
 
-def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any]:
+def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, Any]:
     if isinstance(pieces, dict) and set(_KEYS) <= set(pieces):
-        return pieces["create_fn"], pieces["step"], pieces["batch"], pieces.get("args")
+        p = pieces
+        return p["create_fn"], p["step"], p["batch"], p.get("args"), p.get("remat")
     if isinstance(pieces, tuple) and len(pieces) in (3, 4):
-        return (*pieces, None) if len(pieces) == 3 else pieces
+        return (*pieces, None, None) if len(pieces) == 3 else (*pieces, None)
     what = {"returned": type(pieces).__name__}
     if isinstance(pieces, dict):
         what |= {
