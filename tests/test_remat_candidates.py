@@ -55,20 +55,24 @@ def test_full_remat_needs_less_temporary_memory_than_none_per_the_compiler():
     assert "remat full" in str(plan) and "remat none" in str(plan)
 
 
-@pytest.mark.parametrize("remat", [(), ("full", "full"), [1], "full,none"])
+@pytest.mark.parametrize("remat", [(), ("full", "full"), [1], 3])
 def test_remat_that_names_no_distinct_policies_is_refused(remat):
-    if remat == "full,none":  # one string is one policy's name, passed to the builder as is
-        with pytest.raises(KeyError):
-            spmd.auto_strategy(_create, _build_step, X, remat=remat, only=["data parallel"])
-        return
     with pytest.raises(spmd.ConfigurationError, match="remat policies") as info:
         spmd.auto_strategy(_create, _build_step, X, remat=remat)
     assert "Received: remat=" in str(info.value)
 
 
-def test_a_builder_that_returns_no_step_is_refused():
-    with pytest.raises(spmd.ConfigurationError, match=r"step\(remat=name\) returns"):
-        spmd.auto_strategy(_create, lambda remat: None, X, remat=("none",))
+def test_one_string_is_one_policy():
+    _, plan = spmd.auto_strategy(_create, _build_step, X, remat="full", only=["data parallel"])
+    assert [c.name for c in plan.candidates] == ["data parallel, remat full"]
+
+
+@pytest.mark.parametrize("builder", [lambda remat: None, _build_step("full")])
+def test_a_step_where_a_builder_is_expected_is_refused(builder):
+    # A builder that returns no step; the train step itself (it takes no remat=).
+    with pytest.raises(spmd.ConfigurationError, match=r"step\(remat=name\) returns") as info:
+        spmd.auto_strategy(_create, builder, X, remat=("none",))
+    assert "Received: remat='none'" in str(info.value)
 
 
 SCRIPT = """

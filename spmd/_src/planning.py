@@ -570,9 +570,8 @@ def _remat_steps(step: Any, remat: Any) -> list[tuple[str | None, Any]]:
     """(policy, train step) for each remat choice; `[(None, step)]` without choices."""
     if remat is None:
         return [(None, step)]
-    names = (remat,) if isinstance(remat, str) else remat
-    ok = isinstance(names, Iterable) and all(isinstance(n, str) for n in names)
-    names = tuple(names) if ok else ()
+    names = (remat,) if isinstance(remat, str) else tuple(remat) if _iterable(remat) else ()
+    names = names if all(isinstance(n, str) for n in names) else ()
     if not names or len(set(names)) != len(names):
         raise ConfigurationError(
             message(
@@ -585,18 +584,29 @@ def _remat_steps(step: Any, remat: Any) -> list[tuple[str | None, Any]]:
         )
     steps = []
     for name in names:
-        built = _traced(lambda name=name: step(remat=name), f"step(remat={name!r})")
+        try:
+            built = _traced(lambda name=name: step(remat=name), f"step(remat={name!r})")
+        except TypeError as e:
+            if "remat" not in str(e):
+                raise
+            raise ArgumentTypeError(_builder_expected(name, f"TypeError: {e}")) from e
         if not callable(built):
-            raise ArgumentTypeError(
-                message(
-                    "With remat=, step is a builder: step(remat=name) returns the train step.",
-                    received(remat=name, returned=type(built).__name__),
-                    "return the step function for that policy, e.g. "
-                    "def build_step(remat): return make_train_step(policy=POLICIES[remat]).",
-                )
-            )
+            raise ArgumentTypeError(_builder_expected(name, type(built).__name__))
         steps.append((name, built))
     return steps
+
+
+def _iterable(x: Any) -> bool:
+    return isinstance(x, Iterable)
+
+
+def _builder_expected(name: str, got: str) -> str:
+    return message(
+        "With remat=, step is a builder: step(remat=name) returns the train step.",
+        received(remat=name, got=got),
+        "pass the builder, e.g. def build_step(remat): return make_train_step("
+        "policy=POLICIES[remat]); or remat=None with the train step itself.",
+    )
 
 
 def _unconstrained_note(built: list) -> tuple[str, ...]:
