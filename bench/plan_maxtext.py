@@ -65,7 +65,7 @@ class Config:
     seq: int = 4096  # max_target_length
     per_device_batch: int = 4  # per_device_batch_size
     remat: str = "minimal"  # remat_policy
-    annotate: bool = True  # activations laid out by logical names, as MaxText's are
+    annotate: str = "maxtext"  # activations laid out by logical names, as MaxText's are
 
     def parameters(self) -> int:
         """Parameters: embedding, head, per layer q/k/v/o, gate/up/down and two norms, final norm."""
@@ -133,14 +133,17 @@ QUERY_BLOCK = 512
 BATCH, LENGTH, EMBED, HEADS, MLP, VOCAB = spmd.logical.ACTIVATIONS
 
 
-def _constrain(x, names, annotate: bool):
-    """Lays out an activation by MaxText's logical names under the strategy's rules.
-
-    `annotate=False` leaves the activations to the compiler (a model without
-    annotations): under tensor parallelism XLA then keeps the residual stream
-    whole on every device of a tensor group.
+def _constrain(x, names, annotate: str):
+    """Lays out an activation: by MaxText's logical names under the strategy's rules
+    ("maxtext"), by its batch alone with the other dimensions whole ("batch", as a
+    constraint over the batch axes alone lays it out), or not at all ("none": the
+    compiler chooses).
     """
-    return spmd.logical.constrain(x, names) if annotate else x
+    if annotate == "maxtext":
+        return spmd.logical.constrain(x, names)
+    if annotate == "batch":
+        return spmd.logical.constrain(x, (BATCH,) + (None,) * (x.ndim - 1))
+    return x
 
 
 def _attention(q, k, v):
@@ -267,6 +270,11 @@ def plan(target: str) -> dict:
     return result
 
 
+# MaxText's weights under tensor parallelism (its annotations: the attention output's
+# ("heads", "kv", "embed"), the MLP's wo ("mlp", "embed")): row-parallel, Megatron's pairing
+# with the column-parallel q/k/v, gate and up that spmd's TP candidates make by default.
+ROW_PARALLEL = [(r"params/layers/(o|down)", jax.sharding.PartitionSpec(None, "model", None))]
+
 # MaxText's layout of each published run (its scripts' ici_fsdp_parallelism and
 # ici_tensor_parallelism; -1 is every chip the other axes leave), as auto_strategy names it.
 LAYOUTS = {
@@ -307,7 +315,7 @@ def published(run: calibration.MaxTextRun, layers: int | None = None) -> dict:
     start = time.perf_counter()
     try:
         _, table = spmd.auto_strategy(
-            create_fn(config), step_fn(config), (tokens,), topo, only=[layout]
+            create_fn(config), step_fn(config), (tokens,), topo, only=[layout], rules=ROW_PARALLEL
         )
         candidate = next(c for c in table.candidates if c.name == layout)
     except spmd.ConfigurationError as e:  # nothing fits: the table is in the message
