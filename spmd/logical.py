@@ -1,5 +1,4 @@
-"""`spmd.logical`: `REST`, the logical axis rules' word for every name no other rule maps;
-`constrain`, an activation laid out by logical names through the strategy's rules."""
+"""`spmd.logical`: `REST` (every name no other rule maps), `constrain` (an activation by names)."""
 
 # `(spmd.logical.REST, None)` in `logical_axis_rules` replicates every logical name that no
 # other rule maps, as MaxText's configs leave `layers` or `kv` unsharded; without it an
