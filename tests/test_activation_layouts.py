@@ -49,6 +49,22 @@ def test_on_one_device_and_outside_a_strategy_it_changes_nothing():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x * 2))
 
 
+def test_inside_strategy_run_the_manual_batch_axes_are_left_out():
+    strategy = _tensor_parallel()
+
+    @strategy.step
+    def step(state, x):
+        per = strategy.run(
+            lambda r: (spmd.logical.constrain(jnp.tanh(r), RESIDUAL) ** 2).sum(), (x,)
+        )
+        return state, {"loss": strategy.reduce("sum", per)}
+
+    state = strategy.init(lambda key: {"w": jnp.ones((4,))}, jax.random.key(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8, 16)), jnp.float32)
+    _, metrics = step(state, x)
+    np.testing.assert_allclose(float(metrics["loss"]), float((jnp.tanh(x) ** 2).sum()), rtol=1e-5)
+
+
 def test_an_axis_that_does_not_divide_its_dimension_is_left_out():
     with _tensor_parallel().scope():
         out = jax.jit(lambda a: spmd.logical.constrain(a, RESIDUAL))(jnp.ones((4, 8, 6)))
@@ -62,6 +78,12 @@ def test_names_not_one_per_dimension_are_refused(names):
     with pytest.raises(spmd.ConfigurationError, match="one per dimension") as info:
         spmd.logical.constrain(jnp.ones((2, 3, 4)), names)
     assert "Received:" in str(info.value)
+
+
+def test_a_name_given_to_two_dimensions_is_refused_naming_the_call():
+    with _tensor_parallel().scope(), pytest.raises(spmd.ConfigurationError) as info:
+        spmd.logical.constrain(jnp.ones((4, 8, 16)), ("activation_batch", "activation_batch", None))
+    assert "spmd.logical.constrain(x of shape (4, 8, 16))" in str(info.value)
 
 
 def test_each_candidate_maps_the_names_by_its_own_layout():

@@ -94,7 +94,8 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh.empty:
         return x
     rules = tuple(flax_spmd.get_logical_axis_rules() or ())
-    spec = to_spec(tuple(names), rules, mesh, replicate_unmapped=True)
+    where = f"spmd.logical.constrain(x of shape {tuple(x.shape)})"
+    spec = to_spec(tuple(names), rules, mesh, replicate_unmapped=True, path=where)
     manual = set(getattr(mesh, "manual_axes", ()))
     entries = [
         _usable(entry, dim, mesh.shape, manual) for entry, dim in zip(spec, x.shape, strict=True)
