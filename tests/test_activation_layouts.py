@@ -27,6 +27,7 @@ def _tensor_parallel():
     )
 
 
+@pytest.mark.slow  # 2 s of CPU
 def test_the_residual_stream_splits_over_the_tensor_axis_as_maxtext_maps_it():
     strategy = _tensor_parallel()
     w = jnp.asarray(np.random.default_rng(0).normal(size=(16, 16)), jnp.float32)

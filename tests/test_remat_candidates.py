@@ -41,6 +41,7 @@ def _build_step(remat: str):
     return step
 
 
+@pytest.mark.slow  # 10 s of CPU: two compiles
 def test_full_remat_needs_less_temporary_memory_than_none_per_the_compiler():
     _, plan = spmd.auto_strategy(
         _create, _build_step, X, remat=("none", "full"), only=["data parallel"]
@@ -62,6 +63,7 @@ def test_remat_that_names_no_distinct_policies_is_refused(remat):
     assert "Received: remat=" in str(info.value)
 
 
+@pytest.mark.slow  # 2 s of CPU
 def test_one_string_is_one_policy():
     _, plan = spmd.auto_strategy(_create, _build_step, X, remat="full", only=["data parallel"])
     assert [c.name for c in plan.candidates] == ["data parallel, remat full"]
