@@ -436,7 +436,7 @@ def auto_strategy(
     it splits (see `spmd._src.planning.candidates`). Every candidate lays out
     the activations the step names with `spmd.logical.constrain` by its own
     rules (`spmd._src.activations.activation_rules`); where the step lays out
-    none, the plan notes that its tensor-parallel candidates hold the
+    none, the plan notes that its tensor-parallel candidates may hold the
     residual stream whole on every device of a tensor group.
 
     Where the model exposes its rematerialisation choices (`remat=`, with
