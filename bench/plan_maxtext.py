@@ -318,18 +318,19 @@ def published(run: calibration.MaxTextRun, layers: int | None = None) -> dict:
             create_fn(config), step_fn(config), (tokens,), topo, only=[layout], rules=ROW_PARALLEL
         )
         candidate = next(c for c in table.candidates if c.name == layout)
+        dropped = candidate.dropped
     except spmd.ConfigurationError as e:  # nothing fits: the table is in the message
         print(e)
-        candidate = None
+        candidate, dropped = None, _reason(str(e), layout)
     seconds = time.perf_counter() - start
-    fits = candidate is not None and candidate.dropped is None
+    fits = candidate is not None and dropped is None
     estimate = candidate.step_seconds if fits else None
     return {
         "model": run.name + (f" ({config.layers} of {run.layers} layers)" if layers else ""),
         "target": run.target,
         "layout": f"{layout}, remat {run.remat}",
         "published": f"runs: {run.tflops:g} TFLOP/s a chip ({run.mfu:.1%} MFU)",
-        "spmd": "fits" if fits else f"does not fit: {candidate.dropped if candidate else '-'}",
+        "spmd": "fits" if fits else dropped,
         "memory_gib": candidate.memory_bytes / 2**30
         if candidate and candidate.memory_bytes
         else None,
@@ -339,6 +340,14 @@ def published(run: calibration.MaxTextRun, layers: int | None = None) -> dict:
         "compile_s": round(seconds, 1),
         "source": f"maxtext@{calibration.MAXTEXT_COMMIT[:8]}:src/maxtext/configs/tpu/{run.source}",
     }
+
+
+def _reason(text: str, layout: str) -> str:
+    """Why `layout` was dropped, read from the table in auto_strategy's error."""
+    for line in text.splitlines():
+        if line.strip().startswith(f"{layout} ("):
+            return line.split("): ", 1)[1]
+    return "dropped (see the table above)"
 
 
 def published_rows(quick: bool = False) -> list[dict]:
