@@ -4,7 +4,16 @@
     python -m bench.plan_maxtext v5e     # llama2-7b, 2 x v5e-256, per_device_batch_size=4, seq 2048
     python -m bench.plan_maxtext small   # 8 such layers (1.9 B), v5e:2x2, seq 256: seconds
     python -m bench.plan_maxtext 32b     # a 30 B decoder on v5p-128, FSDP 16 x TP 4: one compile
+    python -m bench.plan_maxtext published [--quick]   # MaxText's published runs, below
     python -m bench --only plan_maxtext [--quick]   (the rows in docs/performance.md; quick: small)
+
+`published` reruns MaxText's published TPU configurations
+(`spmd._src.calibration.MAXTEXT_RUNS`: the model, slice, batch, remat policy
+and layout of each README's row) through `spmd.auto_strategy` with MaxText's
+layout, and prints a table: MaxText's verdict (it ran, at its published
+TFLOP/s per chip), spmd's (the compiler's fit), and the estimated step beside
+the published one. `--quick` plans one of them (v5p 32B) with one layer in
+place of 32 and compares with the published rate applied to that layer.
 
 The model is Llama 2's shape (MaxText's `model_name=llama2-7b`): vocabulary
 32000, width 4096, 32 layers of 32 heads of 128, SwiGLU MLP of 11008, RMS
@@ -41,6 +50,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 
 import spmd
+from spmd._src import calibration
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class Config:
     seq: int = 4096  # max_target_length
     per_device_batch: int = 4  # per_device_batch_size
     remat: str = "minimal"  # remat_policy
+    annotate: str = "maxtext"  # activations laid out by logical names, as MaxText's are
 
     def parameters(self) -> int:
         """Parameters: embedding, head, per layer q/k/v/o, gate/up/down and two norms, final norm."""
@@ -151,17 +162,20 @@ def _norm(x, scale):
 QUERY_BLOCK = 512
 
 
-def _batch_split(h):
-    """Keeps activations split by batch over the data axes, as MaxText's logical constraints do.
+BATCH, LENGTH, EMBED, HEADS, MLP, VOCAB = spmd.logical.ACTIVATIONS
 
-    Without it XLA may split a layer's activations along the width (where the
-    FSDP weights are split) and hold the whole batch on every chip.
+
+def _constrain(x, names, annotate: str):
+    """Lays out an activation: by MaxText's logical names under the strategy's rules
+    ("maxtext"), by its batch alone with the other dimensions whole ("batch", as a
+    constraint over the batch axes alone lays it out), or not at all ("none": the
+    compiler chooses).
     """
-    names = jax.sharding.get_abstract_mesh().axis_names
-    axes = tuple(a for a in ("data", "fsdp") if a in names)
-    if not axes:
-        return h
-    return jax.lax.with_sharding_constraint(h, jax.sharding.PartitionSpec(axes))
+    if annotate == "maxtext":
+        return spmd.logical.constrain(x, names)
+    if annotate == "batch":
+        return spmd.logical.constrain(x, (BATCH,) + (None,) * (x.ndim - 1))
+    return x
 
 
 def _attention(q, k, v):
@@ -188,33 +202,45 @@ def _attention(q, k, v):
     return out.swapaxes(0, 1).reshape(b, s, h, d)
 
 
+# MaxText's remat policies as jax.checkpoint policies (its `remat_policy` names).
+REMAT = {
+    "none": jax.checkpoint_policies.everything_saveable,
+    "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv"),
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
 def step_fn(config: Config):
     """The train step: next-token cross entropy, AdamW."""
     c = config
-    policy = {
-        "minimal": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-        "save_qkv_proj": jax.checkpoint_policies.save_only_these_names("qkv"),
-        "full": jax.checkpoint_policies.nothing_saveable,
-    }[c.remat]
+    policy = REMAT[c.remat]
+    residual = (BATCH, LENGTH, EMBED)
+
+    def at(x, names):
+        return _constrain(x, names, c.annotate)
 
     def layer(h, p):
         p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
         b, s, _ = h.shape
         x = _norm(h, p["norm1"])
-        q = checkpoint_name(x @ p["q"], "qkv").reshape(b, s, c.heads, -1)
-        k = checkpoint_name(x @ p["k"], "qkv").reshape(b, s, c.heads, -1)
-        v = checkpoint_name(x @ p["v"], "qkv").reshape(b, s, c.heads, -1)
+        heads = (BATCH, LENGTH, HEADS, None)
+        q = at(checkpoint_name(x @ p["q"], "qkv").reshape(b, s, c.heads, -1), heads)
+        k = at(checkpoint_name(x @ p["k"], "qkv").reshape(b, s, c.heads, -1), heads)
+        v = at(checkpoint_name(x @ p["v"], "qkv").reshape(b, s, c.heads, -1), heads)
         out = _attention(q, k, v).reshape(b, s, -1) @ p["o"]
-        h = h + out
+        h = at(h + out, residual)
         x = _norm(h, p["norm2"])
-        h = h + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
-        return _batch_split(h), None
+        hidden = at(jax.nn.silu(x @ p["gate"]) * (x @ p["up"]), (BATCH, LENGTH, MLP))
+        h = h + hidden @ p["down"]
+        return at(h, residual), None
 
     def loss_fn(params, tokens):
-        h = _batch_split(params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]])
+        h = at(params["embed"].astype(jnp.bfloat16)[tokens[:, :-1]], residual)
         h, _ = jax.lax.scan(jax.checkpoint(layer, policy=policy), h, params["layers"])
         h = _norm(h, params["final_norm"].astype(jnp.bfloat16))
-        logits = (h @ params["head"].astype(jnp.bfloat16)).astype(jnp.float32)
+        logits = at(h @ params["head"].astype(jnp.bfloat16), (BATCH, LENGTH, VOCAB))
+        logits = logits.astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def step(state, tokens):
@@ -276,6 +302,113 @@ def plan(target: str) -> dict:
     return result
 
 
+# MaxText's weights under tensor parallelism (its annotations: the attention output's
+# ("heads", "kv", "embed"), the MLP's wo ("mlp", "embed")): row-parallel, Megatron's pairing
+# with the column-parallel q/k/v, gate and up that spmd's TP candidates make by default.
+ROW_PARALLEL = [(r"params/layers/(o|down)", jax.sharding.PartitionSpec(None, "model", None))]
+
+# MaxText's layout of each published run (its scripts' ici_fsdp_parallelism and
+# ici_tensor_parallelism; -1 is every chip the other axes leave), as auto_strategy names it.
+LAYOUTS = {
+    ("22B", "v4-128"): "FSDP over 64",
+    ("52B", "v4-384"): "FSDP over 192",
+    ("16B", "v5e-256"): "FSDP over 256",
+    ("32B", "v5e-256"): "FSDP over 256",
+    ("64B", "v5e-256"): "FSDP over 256",
+    ("32B", "v5p-128"): "FSDP 16 x TP 4",
+    ("64B", "v5p-128"): "FSDP 16 x TP 4",
+    ("128B", "v5p-256"): "FSDP 16 x TP 8",
+}  # v5e 128B (FSDP 16 x TP 16, its qkv projections offloaded to host) is no candidate of spmd's
+
+
+def published_config(run: calibration.MaxTextRun, layers: int | None = None) -> Config:
+    """The decoder of a published MaxText run (optionally with fewer layers)."""
+    return Config(
+        vocab=run.vocab,
+        width=run.width,
+        heads=run.heads,
+        head_dim=run.head_dim,
+        mlp=run.mlp,
+        layers=layers or run.layers,
+        seq=run.seq,
+        per_device_batch=run.batch,
+        remat=run.remat,
+    )
+
+
+def published(run: calibration.MaxTextRun, layers: int | None = None) -> dict:
+    """Plans one published run with MaxText's layout: spmd's verdict and estimate beside
+    MaxText's (with `layers`, the published rate applied to that many layers)."""
+    config = published_config(run, layers)
+    scaled = run._replace(layers=config.layers)
+    topo = spmd.topology(run.target)
+    tokens = jax.ShapeDtypeStruct((run.batch * len(topo), run.seq + 1), jnp.int32)
+    layout = LAYOUTS[(run.name, run.target)]
+    start = time.perf_counter()
+    try:
+        _, table = spmd.auto_strategy(
+            create_fn(config), step_fn(config), (tokens,), topo, only=[layout], rules=ROW_PARALLEL
+        )
+        candidate = next(c for c in table.candidates if c.name == layout)
+        dropped = candidate.dropped
+    except spmd.ConfigurationError as e:  # nothing fits: the table is in the message
+        print(e)
+        candidate, dropped = None, _reason(str(e), layout)
+    seconds = time.perf_counter() - start
+    fits = candidate is not None and dropped is None
+    estimate = candidate.step_seconds if fits else None
+    return {
+        "model": run.name + (f" ({config.layers} of {run.layers} layers)" if layers else ""),
+        "target": run.target,
+        "layout": f"{layout}, remat {run.remat}",
+        "published": f"runs: {run.tflops:g} TFLOP/s a chip ({run.mfu:.1%} MFU)",
+        "spmd": "fits" if fits else dropped,
+        "memory_gib": candidate.memory_bytes / 2**30
+        if candidate and candidate.memory_bytes
+        else None,
+        "estimated_s": estimate,
+        "published_s": calibration.published_step(scaled),
+        "analytic_s": calibration.estimated_step(scaled),
+        "compile_s": round(seconds, 1),
+        "source": f"maxtext@{calibration.MAXTEXT_COMMIT[:8]}:src/maxtext/configs/tpu/{run.source}",
+    }
+
+
+def _reason(text: str, layout: str) -> str:
+    """Why `layout` was dropped, read from the table in auto_strategy's error."""
+    for line in text.splitlines():
+        if line.strip().startswith(f"{layout} ("):
+            return line.split("): ", 1)[1]
+    return "dropped (see the table above)"
+
+
+def published_rows(quick: bool = False) -> list[dict]:
+    """The comparison for every published run (quick: v5p 32B, one layer)."""
+    runs = [r for r in calibration.MAXTEXT_RUNS if (r.name, r.target) in LAYOUTS]
+    if quick:
+        return [published(next(r for r in runs if r.target == "v5p-128"), layers=1)]
+    return [published(r) for r in runs]
+
+
+def published_table(rows: list[dict]) -> str:
+    """The comparison as a markdown table."""
+    head = (
+        "| model | target | layout | MaxText | spmd | memory/chip | step (est.) | "
+        "step (published) | est. / published |\n| --- | --- | --- | --- | --- | --- | --- | "
+        "--- | --- |"
+    )
+    lines = [head]
+    for r in rows:
+        est = r["estimated_s"]
+        ratio = f"{est / r['published_s']:.2f}" if est else "-"
+        memory = f"{r['memory_gib']:.2f} GiB" if r["memory_gib"] is not None else "-"
+        lines.append(
+            f"| {r['model']} | {r['target']} | {r['layout']} | {r['published']} | {r['spmd']} | "
+            f"{memory} | {f'{est:.2f} s' if est else '-'} | {r['published_s']:.2f} s | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
 def passed(result: dict) -> bool:
     """Data parallel does not fit; FSDP does, with 12 bytes a parameter split over the chips."""
     return (
@@ -287,7 +420,10 @@ def passed(result: dict) -> bool:
 
 
 def main(quick: bool = False) -> list[dict]:
-    """`python -m bench`'s rows: each target's checks (quick: the small one)."""
+    """`python -m bench`'s rows: each target's checks (quick: the small one), then the
+    published runs' comparison (not in the quick mode, which stays a smoke test of
+    minutes: `python -m bench.plan_maxtext published --quick` compiles one layer of
+    one run, about 4 minutes of CPU here)."""
     rows = []
     for target in ["small"] if quick else ["v5p", "v5e"]:
         r = plan(target)
@@ -303,6 +439,22 @@ def main(quick: bool = False) -> list[dict]:
                 "checks": "pass" if passed(r) else "FAIL",
             }
         )
+    for r in [] if quick else published_rows():
+        est = r["estimated_s"]
+        rows.append(
+            {
+                "benchmark": "MaxText's published runs: verdict and step, spmd against MaxText",
+                "model": r["model"],
+                "target": r["target"],
+                "layout": r["layout"],
+                "MaxText": r["published"],
+                "spmd": r["spmd"],
+                "step (est.)": f"{est:.3f} s" if est else "-",
+                "step (published)": f"{r['published_s']:.3f} s",
+                "est. / published": f"{est / r['published_s']:.2f}" if est else "-",
+                "compile (s)": r["compile_s"],
+            }
+        )
     return rows
 
 
@@ -311,6 +463,11 @@ def cli(argv: list[str]) -> int:
         result = verdict_32b()
         print(json.dumps(result, indent=2))
         return 0 if result["fits"] else 1
+    if argv and argv[0] == "published":
+        rows = published_rows(quick="--quick" in argv)
+        print(json.dumps(rows, indent=2, default=str))
+        print(published_table(rows))
+        return 0 if all(r["estimated_s"] for r in rows) else 1
     targets = argv or ["v5p"]
     results = [plan(t) for t in targets]
     print(json.dumps(results, indent=2, default=str))

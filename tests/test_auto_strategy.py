@@ -358,7 +358,10 @@ def test_a_linen_logical_model_is_planned_through_logical_axis_rules():
     )
     assert sorted(c.name for c in plan.ranked) == ["TP over 2", "data parallel"], str(plan)
     tp = next(c for c in plan.ranked if c.name == "TP over 2")
-    assert tp.strategy.logical_axis_rules == tuple(logical)
+    # The model's rules first, then the candidate's layout of the activation names.
+    n = len(logical)
+    assert tp.strategy.logical_axis_rules[:n] == tuple(logical)
+    assert dict(tp.strategy.logical_axis_rules[n:])["activation_embed"] == "model"
     hand = spmd.Strategy(spmd.make_mesh({"data": 4, "model": 2}, topo), logical_axis_rules=logical)
     want = _explained(hand, _linen_create, _linen_step, (x,), (jax.random.key(0),))
     assert tp.explanation.state_bytes == want.state_bytes

@@ -139,6 +139,7 @@ def test_bench_quick_measures_the_pipelined_step_against_the_scan(tmp_path):
     assert len(rows) == 2 and all("x |" in row and "%" in row for row in rows)
 
 
+@pytest.mark.bench
 def test_bench_quick_times_context_parallel_attention_and_its_memory(tmp_path):
     # spmd.attention against jax.nn.dot_product_attention (CPU devices), and its peak per
     # device as the context axis grows (v5p-16, the TPU compiler), in the quick mode.

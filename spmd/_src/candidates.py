@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec
 
+from spmd._src.activations import activation_rules
 from spmd._src.logical import REST, LogicalRules, annotations, to_spec
 from spmd._src.mesh import make_mesh
 from spmd._src.rules import Rule, path_str
@@ -251,7 +252,8 @@ def candidates(
         the candidate does not split over them. Tensor parallelism splits the
         one of them that is not data or fsdp (`tensor_axis`).
       rules, logical_axis_rules: given to every candidate, the rules ahead of
-        the candidate's own.
+        the candidate's own (its logical rules end with `activation_rules`: the
+        layout of the activations `spmd.logical.constrain` names).
 
     Returns:
       (name, a function building the `Strategy`) pairs.
@@ -273,9 +275,10 @@ def candidates(
                 rules=[*rules, *own],
                 batch_axes=batch_axes,
                 placement=placement,
-                logical_axis_rules=logical_axis_rules,
+                logical_axis_rules=[*logical_axis_rules, *activations],
             )
 
+        activations = activation_rules(sizes, batch_axes, tensor)
         out.append((name, build))
 
     strategy("data parallel", {DATA_AXIS: n}, (DATA_AXIS,))

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 
 from spmd._src import plan_cache
+from spmd._src.activations import constrains_activations
+from spmd._src.calibration import calibration_note
 from spmd._src.candidates import MIN_SHARDED_ELEMENTS, candidates, idle_axes, model_layout
 from spmd._src.errors import (
     ArgumentTypeError,
@@ -118,10 +120,14 @@ class Plan:
     """Every candidate, the ranked ones first (fastest estimate first), then the dropped.
 
     `print()` it for a table; `plan.best` is the first ranked candidate.
+    `notes` are what the table's reader should know of the model (a
+    tensor-parallel candidate of a model that lays out none of its
+    activations, say).
     """
 
     target: str
     candidates: tuple[Candidate, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def ranked(self) -> tuple[Candidate, ...]:
@@ -184,6 +190,9 @@ class Plan:
                 "host/device: state kept in host memory, moved in and back out each step over "
                 "the host link (in the estimate)"
             )
+        if any(c.roofline.efficiency < 1 for c in self.ranked):
+            lines.append(calibration_note())
+        lines += [f"note: {note}" for note in self.notes]
         if self.dropped:
             lines.append("dropped:")
             lines += [f"  {c.name} ({_mesh(c.strategy)}): {c.dropped}" for c in self.dropped]
@@ -436,6 +445,7 @@ def auto_strategy(
     jobs: int = 1,
     cache_dir: str | Path | None = None,
     progress: Callable[[Candidate, str], None] | None = None,
+    remat: Sequence[str] | None = None,
 ) -> tuple[Strategy, Plan]:
     """Compiles candidate layouts for a target, drops those that do not fit, ranks the rest.
 
@@ -466,7 +476,15 @@ def auto_strategy(
     A flax model's annotations are kept: every candidate's mesh has the mesh
     axes they name (through `logical_axis_rules`), tensor parallelism splits
     the one that is not data or fsdp, and a leaf keeps its annotation wherever
-    it splits (see `spmd._src.planning.candidates`).
+    it splits (see `spmd._src.planning.candidates`). Every candidate lays out
+    the activations the step names with `spmd.logical.constrain` by its own
+    rules (`spmd._src.activations.activation_rules`); where the step lays out
+    none, the plan notes that its tensor-parallel candidates may hold the
+    residual stream whole on every device of a tensor group.
+
+    Where the model exposes its rematerialisation choices (`remat=`, with
+    `step` a function of the policy's name that returns the step), each
+    layout is tried with each policy ("FSDP over 8, remat full").
 
     Args:
       create_fn: builds the train state from `args` (as for `strategy.init`).
@@ -496,6 +514,9 @@ def auto_strategy(
         compiled. None (the default): no cache.
       progress: called with each candidate as it is settled, and how
         ("compiled in 12.3 s", "from the cache", "not compiled").
+      remat: the model's remat policies to try, e.g. `("none", "minimal",
+        "full")`; `step` is then called as `step(remat=name)` for each and
+        returns the train step. None (the default): `step` is the train step.
 
     Returns:
       (the best `Strategy`, the `Plan`: every candidate with its estimate or
@@ -522,9 +543,13 @@ def auto_strategy(
     extras = _extra(extra, devices)
     positive_int(jobs, "jobs", fix="pass jobs=1 to compile one candidate at a time.")
     cache_dir = _cache_dir(cache_dir)
+    steps = _remat_steps(step, remat)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
-    _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules)
+    constrained = [
+        _check_on_one_device(create_fn, s, batch, args, devices, model, rules, logical_axis_rules)
+        for _, s in steps
+    ]
     built = candidates(
         model.leaves,
         devices,
@@ -537,15 +562,19 @@ def auto_strategy(
     )
     built = [(name, build, True) for name, build in built]
     built += [(name, (lambda s=s: s), False) for name, s in extras]
+    built = [
+        (name + (f", remat {policy}" if policy else ""), b, own, s)
+        for name, b, own in built
+        for policy, s in steps
+    ]
     built = _matching(built, wanted)
     chip = chip_of(devices[0])
     capacity = _capacity(devices[0])
-    judge = _Judge(
-        create_fn, step, batch, args, chip, len(devices), capacity, cache_dir is not None
-    )
+    judge = _Judge(create_fn, batch, args, chip, len(devices), capacity, cache_dir is not None)
     results = _settle(built, judge, jobs, cache_dir, progress)
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
-    plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None))
+    notes = () if all(constrained) else _unconstrained_note(built)
+    plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None), notes)
     if plan.best is None:
         raise _nothing_fits(target, plan)
     return plan.best.strategy, plan
@@ -599,8 +628,8 @@ def _settle(built, judge, jobs, cache_dir, progress) -> list[Candidate]:
             progress(candidate, how)
 
     waiting: dict[int, _Program] = {}
-    for i, (name, build, own) in enumerate(built):
-        prepared = judge.prepare(name, build, own)
+    for i, (name, build, own, step) in enumerate(built):
+        prepared = judge.prepare(name, build, own, step)
         if isinstance(prepared, Candidate):
             settle(i, prepared, "not compiled")
         else:
@@ -609,7 +638,7 @@ def _settle(built, judge, jobs, cache_dir, progress) -> list[Candidate]:
     for wave in ({i: p for i, p in waiting.items() if i not in later}, later):
         if wave is later:
             for i, program in list(wave.items()):
-                if (twin := _fitting_twin(program, done)) is not None:
+                if (twin := _fitting_twin(program, built[i][3], built, done)) is not None:
                     settle(i, _cannot_help(program, twin), "not compiled")
                     del wave[i]
         order = list(wave)
@@ -620,12 +649,16 @@ def _settle(built, judge, jobs, cache_dir, progress) -> list[Candidate]:
     return done
 
 
-def _fitting_twin(program: _Program, done: list[Candidate | None]) -> Candidate | None:
-    """The candidate of the same mesh with its state in device memory, where it fits."""
+def _fitting_twin(
+    program: _Program, step: Any, built: list, done: list[Candidate | None]
+) -> Candidate | None:
+    """The candidate of the same mesh and train step (remat policy) with its state in
+    device memory, where it fits."""
     shape = dict(program.strategy.mesh.shape)
-    for c in done:
+    for c, (_, _, _, its_step) in zip(done, built, strict=True):
         if (
-            c is not None
+            its_step is step
+            and c is not None
             and c.dropped is None
             and c.strategy is not None
             and not _is_offload(c.strategy)
@@ -663,14 +696,80 @@ def _traced(fn: Callable[[], Any], what: str = "create_fn") -> Any:
         raise
 
 
-def _check_on_one_device(create_fn, step, batch, args, devices, model, rules, logical_axis_rules):
-    """Traces the step on one device (every axis of size 1): what fails there fails anywhere."""
+def _check_on_one_device(
+    create_fn, step, batch, args, devices, model, rules, logical_axis_rules
+) -> bool:
+    """Traces the step on one device (every axis of size 1): what fails there fails anywhere.
+
+    Returns:
+      Whether the step lays out any of its activations (a sharding constraint).
+    """
     sizes = {"data": 1} | {a: 1 for a in model.axes}
     one = Strategy(
         make_mesh(sizes, devices[:1]), rules=rules, logical_axis_rules=logical_axis_rules
     )
     state = _traced(lambda: one.abstract_state(create_fn, *args))
-    _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
+    traced = _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
+    return constrains_activations(traced[0].jaxpr)
+
+
+REMAT_POLICIES = ("none", "minimal", "full")  # the usual names: MaxText's `remat_policy`
+
+
+def _remat_steps(step: Any, remat: Any) -> list[tuple[str | None, Any]]:
+    """(policy, train step) for each remat choice; `[(None, step)]` without choices."""
+    if remat is None:
+        return [(None, step)]
+    names = (remat,) if isinstance(remat, str) else tuple(remat) if _iterable(remat) else ()
+    names = names if all(isinstance(n, str) for n in names) else ()
+    if not names or len(set(names)) != len(names):
+        raise ConfigurationError(
+            message(
+                "remat is the model's remat policies to try: distinct names its step builder "
+                f"takes, e.g. {REMAT_POLICIES}.",
+                received(remat=remat),
+                'pass remat=("none", "full") with step=build_step, where build_step(remat=name) '
+                "returns the train step; or remat=None with the train step itself.",
+            )
+        )
+    steps = []
+    for name in names:
+        try:
+            built = _traced(lambda name=name: step(remat=name), f"step(remat={name!r})")
+        except TypeError as e:
+            if "remat" not in str(e):
+                raise
+            raise ArgumentTypeError(_builder_expected(name, f"TypeError: {e}")) from e
+        if not callable(built):
+            raise ArgumentTypeError(_builder_expected(name, type(built).__name__))
+        steps.append((name, built))
+    return steps
+
+
+def _iterable(x: Any) -> bool:
+    return isinstance(x, Iterable)
+
+
+def _builder_expected(name: str, got: str) -> str:
+    return message(
+        "With remat=, step is a builder: step(remat=name) returns the train step.",
+        received(remat=name, got=got),
+        "pass the builder, e.g. def build_step(remat): return make_train_step("
+        "policy=POLICIES[remat]); or remat=None with the train step itself.",
+    )
+
+
+def _unconstrained_note(built: list) -> tuple[str, ...]:
+    """The note for a step that lays out no activation, where it matters: tensor parallelism."""
+    if not any(" x TP " in name or name.startswith("TP over") for name, *_ in built):
+        return ()
+    return (
+        "the step lays out none of its activations: under tensor parallelism (the TP "
+        "layouts) the compiler may keep the residual stream whole on every device of a "
+        "tensor group, and those layouts' memory is sized so. Name them as MaxText does: "
+        'spmd.logical.constrain(h, ("activation_batch", "activation_length", '
+        '"activation_embed")) (docs/planning.md)',
+    )
 
 
 def _bound(strategy: Strategy, step: Callable[..., Any] | Step) -> Step:
@@ -724,7 +823,6 @@ class _Judge:
     """What every candidate is traced, lowered and judged with."""
 
     create_fn: Any
-    step: Any
     batch: tuple
     args: tuple
     chip: Chip | None
@@ -732,8 +830,9 @@ class _Judge:
     capacity: int | None
     cached: bool  # whether a cache key is wanted (the program's text: seconds for a large one)
 
-    def prepare(self, name: str, build: Callable[[], Strategy], own: bool):
-        """The candidate traced and lowered (a `_Program`), or dropped before compiling."""
+    def prepare(self, name: str, build: Callable[[], Strategy], own: bool, step: Any):
+        """The candidate (its layout and its train step: one per remat policy) traced and
+        lowered (a `_Program`), or dropped before compiling."""
         try:
             strategy = build()
         except Exception as e:  # a layout this mesh cannot make
@@ -747,7 +846,7 @@ class _Judge:
                 if (over := self._state_over_hbm(state)) is not None:
                     return Candidate(name, strategy, dropped=over)
                 _, traced, sized, batches, devices = traced_program(
-                    _bound(strategy, self.step), state, *self.batch
+                    _bound(strategy, step), state, *self.batch
                 )
                 lowered = traced.lower()
         except SpmdError as err:  # spmd's checks of this layout: the batch, the rules

@@ -2,11 +2,14 @@
 
 The roofline (per device, one step):
 
-    compute = FLOPs / peak FLOP/s            memory = HBM bytes accessed / HBM bandwidth
+    compute = FLOPs / (peak FLOP/s x efficiency)   memory = HBM bytes accessed / HBM bandwidth
     ici     = ICI wire bytes / ICI bandwidth  dcn    = DCN wire bytes / DCN bandwidth
     host    = host bytes each way / host link bandwidth (PCIe; full duplex)
     step    = max(compute, memory) + ici + dcn + host
 
+The efficiency is the share of peak a TPU's matrix units reach over a step,
+calibrated on MaxText's published runs (`spmd._src.calibration`); figures
+measured on this machine (CPU, GPU) are a matrix product's already, at 1.
 Compute and HBM traffic overlap; collectives and host transfers are counted
 as not overlapping them, so the estimate leans long where XLA hides one behind
 compute. The host bytes are the state a placement keeps in `pinned_host`
@@ -35,7 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spmd._src.topologies import Chip
+from spmd._src.calibration import MATMUL_EFFICIENCY
+from spmd._src.topologies import CHIPS, Chip
 
 __all__ = [
     "Flow",
@@ -139,6 +143,7 @@ class Roofline:
       host_s: `host_bytes` over the chip's host link (its share of it).
       host_known: False where the chip has no host link figure and
         `host_bytes` is not 0 (then `host_s` is 0: left out).
+      efficiency: the share of the chip's peak FLOP/s `compute_s` assumes.
     """
 
     chip: Chip
@@ -155,6 +160,7 @@ class Roofline:
     host_bytes: float = 0.0
     host_s: float = 0.0
     host_known: bool = True
+    efficiency: float = 1.0
 
     @property
     def step_s(self) -> float:
@@ -409,13 +415,18 @@ def estimate(
     flows: tuple[Traffic, ...],
     devices_per_chip: int = 1,
     host_bytes: float = 0.0,
+    efficiency: float | None = None,
 ) -> Roofline:
     """The roofline's step time for one device's work on `chip` (see the module's docstring).
 
     `host_bytes` is what the device moves between host and device memory each
-    way per step; the devices of one chip share its host link.
+    way per step; the devices of one chip share its host link. `efficiency`
+    is the share of peak FLOP/s compute runs at: by default `MATMUL_EFFICIENCY`
+    for a TPU's published figures, 1 for figures measured here.
     """
     share = max(1, devices_per_chip)
+    if efficiency is None:
+        efficiency = MATMUL_EFFICIENCY if CHIPS.get(chip.name) == chip else 1.0
     ici = sum(t.wire_bytes for t in flows if t.link == "ICI")
     dcn = sum(t.wire_bytes for t in flows if t.link == "DCN")
     dcn_known = chip.dcn_bandwidth is not None
@@ -427,7 +438,7 @@ def estimate(
         hbm_bytes=hbm_bytes,
         ici_bytes=ici,
         dcn_bytes=dcn,
-        compute_s=flops / (chip.peak_flops / share),
+        compute_s=flops / (chip.peak_flops * efficiency / share),
         memory_s=hbm_bytes / (chip.hbm_bandwidth / share),
         ici_s=ici / chip.ici_bandwidth,
         dcn_s=dcn / chip.dcn_bandwidth if dcn_known else 0.0,
@@ -435,6 +446,7 @@ def estimate(
         host_bytes=host_bytes,
         host_s=host_bytes / (chip.host_bandwidth / share) if host_known else 0.0,
         host_known=host_known or host_bytes == 0,
+        efficiency=efficiency,
     )
 
 

@@ -31,7 +31,7 @@ _FIX = (
     "pass MODULE:FUNCTION or PATH.py:FUNCTION (e.g. train:plan_inputs or ./train.py:plan_inputs), "
     "PATH.py (its plan_inputs()), or -- python train.py ARGS...; the function returns "
     "dict(create_fn=..., step=..., batch=(jax.ShapeDtypeStruct(...),)), optionally with args, "
-    "rules and logical_axis_rules."
+    "rules, logical_axis_rules and remat (step then builds the step: step(remat=name))."
 )
 
 
@@ -248,9 +248,10 @@ def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any
 
     Returns:
       The function's dict's `create_fn`, `step`, `batch` and `args` (None if
-      absent), and its `rules` and `logical_axis_rules` where given (as a dict
-      of `auto_strategy`'s keywords); or its tuple `(create_fn, step, batch[,
-      args])` and an empty dict.
+      absent), and its `rules`, `logical_axis_rules` and `remat` where given (as
+      a dict of `auto_strategy`'s keywords; with `remat`, the policies to try,
+      `step` builds the step for each: `step(remat=name)`); or its tuple
+      `(create_fn, step, batch[, args])` and an empty dict.
 
     Raises:
       ConfigurationError: the entry is none of those forms, its module or
@@ -324,7 +325,7 @@ def _load_script(path: str, argv: Sequence[str]) -> Any:
 
 
 _KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold
-_LAYOUT = ("rules", "logical_axis_rules")  # optional, given to auto_strategy as they are
+_LAYOUT = ("rules", "logical_axis_rules", "remat")  # optional, given to auto_strategy as is
 
 
 def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
@@ -334,7 +335,7 @@ def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
             raise ConfigurationError(
                 message(
                     f"{entry}() returns a dict of create_fn, step, batch and optionally args, "
-                    "rules and logical_axis_rules.",
+                    "rules, logical_axis_rules and remat.",
                     received(entry=entry, unknown=sorted(map(str, unknown))),
                     _FIX,
                 )
