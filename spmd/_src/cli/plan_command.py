@@ -190,21 +190,37 @@ def run(args: argparse.Namespace) -> int:
         _print_user_traceback(e.__cause__)
         return 1
     target = None if args.target == "cpu" else args.target
-    _, plan = auto_strategy(
-        create_fn,
-        step,
-        batch,
-        target,
-        args=create_args,
-        slices=args.slices or 1,
-        only=args.only,
-        jobs=args.jobs or default_jobs(),
-        cache_dir=args.cache_dir or None,
-        progress=_progress(),
-        **layout,
-    )
+    try:
+        _, plan = auto_strategy(
+            create_fn,
+            step,
+            batch,
+            target,
+            args=create_args,
+            slices=args.slices or 1,
+            only=args.only,
+            jobs=args.jobs or default_jobs(),
+            cache_dir=args.cache_dir or None,
+            progress=_progress(),
+            **layout,
+        )
+    except KeyboardInterrupt:
+        _exit_interrupted()
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
     return 0
+
+
+def _exit_interrupted() -> None:
+    """Ends the process now: the compiles still running in worker threads would hold a normal
+    exit for minutes. The cache holds only whole entries (each written, then renamed)."""
+    print(
+        "spmd plan: interrupted; the candidates compiled so far are in the cache, and the "
+        "next plan compiles only the rest.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def _progress() -> Any:
