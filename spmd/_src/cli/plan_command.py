@@ -298,7 +298,7 @@ def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any
         pieces = function()
     except Exception as e:
         raise _raised(f"{where}:{function_name}()", entry, e) from e
-    return _pieces(entry, pieces)
+    return _pieces(entry, f"{where}:{function_name}", pieces)
 
 
 def _import(module_name: str, entry: str) -> Any:
@@ -343,13 +343,14 @@ _KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold
 _LAYOUT = ("rules", "logical_axis_rules")  # optional, given to auto_strategy as they are
 
 
-def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
+def _pieces(entry: str, called: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
+    """The pieces `called` (the entry's module and function) returned."""
     if isinstance(pieces, dict) and set(_KEYS) <= set(pieces):
         unknown = set(pieces) - {*_KEYS, "args", *_LAYOUT}
         if unknown:
             raise ConfigurationError(
                 message(
-                    f"{entry}() returns a dict of create_fn, step, batch and optionally args, "
+                    f"{called}() returns a dict of create_fn, step, batch and optionally args, "
                     "rules and logical_axis_rules.",
                     received(entry=entry, unknown=sorted(map(str, unknown))),
                     _FIX,
@@ -369,7 +370,7 @@ def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
         what |= {"length": len(pieces)}
     raise ConfigurationError(
         message(
-            f"{entry}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
+            f"{called}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
             "tuple (create_fn, step, batch[, args]).",
             received(entry=entry, **what),
             _FIX,
