@@ -666,3 +666,13 @@ def test_spmd_plan_options_that_would_do_nothing_are_errors(argv, said, capsys):
     with pytest.raises(SystemExit) as info:
         _plan(argv, capsys)
     assert info.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_script_path_whose_plan_inputs_returns_something_else_names_the_function(tmp_path):
+    from spmd._src.cli.plan_command import load_entry
+
+    script = tmp_path / "train.py"
+    script.write_text("def plan_inputs():\n    return 42\n")
+    with pytest.raises(spmd.ConfigurationError, match=r"train.py:plan_inputs\(\) returns") as info:
+        load_entry(str(script))
+    assert "returned='int'" in str(info.value)

@@ -1,13 +1,15 @@
 """Planning fast: candidates compiled side by side, each program once per target, what a bound
 rules out never compiled, a line per candidate as it is settled."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
 
 import spmd
-from spmd._src import plan_compile
+from spmd._src import plan_cache, plan_compile
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -144,3 +146,24 @@ def test_a_damaged_cache_entry_is_compiled_again(tmp_path, compiles):
         _create, _step, X, "v5e:2x2", only="data parallel", cache_dir=tmp_path
     )
     assert compiles[0] == 2 and plan.best.dropped is None
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda e: e.update(temp_bytes=-(10**12)),  # a figure changed: the plan would lie
+        lambda e: e.update(temp_bytes="12"),
+        lambda e: e.update(dict.fromkeys(e)),
+    ],
+    ids=["a changed figure", "a figure of another type", "every figure null"],
+)
+def test_an_entry_changed_on_disk_is_compiled_again(tmp_path, damage):
+    output = plan_compile.CompilerOutput(1, 2, 0, 3, 4, 5.0, 6.0, "HloModule m")
+    plan_cache.store(tmp_path, "key", output)
+    assert plan_cache.load(tmp_path, "key") == output
+    (entry,) = tmp_path.glob("*.json")
+    digest, _, text = entry.read_text().partition("\n")
+    figures = json.loads(text)
+    damage(figures)
+    entry.write_text(f"{digest}\n{json.dumps(figures)}")
+    assert plan_cache.load(tmp_path, "key") is None

@@ -108,12 +108,27 @@ def attention(
         return jax.nn.dot_product_attention(q, k, v, mask=where, scale=scale)
 
     split = P(None, axis)
+    # Inside a vmap over mesh axes (spmd.pipeline's stages) JAX splits the mapped dimension
+    # of every spec over them and cannot tell the output's replication: the check is off there.
+    vmapped = _vmap_split_axes()
     return jax.shard_map(
         block,
         in_specs=(split, split, split, specs),
         out_specs=split,
-        axis_names=frozenset({axis}),
+        axis_names=frozenset({axis}) | vmapped,
+        check_vma=not vmapped,
     )(q, k, v, extra)
+
+
+def _vmap_split_axes() -> frozenset[str]:
+    """The mesh axes an enclosing `jax.vmap(..., spmd_axis_name=...)` splits its mapped
+    dimension over (spmd.pipeline's stages): a shard_map inside it names them as well."""
+    try:
+        from jax._src import core  # private: guarded, JAX may move it
+
+        return frozenset(core.get_axis_env().spmd_axis_names)
+    except (ImportError, AttributeError):
+        return frozenset()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

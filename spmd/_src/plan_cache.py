@@ -5,6 +5,9 @@ same program for the same target (the same devices in the same order, the
 same jax and TPU compiler) compiles to the same figures. The key is a hash
 of the lowered program's text (StableHLO, its shardings included), the
 mesh's device order, the target's device kind and the compiler versions.
+Each entry's first line is the SHA-256 of the rest, so an entry changed on
+disk (damaged, edited, cut short) is compiled again rather than read as
+figures the compiler never gave.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ if TYPE_CHECKING:  # spmd plan's parser reads DEFAULT_CACHE_DIR without importin
 __all__ = ["DEFAULT_CACHE_DIR", "cache_key", "load", "store"]
 
 DEFAULT_CACHE_DIR = Path("~/.cache/spmd/plan")
-_FORMAT = 1  # bumped when CompilerOutput's fields change
+_FORMAT = 2  # bumped when CompilerOutput's fields or the entries' layout change
 
 
 def _versions() -> str:
@@ -66,8 +69,11 @@ def load(directory: Path | None, key: str) -> CompilerOutput | None:
 
     path = directory / f"{key}.json"
     try:
-        return CompilerOutput(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):  # absent, half-written by a killed run, or stale
+        digest, _, text = path.read_text().partition("\n")
+        if digest != _digest(text):  # changed on disk since it was stored
+            return None
+        return CompilerOutput(**json.loads(text))
+    except (OSError, ValueError, TypeError):  # absent, unreadable, or of another format
         return None
 
 
@@ -78,5 +84,10 @@ def store(directory: Path | None, key: str, output: CompilerOutput) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{key}.json"
     part = path.with_suffix(f".{os.getpid()}.part")
-    part.write_text(json.dumps(dataclasses.asdict(output)))
+    text = json.dumps(dataclasses.asdict(output))
+    part.write_text(f"{_digest(text)}\n{text}")
     os.replace(part, path)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

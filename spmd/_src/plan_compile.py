@@ -84,7 +84,8 @@ def compile_programs(
             todo.append((i, lowered, key))
     if not todo:
         return
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo)))) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo))))
+    try:
         futures = {pool.submit(compile_fn, lowered): (i, key) for i, lowered, key in todo}
         for future in as_completed(futures):
             i, key = futures[future]
@@ -92,6 +93,10 @@ def compile_programs(
             if isinstance(output, CompilerOutput):
                 _store(cache_dir, key, output)
             yield i, output, seconds
+    finally:
+        # Ctrl-C, or a caller that stops early: the queued compiles are dropped, not run, and
+        # the running ones are not waited for (each may take minutes; their outputs are lost).
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _store(cache_dir: Path | None, key: str, output: CompilerOutput) -> None:

@@ -190,21 +190,37 @@ def run(args: argparse.Namespace) -> int:
         _print_user_traceback(e.__cause__)
         return 1
     target = None if args.target == "cpu" else args.target
-    _, plan = auto_strategy(
-        create_fn,
-        step,
-        batch,
-        target,
-        args=create_args,
-        slices=args.slices or 1,
-        only=args.only,
-        jobs=args.jobs or default_jobs(),
-        cache_dir=args.cache_dir or None,
-        progress=_progress(),
-        **layout,
-    )
+    try:
+        _, plan = auto_strategy(
+            create_fn,
+            step,
+            batch,
+            target,
+            args=create_args,
+            slices=args.slices or 1,
+            only=args.only,
+            jobs=args.jobs or default_jobs(),
+            cache_dir=args.cache_dir or None,
+            progress=_progress(),
+            **layout,
+        )
+    except KeyboardInterrupt:
+        _exit_interrupted()
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan)
     return 0
+
+
+def _exit_interrupted() -> None:
+    """Ends the process now: the compiles still running in worker threads would hold a normal
+    exit for minutes. The cache holds only whole entries (each written, then renamed)."""
+    print(
+        "spmd plan: interrupted; the candidates compiled so far are in the cache, and the "
+        "next plan compiles only the rest.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(130)
 
 
 def _progress() -> Any:
@@ -283,7 +299,7 @@ def load_entry(entry: str, argv: Sequence[str] = ()) -> tuple[Any, Any, Any, Any
         pieces = function()
     except Exception as e:
         raise _raised(f"{where}:{function_name}()", entry, e) from e
-    return _pieces(entry, pieces)
+    return _pieces(entry, f"{where}:{function_name}", pieces)
 
 
 def _import(module_name: str, entry: str) -> Any:
@@ -328,13 +344,14 @@ _KEYS = ("create_fn", "step", "batch")  # what a plan function's dict must hold
 _LAYOUT = ("rules", "logical_axis_rules", "remat")  # optional, given to auto_strategy as is
 
 
-def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
+def _pieces(entry: str, called: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
+    """The pieces `called` (the entry's module and function) returned."""
     if isinstance(pieces, dict) and set(_KEYS) <= set(pieces):
         unknown = set(pieces) - {*_KEYS, "args", *_LAYOUT}
         if unknown:
             raise ConfigurationError(
                 message(
-                    f"{entry}() returns a dict of create_fn, step, batch and optionally args, "
+                    f"{called}() returns a dict of create_fn, step, batch and optionally args, "
                     "rules, logical_axis_rules and remat.",
                     received(entry=entry, unknown=sorted(map(str, unknown))),
                     _FIX,
@@ -354,7 +371,7 @@ def _pieces(entry: str, pieces: Any) -> tuple[Any, Any, Any, Any, dict]:
         what |= {"length": len(pieces)}
     raise ConfigurationError(
         message(
-            f"{entry}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
+            f"{called}() returns dict(create_fn=..., step=..., batch=..., args=...) or the "
             "tuple (create_fn, step, batch[, args]).",
             received(entry=entry, **what),
             _FIX,
