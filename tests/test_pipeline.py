@@ -281,7 +281,8 @@ def test_no_mesh_is_an_error_naming_axis_none():
 class PipelinedMLP(nnx.Module):
     """An input layer, four stacked blocks run by spmd.pipeline, a head."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, axis: str | None = "stage"):
+        self.axis = axis
         self.embed = nnx.Linear(D, D, rngs=rngs)
 
         @nnx.split_rngs(splits=4)
@@ -295,7 +296,11 @@ class PipelinedMLP(nnx.Module):
     def __call__(self, x):
         graphdef, state = nnx.split(self.blocks)
         h = spmd.pipeline(
-            lambda s, h: nnx.merge(graphdef, s)(h), state, self.embed(x), microbatches=4
+            lambda s, h: nnx.merge(graphdef, s)(h),
+            state,
+            self.embed(x),
+            microbatches=4,
+            axis=self.axis,
         )
         return self.head(h)
 
@@ -317,6 +322,34 @@ def test_trainer_fits_a_pipelined_model_like_one_device():
     losses, params = fit(pipelined)
     want_losses, want_params = fit(spmd.OneDeviceStrategy())
     np.testing.assert_allclose(losses, want_losses, **TOL)
+    assert_trees_allclose(params, want_params, **TOL)
+
+
+@pytest.mark.slow  # 12 s of CPU
+def test_trainer_on_diloco_islands_fits_a_pipelined_model_like_one_device_islands():
+    """A Trainer on two islands of stage 2 x data 2, with validation data, against
+    the same Trainer on one device per island running the layers in order."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(64, D).astype(np.float32), rng.randn(64, 1).astype(np.float32)
+
+    def fit(strategy, axis):
+        trainer = spmd.Trainer(
+            PipelinedMLP(nnx.Rngs(0), axis), optax.adam(1e-2), "mse", strategy=strategy
+        )
+        history = trainer.fit(
+            (x, y), batch_size=16, shuffle=False, verbose=0, validation_data=(x[:16], y[:16])
+        )
+        return history.history, nnx.state(trainer.model, nnx.Param)
+
+    rules = [(r"blocks/.*", P("stage"))]
+    inner = {"stage": 2, "data": 2}
+    history, params = fit(
+        spmd.DiLoCo(inner, islands=2, sync_every=2, rules=rules, batch_axes=("data",)), "stage"
+    )
+    oracle = spmd.DiLoCo({"data": 1}, islands=2, sync_every=2, devices=jax.devices()[:2])
+    want_history, want_params = fit(oracle, None)
+    for name in ("loss", "val_loss"):
+        np.testing.assert_allclose(history[name], want_history[name], **TOL)
     assert_trees_allclose(params, want_params, **TOL)
 
 
