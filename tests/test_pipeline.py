@@ -239,6 +239,8 @@ def _error(match, **overrides):
         ("divides into `microbatches`", {"microbatches": 3}),
         ("at least as many microbatches", {"microbatches": 1, "repeats": 2}),
         ("positive integer", {"microbatches": 0}),
+        ("positive integer", {"microbatches": 4.0}),
+        ("positive integer", {"repeats": True}),
         ("which the current mesh must have", {"axis": "pipe"}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: h[:, :4]}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: (h @ p["w"]).astype(jnp.bfloat16)}),
@@ -252,6 +254,16 @@ def test_bad_input_is_a_configuration_error_that_teaches(match, overrides):
     """On a stage 2 x data 4 mesh; a mesh without `stage` at all: the next tests."""
     with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
         _error(match, **overrides)
+
+
+def test_numpy_integer_microbatches_and_repeats_count_as_integers():
+    """A count read from a config array (np.int64) is a count, as Python's int is."""
+    params, x = stacked(), batch()
+    with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
+        got = jax.jit(
+            lambda p, x: spmd.pipeline(layer, p, x, microbatches=np.int64(4), repeats=np.int32(2))
+        )(params, x)
+    np.testing.assert_allclose(got, scan(layer, params, x), **TOL)
 
 
 @pytest.mark.parametrize("where", ["explicit mesh", "inside shard_map"])

@@ -13,6 +13,7 @@ layers as one step.
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ def pipeline(
     """
     layers = _layers(stacked_params)
     _check_positive(microbatches=microbatches, repeats=repeats)
+    microbatches, repeats = int(microbatches), int(repeats)  # numpy integers too
     _check_batch(x, microbatches)
     _check_layer(layer_fn, stacked_params, x, microbatches)
     stages = _stages(axis)
@@ -290,7 +292,7 @@ def _layers(stacked_params: Any) -> int:
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ConfigurationError(
                 message(
                     f"{name} is a positive integer.",
