@@ -241,6 +241,7 @@ def _error(match, **overrides):
         ("positive integer", {"microbatches": 0}),
         ("positive integer", {"microbatches": 4.0}),
         ("positive integer", {"repeats": True}),
+        ("layer_fn is a function", {"layer_fn": None}),
         ("which the current mesh must have", {"axis": "pipe"}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: h[:, :4]}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: (h @ p["w"]).astype(jnp.bfloat16)}),

@@ -13,7 +13,6 @@ layers as one step.
 from __future__ import annotations
 
 import functools
-import numbers
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.validate import positive_int
 
 __all__ = ["PipelineSchedule", "pipeline", "schedules_in"]
 
@@ -110,8 +110,9 @@ def pipeline(
       ...                   microbatches=8)   # w: [layers, d, d], placed P("stage")
     """
     layers = _layers(stacked_params)
-    _check_positive(microbatches=microbatches, repeats=repeats)
-    microbatches, repeats = int(microbatches), int(repeats)  # numpy integers too
+    _check_callable(layer_fn)
+    microbatches = positive_int(microbatches, "microbatches")  # numpy integers too
+    repeats = positive_int(repeats, "repeats")
     _check_batch(x, microbatches)
     _check_layer(layer_fn, stacked_params, x, microbatches)
     stages = _stages(axis)
@@ -290,16 +291,16 @@ def _layers(stacked_params: Any) -> int:
     return next(iter(sizes.values()))
 
 
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ConfigurationError(
-                message(
-                    f"{name} is a positive integer.",
-                    received(**{name: value}),
-                    f"pass {name}=1 or more.",
-                )
+def _check_callable(layer_fn: Any) -> None:
+    if not callable(layer_fn):
+        raise ConfigurationError(
+            message(
+                "layer_fn is a function: layer_fn(one_layer_params, h) -> h.",
+                received(layer_fn=type(layer_fn).__name__),
+                "pass the function that applies one layer (e.g. lambda p, h: "
+                "nnx.merge(graphdef, p)(h) for an nnx.scan stack).",
             )
+        )
 
 
 def _check_batch(x: jax.Array, microbatches: int) -> None:
