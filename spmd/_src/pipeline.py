@@ -102,8 +102,9 @@ def pipeline(
 
     Raises:
       ConfigurationError: the leaves disagree on the layers axis, it does not
-        divide by stages * repeats, the batch by `microbatches`, `layer_fn`
-        changes the activation's shape or dtype, or the mesh lacks `axis`.
+        divide by stages * repeats, the batch by `microbatches`, `layer_fn` is
+        not callable or changes the activation's shape or dtype, `microbatches`
+        or `repeats` is not an integer >= 1, or the mesh lacks `axis`.
 
     Example:
       >>> y = spmd.pipeline(lambda p, h: jnp.tanh(h @ p["w"]), {"w": w}, x,
