@@ -257,6 +257,30 @@ def test_bad_input_is_a_configuration_error_that_teaches(match, overrides):
         _error(match, **overrides)
 
 
+class DropoutBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(D, D, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, h):
+        return self.dropout(self.linear(h))
+
+
+def test_random_keys_among_the_stacked_parameters_are_an_error():
+    """The keys would not advance: one dropout mask for every microbatch and step."""
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return DropoutBlock(rngs)
+
+    graphdef, state = nnx.split(create(nnx.Rngs(0)))
+    call = lambda s, h: nnx.merge(graphdef, s)(h)  # noqa: E731
+    with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
+        _error(r"without random keys(.|\n)*drop", layer_fn=call, stacked_params=state)
+        _error("without random keys", layer_fn=lambda p, h: h, stacked_params=state)
+
+
 def test_numpy_integer_microbatches_and_repeats_count_as_integers():
     """A count read from a config array (np.int64) is a count, as Python's int is."""
     params, x = stacked(), batch()

@@ -104,7 +104,8 @@ def pipeline(
       ConfigurationError: the leaves disagree on the layers axis, it does not
         divide by stages * repeats, the batch by `microbatches`, `layer_fn` is
         not callable or changes the activation's shape or dtype, `microbatches`
-        or `repeats` is not an integer >= 1, or the mesh lacks `axis`.
+        or `repeats` is not an integer >= 1, a leaf is a random key (the
+        layers' RNG state would not advance), or the mesh lacks `axis`.
 
     Example:
       >>> y = spmd.pipeline(lambda p, h: jnp.tanh(h @ p["w"]), {"w": w}, x,
@@ -112,6 +113,7 @@ def pipeline(
     """
     layers = _layers(stacked_params)
     _check_callable(layer_fn)
+    _check_no_keys(stacked_params)
     microbatches = positive_int(microbatches, "microbatches")  # numpy integers too
     repeats = positive_int(repeats, "repeats")
     _check_batch(x, microbatches)
@@ -300,6 +302,31 @@ def _check_callable(layer_fn: Any) -> None:
                 received(layer_fn=type(layer_fn).__name__),
                 "pass the function that applies one layer (e.g. lambda p, h: "
                 "nnx.merge(graphdef, p)(h) for an nnx.scan stack).",
+            )
+        )
+
+
+def _check_no_keys(stacked_params: Any) -> None:
+    """No random keys among the layers' parameters: `layer_fn` returns no new RNG
+    state, so each layer would draw the same numbers for every microbatch (one
+    dropout mask for all of them, unlike the scan's per row) and every step."""
+    leaves = jax.tree_util.tree_leaves_with_path(stacked_params)
+    keys = [
+        jax.tree_util.keystr(path)
+        for path, leaf in leaves
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
+    ]
+    if keys:
+        raise ConfigurationError(
+            message(
+                "stacked_params holds the layers' parameters, without random keys: "
+                "layer_fn returns no new RNG state, so every microbatch and every step "
+                "would draw the same numbers (one dropout mask for all microbatches).",
+                received(key_leaves=keys),
+                "split the RNG state out of the stack (graphdef, params, rest = "
+                "nnx.split(blocks, nnx.Param, ...); pipeline params only) and run the "
+                "layers deterministic (nnx.Dropout(deterministic=True)), or keep "
+                "dropout out of the pipelined layers.",
             )
         )
 
