@@ -242,6 +242,10 @@ def _error(match, **overrides):
         ("positive integer", {"microbatches": 4.0}),
         ("positive integer", {"repeats": True}),
         ("layer_fn is a function", {"layer_fn": None}),
+        (
+            "inside one stage of another pipeline",
+            {"layer_fn": lambda p, h: spmd.pipeline(layer, stacked(2), h, microbatches=1)},
+        ),
         ("which the current mesh must have", {"axis": "pipe"}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: h[:, :4]}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: (h @ p["w"]).astype(jnp.bfloat16)}),
@@ -279,6 +283,20 @@ def test_random_keys_among_the_stacked_parameters_are_an_error():
     with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
         _error(r"without random keys(.|\n)*drop", layer_fn=call, stacked_params=state)
         _error("without random keys", layer_fn=lambda p, h: h, stacked_params=state)
+
+
+def test_a_pipeline_nested_with_axis_none_runs_its_layers_in_order():
+    inner = stacked(layers=2, seed=5)
+
+    def block(p, h):  # an outer layer running an inner stack in order
+        return spmd.pipeline(
+            layer, jax.tree.map(lambda w: w + p["b"][0], inner), h, microbatches=1, axis=None
+        )
+
+    params, x = stacked(), batch()
+    with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
+        got = jax.jit(lambda p, x: spmd.pipeline(block, p, x, microbatches=4))(params, x)
+    np.testing.assert_allclose(got, scan(block, params, x), **TOL)
 
 
 def test_numpy_integer_microbatches_and_repeats_count_as_integers():

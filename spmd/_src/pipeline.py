@@ -12,6 +12,7 @@ layers as one step.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import re
 from collections.abc import Callable
@@ -30,6 +31,11 @@ __all__ = ["PipelineSchedule", "pipeline", "schedules_in"]
 P = PartitionSpec
 U = P.UNCONSTRAINED
 _SCOPE = "spmd_pipeline_stages{}_microbatches{}_repeats{}"
+# The stage axis of the pipeline whose layer_fn is being traced: one nested in it
+# cannot split its layers over the same axis (each stage runs its layers alone).
+_PIPELINING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "spmd_pipeline_axis", default=None
+)
 _SCOPE_RE = re.compile(r"spmd_pipeline_stages(\d+)_microbatches(\d+)_repeats(\d+)")
 
 
@@ -105,7 +111,8 @@ def pipeline(
         divide by stages * repeats, the batch by `microbatches`, `layer_fn` is
         not callable or changes the activation's shape or dtype, `microbatches`
         or `repeats` is not an integer >= 1, a leaf is a random key (the
-        layers' RNG state would not advance), or the mesh lacks `axis`.
+        layers' RNG state would not advance), the mesh lacks `axis`, or the
+        call runs inside another pipeline's `layer_fn` over the same axis.
 
     Example:
       >>> y = spmd.pipeline(lambda p, h: jnp.tanh(h @ p["w"]), {"w": w}, x,
@@ -122,9 +129,14 @@ def pipeline(
     if stages is None:
         return _in_order(layer_fn, stacked_params, x)
     _check_split(layers, stages, repeats, microbatches)
+    _check_not_nested(axis)
     schedule = PipelineSchedule(stages, microbatches, repeats)
-    with jax.named_scope(_SCOPE.format(stages, microbatches, repeats)):
-        return _run(layer_fn, stacked_params, x, schedule, axis)
+    token = _PIPELINING.set(axis)
+    try:
+        with jax.named_scope(_SCOPE.format(stages, microbatches, repeats)):
+            return _run(layer_fn, stacked_params, x, schedule, axis)
+    finally:
+        _PIPELINING.reset(token)
 
 
 def schedules_in(jaxpr: Any) -> tuple[PipelineSchedule, ...]:
@@ -373,6 +385,19 @@ def _aval(out: Any) -> str:
     if hasattr(out, "shape") and hasattr(out, "dtype"):
         return f"{out.dtype}{list(out.shape)}"
     return repr(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out))
+
+
+def _check_not_nested(axis: str) -> None:
+    if _PIPELINING.get() == axis:
+        raise ConfigurationError(
+            message(
+                f"A pipeline over {axis!r} runs inside one stage of another pipeline over "
+                f"{axis!r}: each stage applies its layers alone, with no {axis!r} to split.",
+                received(axis=axis, outer_axis=axis),
+                "pass axis=None to the inner spmd.pipeline (its layers in order, inside "
+                "the stage), or pipeline one stack of all the layers.",
+            )
+        )
 
 
 def _check_split(layers: int, stages: int, repeats: int, microbatches: int) -> None:
