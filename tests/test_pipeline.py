@@ -408,6 +408,37 @@ def test_trainer_on_diloco_islands_fits_a_pipelined_model_like_one_device_island
     assert_trees_allclose(params, want_params, **TOL)
 
 
+class _Interrupt(spmd.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.slow  # 18 s of CPU
+def test_a_fit_interrupted_on_two_stages_resumes_on_four_like_one_device(tmp_path):
+    """BackupAndRestore's checkpoint of a 2-stage fit, resumed by a Trainer on 4 stages."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(64, D).astype(np.float32), rng.randn(64, 1).astype(np.float32)
+
+    def trainer(stages, axis="stage"):
+        mesh = spmd.make_mesh({"stage": stages, "data": 8 // stages})
+        strategy = spmd.Strategy(mesh, rules=[(r"blocks/.*", P("stage"))], batch_axes=("data",))
+        model = PipelinedMLP(nnx.Rngs(0), axis)
+        return spmd.Trainer(model, optax.adam(1e-2), "mse", strategy=strategy)
+
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    backup = spmd.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(KeyboardInterrupt):
+        trainer(2).fit((x, y), callbacks=[backup, _Interrupt()], **fit)
+    resumed = trainer(4)
+    history = resumed.fit((x, y), callbacks=[backup], **fit)
+    oracle = spmd.Trainer(PipelinedMLP(nnx.Rngs(0), None), optax.adam(1e-2), "mse")
+    want = oracle.fit((x, y), **fit)
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"][1:], **TOL)
+    assert_trees_allclose(
+        nnx.state(resumed.model, nnx.Param), nnx.state(oracle.model, nnx.Param), **TOL
+    )
+
+
 def _island_step(pipelined):
     def train_step(state, x, y):
         def loss(params):
