@@ -239,6 +239,13 @@ def _error(match, **overrides):
         ("divides into `microbatches`", {"microbatches": 3}),
         ("at least as many microbatches", {"microbatches": 1, "repeats": 2}),
         ("positive integer", {"microbatches": 0}),
+        ("positive integer", {"microbatches": 4.0}),
+        ("positive integer", {"repeats": True}),
+        ("layer_fn is a function", {"layer_fn": None}),
+        (
+            "inside one stage of another pipeline",
+            {"layer_fn": lambda p, h: spmd.pipeline(layer, stacked(2), h, microbatches=1)},
+        ),
         ("which the current mesh must have", {"axis": "pipe"}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: h[:, :4]}),
         ("h's shape and dtype", {"layer_fn": lambda p, h: (h @ p["w"]).astype(jnp.bfloat16)}),
@@ -252,6 +259,54 @@ def test_bad_input_is_a_configuration_error_that_teaches(match, overrides):
     """On a stage 2 x data 4 mesh; a mesh without `stage` at all: the next tests."""
     with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
         _error(match, **overrides)
+
+
+class DropoutBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(D, D, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, h):
+        return self.dropout(self.linear(h))
+
+
+def test_random_keys_among_the_stacked_parameters_are_an_error():
+    """The keys would not advance: one dropout mask for every microbatch and step."""
+
+    @nnx.split_rngs(splits=LAYERS)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def create(rngs):
+        return DropoutBlock(rngs)
+
+    graphdef, state = nnx.split(create(nnx.Rngs(0)))
+    call = lambda s, h: nnx.merge(graphdef, s)(h)  # noqa: E731
+    with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
+        _error(r"without random keys(.|\n)*drop", layer_fn=call, stacked_params=state)
+        _error("without random keys", layer_fn=lambda p, h: h, stacked_params=state)
+
+
+def test_a_pipeline_nested_with_axis_none_runs_its_layers_in_order():
+    inner = stacked(layers=2, seed=5)
+
+    def block(p, h):  # an outer layer running an inner stack in order
+        return spmd.pipeline(
+            layer, jax.tree.map(lambda w: w + p["b"][0], inner), h, microbatches=1, axis=None
+        )
+
+    params, x = stacked(), batch()
+    with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
+        got = jax.jit(lambda p, x: spmd.pipeline(block, p, x, microbatches=4))(params, x)
+    np.testing.assert_allclose(got, scan(block, params, x), **TOL)
+
+
+def test_numpy_integer_microbatches_and_repeats_count_as_integers():
+    """A count read from a config array (np.int64) is a count, as Python's int is."""
+    params, x = stacked(), batch()
+    with jax.set_mesh(spmd.make_mesh({"stage": 2, "data": 4})):
+        got = jax.jit(
+            lambda p, x: spmd.pipeline(layer, p, x, microbatches=np.int64(4), repeats=np.int32(2))
+        )(params, x)
+    np.testing.assert_allclose(got, scan(layer, params, x), **TOL)
 
 
 @pytest.mark.parametrize("where", ["explicit mesh", "inside shard_map"])
@@ -281,7 +336,8 @@ def test_no_mesh_is_an_error_naming_axis_none():
 class PipelinedMLP(nnx.Module):
     """An input layer, four stacked blocks run by spmd.pipeline, a head."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, axis: str | None = "stage"):
+        self.axis = axis
         self.embed = nnx.Linear(D, D, rngs=rngs)
 
         @nnx.split_rngs(splits=4)
@@ -295,7 +351,11 @@ class PipelinedMLP(nnx.Module):
     def __call__(self, x):
         graphdef, state = nnx.split(self.blocks)
         h = spmd.pipeline(
-            lambda s, h: nnx.merge(graphdef, s)(h), state, self.embed(x), microbatches=4
+            lambda s, h: nnx.merge(graphdef, s)(h),
+            state,
+            self.embed(x),
+            microbatches=4,
+            axis=self.axis,
         )
         return self.head(h)
 
@@ -318,6 +378,65 @@ def test_trainer_fits_a_pipelined_model_like_one_device():
     want_losses, want_params = fit(spmd.OneDeviceStrategy())
     np.testing.assert_allclose(losses, want_losses, **TOL)
     assert_trees_allclose(params, want_params, **TOL)
+
+
+@pytest.mark.slow  # 12 s of CPU
+def test_trainer_on_diloco_islands_fits_a_pipelined_model_like_one_device_islands():
+    """A Trainer on two islands of stage 2 x data 2, with validation data, against
+    the same Trainer on one device per island running the layers in order."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(64, D).astype(np.float32), rng.randn(64, 1).astype(np.float32)
+
+    def fit(strategy, axis):
+        trainer = spmd.Trainer(
+            PipelinedMLP(nnx.Rngs(0), axis), optax.adam(1e-2), "mse", strategy=strategy
+        )
+        history = trainer.fit(
+            (x, y), batch_size=16, shuffle=False, verbose=0, validation_data=(x[:16], y[:16])
+        )
+        return history.history, nnx.state(trainer.model, nnx.Param)
+
+    rules = [(r"blocks/.*", P("stage"))]
+    inner = {"stage": 2, "data": 2}
+    history, params = fit(
+        spmd.DiLoCo(inner, islands=2, sync_every=2, rules=rules, batch_axes=("data",)), "stage"
+    )
+    oracle = spmd.DiLoCo({"data": 1}, islands=2, sync_every=2, devices=jax.devices()[:2])
+    want_history, want_params = fit(oracle, None)
+    for name in ("loss", "val_loss"):
+        np.testing.assert_allclose(history[name], want_history[name], **TOL)
+    assert_trees_allclose(params, want_params, **TOL)
+
+
+class _Interrupt(spmd.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.slow  # 18 s of CPU
+def test_a_fit_interrupted_on_two_stages_resumes_on_four_like_one_device(tmp_path):
+    """BackupAndRestore's checkpoint of a 2-stage fit, resumed by a Trainer on 4 stages."""
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(64, D).astype(np.float32), rng.randn(64, 1).astype(np.float32)
+
+    def trainer(stages, axis="stage"):
+        mesh = spmd.make_mesh({"stage": stages, "data": 8 // stages})
+        strategy = spmd.Strategy(mesh, rules=[(r"blocks/.*", P("stage"))], batch_axes=("data",))
+        model = PipelinedMLP(nnx.Rngs(0), axis)
+        return spmd.Trainer(model, optax.adam(1e-2), "mse", strategy=strategy)
+
+    fit = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0}
+    backup = spmd.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(KeyboardInterrupt):
+        trainer(2).fit((x, y), callbacks=[backup, _Interrupt()], **fit)
+    resumed = trainer(4)
+    history = resumed.fit((x, y), callbacks=[backup], **fit)
+    oracle = spmd.Trainer(PipelinedMLP(nnx.Rngs(0), None), optax.adam(1e-2), "mse")
+    want = oracle.fit((x, y), **fit)
+    np.testing.assert_allclose(history.history["loss"], want.history["loss"][1:], **TOL)
+    assert_trees_allclose(
+        nnx.state(resumed.model, nnx.Param), nnx.state(oracle.model, nnx.Param), **TOL
+    )
 
 
 def _island_step(pipelined):

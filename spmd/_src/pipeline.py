@@ -12,6 +12,7 @@ layers as one step.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import re
 from collections.abc import Callable
@@ -23,12 +24,18 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.validate import positive_int
 
 __all__ = ["PipelineSchedule", "pipeline", "schedules_in"]
 
 P = PartitionSpec
 U = P.UNCONSTRAINED
 _SCOPE = "spmd_pipeline_stages{}_microbatches{}_repeats{}"
+# The stage axis of the pipeline whose layer_fn is being traced: one nested in it
+# cannot split its layers over the same axis (each stage runs its layers alone).
+_PIPELINING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "spmd_pipeline_axis", default=None
+)
 _SCOPE_RE = re.compile(r"spmd_pipeline_stages(\d+)_microbatches(\d+)_repeats(\d+)")
 
 
@@ -101,24 +108,35 @@ def pipeline(
 
     Raises:
       ConfigurationError: the leaves disagree on the layers axis, it does not
-        divide by stages * repeats, the batch by `microbatches`, `layer_fn`
-        changes the activation's shape or dtype, or the mesh lacks `axis`.
+        divide by stages * repeats, the batch by `microbatches`, `layer_fn` is
+        not callable or changes the activation's shape or dtype, `microbatches`
+        or `repeats` is not an integer >= 1, a leaf is a random key (the
+        layers' RNG state would not advance), the mesh lacks `axis`, or the
+        call runs inside another pipeline's `layer_fn` over the same axis.
 
     Example:
       >>> y = spmd.pipeline(lambda p, h: jnp.tanh(h @ p["w"]), {"w": w}, x,
       ...                   microbatches=8)   # w: [layers, d, d], placed P("stage")
     """
     layers = _layers(stacked_params)
-    _check_positive(microbatches=microbatches, repeats=repeats)
+    _check_callable(layer_fn)
+    _check_no_keys(stacked_params)
+    microbatches = positive_int(microbatches, "microbatches")  # numpy integers too
+    repeats = positive_int(repeats, "repeats")
     _check_batch(x, microbatches)
     _check_layer(layer_fn, stacked_params, x, microbatches)
     stages = _stages(axis)
     if stages is None:
         return _in_order(layer_fn, stacked_params, x)
     _check_split(layers, stages, repeats, microbatches)
+    _check_not_nested(axis)
     schedule = PipelineSchedule(stages, microbatches, repeats)
-    with jax.named_scope(_SCOPE.format(stages, microbatches, repeats)):
-        return _run(layer_fn, stacked_params, x, schedule, axis)
+    token = _PIPELINING.set(axis)
+    try:
+        with jax.named_scope(_SCOPE.format(stages, microbatches, repeats)):
+            return _run(layer_fn, stacked_params, x, schedule, axis)
+    finally:
+        _PIPELINING.reset(token)
 
 
 def schedules_in(jaxpr: Any) -> tuple[PipelineSchedule, ...]:
@@ -288,16 +306,41 @@ def _layers(stacked_params: Any) -> int:
     return next(iter(sizes.values()))
 
 
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigurationError(
-                message(
-                    f"{name} is a positive integer.",
-                    received(**{name: value}),
-                    f"pass {name}=1 or more.",
-                )
+def _check_callable(layer_fn: Any) -> None:
+    if not callable(layer_fn):
+        raise ConfigurationError(
+            message(
+                "layer_fn is a function: layer_fn(one_layer_params, h) -> h.",
+                received(layer_fn=type(layer_fn).__name__),
+                "pass the function that applies one layer (e.g. lambda p, h: "
+                "nnx.merge(graphdef, p)(h) for an nnx.scan stack).",
             )
+        )
+
+
+def _check_no_keys(stacked_params: Any) -> None:
+    """No random keys among the layers' parameters: `layer_fn` returns no new RNG
+    state, so each layer would draw the same numbers for every microbatch (one
+    dropout mask for all of them, unlike the scan's per row) and every step."""
+    leaves = jax.tree_util.tree_leaves_with_path(stacked_params)
+    keys = [
+        jax.tree_util.keystr(path)
+        for path, leaf in leaves
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
+    ]
+    if keys:
+        raise ConfigurationError(
+            message(
+                "stacked_params holds the layers' parameters, without random keys: "
+                "layer_fn returns no new RNG state, so every microbatch and every step "
+                "would draw the same numbers (one dropout mask for all microbatches).",
+                received(key_leaves=keys),
+                "split the RNG state out of the stack (graphdef, params, rest = "
+                "nnx.split(blocks, nnx.Param, ...); pipeline params only) and run the "
+                "layers deterministic (nnx.Dropout(deterministic=True)), or keep "
+                "dropout out of the pipelined layers.",
+            )
+        )
 
 
 def _check_batch(x: jax.Array, microbatches: int) -> None:
@@ -342,6 +385,19 @@ def _aval(out: Any) -> str:
     if hasattr(out, "shape") and hasattr(out, "dtype"):
         return f"{out.dtype}{list(out.shape)}"
     return repr(jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", out))
+
+
+def _check_not_nested(axis: str) -> None:
+    if _PIPELINING.get() == axis:
+        raise ConfigurationError(
+            message(
+                f"A pipeline over {axis!r} runs inside one stage of another pipeline over "
+                f"{axis!r}: each stage applies its layers alone, with no {axis!r} to split.",
+                received(axis=axis, outer_axis=axis),
+                "pass axis=None to the inner spmd.pipeline (its layers in order, inside "
+                "the stage), or pipeline one stack of all the layers.",
+            )
+        )
 
 
 def _check_split(layers: int, stages: int, repeats: int, microbatches: int) -> None:

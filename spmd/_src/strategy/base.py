@@ -342,6 +342,12 @@ class Strategy:
         optimizer state whose `init` returns the parameters) are each given a
         copy, so that a step can donate the state.
 
+        Like `jax.device_put`, a placed leaf may keep the buffer of the leaf it
+        came from (an array already laid out so, or the shard of a replicated
+        layout on the array's own device): a step that donates the placed
+        state then deletes that input array too. Place a copy
+        (`jax.tree.map(jnp.copy, tree)`) to keep using the input.
+
         Raises:
           ConfigurationError: a leaf is not an array or number of a numeric
             dtype (a string, an object), a leaf none of them covers is sharded

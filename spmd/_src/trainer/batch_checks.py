@@ -101,7 +101,7 @@ class BatchChecks:
         outputs = self._outputs.get(key)
         if outputs is None:  # what only the shapes decide: once per shapes (a trace each)
             self.specs.check(what, abstract[2], labels)
-            with islands.synchronous(trainer.strategy).context(traced=True):  # the step's mesh
+            with _step_context(trainer):  # the step's mesh: spmd.pipeline's stages
                 outputs = jax.eval_shape(
                     lambda p, r, x: trainer._forward(p, r, x, False)[0], *abstract[:3]
                 )
@@ -173,9 +173,15 @@ def written_state(trainer: Trainer, x: Any) -> list[str]:
                 written.append(f"{path} ({type(variable).__name__})")
         return new
 
-    with trainer.strategy.context(traced=True):
+    with _step_context(trainer):
         jax.eval_shape(forward, *shapes)
     return written
+
+
+def _step_context(trainer: Trainer) -> Any:
+    """The mesh and rules the Trainer's step traces its model under (abstract): a
+    DiLoCo's synchronous strategy's, whose mesh holds an island's axes."""
+    return islands.synchronous(trainer.strategy).context(traced=True)
 
 
 def _variables(tree: Any) -> dict[str, nnx.Variable]:
