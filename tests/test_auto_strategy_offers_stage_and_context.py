@@ -1,0 +1,124 @@
+"""spmd.auto_strategy offers a stage axis where the step calls spmd.pipeline, and a context
+axis where it calls spmd.attention; a step calling neither gets neither."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import spmd
+
+pytestmark = pytest.mark.cpu_mesh
+
+LR = 0.1
+
+
+def _sgd(loss):
+    def step(state, x):
+        value, grads = jax.value_and_grad(loss)(state, x)
+        return jax.tree.map(lambda w, g: w - LR * g, state, grads), {"loss": value}
+
+    return step
+
+
+def _pipelined_create(key):
+    return {"layers": {"w": jax.random.normal(key, (4, 64, 64)) * 0.1}}  # 4 stacked layers
+
+
+def _pipelined_loss(state, x):
+    y = spmd.pipeline(lambda p, h: jnp.tanh(h @ p["w"]), state["layers"], x, microbatches=4)
+    return jnp.mean((y - x) ** 2)
+
+
+PIPELINE_RULES = [("layers/w", P("stage"))]  # the stacked layers over the stages
+
+
+def _attention_create(key):
+    return {"w": jax.random.normal(key, (32, 32)) * 0.2}
+
+
+def _attention_loss(state, x):
+    q = (x @ state["w"]).reshape(*x.shape[:2], 2, 16)  # [batch, length 16, 2 heads, 16]
+    out = spmd.attention(q, q, q, causal=True).reshape(x.shape)
+    return jnp.mean((out - x) ** 2)
+
+
+def _one_device(create, step, x, rules=()):
+    """The oracle: the same step, state and batch on one device."""
+    one = spmd.Strategy(spmd.make_mesh({"stage": 1, "data": 1}, jax.devices()[:1]), rules=rules)
+    state = one.init(create, jax.random.key(0))
+    return one.step(step)(state, x)
+
+
+def _runs_like_one_device(best, create, step, x, rules=()):
+    state, metrics = best.step(step)(best.init(create, jax.random.key(0)), x)
+    want_state, want_metrics = _one_device(create, step, x, rules)
+    np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    return state
+
+
+@pytest.mark.slow  # 15 s of CPU: four pipelined layouts compiled
+def test_a_pipelined_step_gets_stage_candidates_outermost_that_equal_one_device():
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    step = _sgd(_pipelined_loss)
+    best, plan = spmd.auto_strategy(
+        _pipelined_create, step, x, jax.devices(), rules=PIPELINE_RULES, only="stage"
+    )
+    names = {c.name for c in plan.candidates}
+    # Sizes dividing the 4 layers and the 8 devices; data or FSDP over the rest.
+    assert names == {"stage 2 x data 4", "stage 2 x FSDP 4", "stage 4 x data 2", "stage 4 x FSDP 2"}
+    assert not plan.dropped
+    for c in plan.candidates:
+        assert next(iter(c.strategy.mesh.shape)) == "stage"  # outermost: across slices
+    state = _runs_like_one_device(best, _pipelined_create, step, x, PIPELINE_RULES)
+    assert state["layers"]["w"].sharding.spec[0] == "stage"  # the stacked layers split
+    assert best.explain(step, state, x).pipelines[0].stages == best.mesh.shape["stage"]
+
+
+@pytest.mark.slow  # 12 s of CPU: five context-parallel layouts compiled
+def test_an_attention_step_gets_context_candidates_that_equal_one_device():
+    x = jax.random.normal(jax.random.key(1), (4, 16, 32))
+    step = _sgd(_attention_loss)
+    best, plan = spmd.auto_strategy(_attention_create, step, x, jax.devices(), only="context")
+    names = {c.name for c in plan.candidates}
+    # Sizes dividing the length 16 and the 8 devices; data or FSDP over the rest.
+    assert names == {
+        "context 2 x data 4",
+        "context 2 x FSDP 4",
+        "context 4 x data 2",
+        "context 4 x FSDP 2",
+        "context 8",
+    }
+    assert not plan.dropped  # the context axis splits no leaf, yet is not idle
+    c4 = next(c for c in plan.candidates if c.name == "context 4 x data 2")
+    assert dict(c4.strategy.mesh.shape) == {"data": 2, "context": 4}
+    assert ("activation_length", "context") in c4.strategy.logical_axis_rules
+    _runs_like_one_device(best, _attention_create, step, x)
+
+
+def test_the_length_and_the_layers_bound_the_sizes_offered():
+    x = jax.random.normal(jax.random.key(1), (4, 6, 32))  # length 6: only a context of 2
+
+    def loss(state, x):
+        q = (x @ state["w"]).reshape(*x.shape[:2], 2, 16)
+        return jnp.mean(spmd.attention(q, q, q) ** 2)
+
+    with pytest.raises(spmd.ConfigurationError) as err:
+        spmd.auto_strategy(_attention_create, _sgd(loss), x, jax.devices(), only="context 4")
+    assert "context 2 x data 4" in str(err.value) and "'context 8'" not in str(err.value)
+
+
+def test_a_step_without_pipeline_or_attention_gets_neither_axis():
+    def create(key):
+        return {"w": jax.random.normal(key, (32, 32))}
+
+    def loss(state, x):
+        return jnp.mean(jnp.tanh(x @ state["w"]) ** 2)
+
+    for axis in ("stage", "context"):
+        with pytest.raises(spmd.ConfigurationError, match="none does") as err:
+            spmd.auto_strategy(create, _sgd(loss), jnp.ones((8, 32)), jax.devices(), only=axis)
+        assert "FSDP over 8" in str(err.value)  # the candidates it has, none of them this axis
