@@ -8,6 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import spmd
+from spmd._src.candidates import candidates
+from spmd._src.pipeline import PipelineCall
 
 pytestmark = pytest.mark.cpu_mesh
 
@@ -122,3 +124,29 @@ def test_a_step_without_pipeline_or_attention_gets_neither_axis():
         with pytest.raises(spmd.ConfigurationError, match="none does") as err:
             spmd.auto_strategy(create, _sgd(loss), jnp.ones((8, 32)), jax.devices(), only=axis)
         assert "FSDP over 8" in str(err.value)  # the candidates it has, none of them this axis
+
+
+def test_stage_sizes_follow_the_layers_repeats_and_slices():
+    leaves = [("layers/w", jax.ShapeDtypeStruct((8, 64, 64), jnp.float32))]
+    # 8 layers, 2 repeats, 2 microbatches: 4 stages would need 4 microbatches.
+    calls = [PipelineCall("stage", 8, 2, 2)]
+    names = [name for name, _ in candidates(leaves, jax.devices(), 2, pipelines=calls)]
+    staged = [n for n in names if n.startswith("stage")]
+    # Two slices of 4: the stage axis of 2 spans the slices, FSDP inside each.
+    assert staged == ["stage 2 x data 4", "stage 2 x FSDP 4"]
+    assert "TP over 2" in names  # the tensor axis is "model", not the stage axis
+    built = dict(candidates(leaves, jax.devices(), 2, model_axes=("stage",), pipelines=calls))
+    tp = built["TP over 2"]()
+    assert tp.mesh.shape["stage"] == 1 and tp.mesh.shape["model"] == 2
+
+
+@pytest.mark.slow  # 6 s of CPU: two layouts compiled
+def test_a_pipeline_without_a_stage_rule_runs_in_every_candidate():
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    step = _sgd(_pipelined_loss)
+    only = ["FSDP over 8", "stage 2 x data 4"]
+    best, plan = spmd.auto_strategy(_pipelined_create, step, x, jax.devices(), only=only)
+    assert {c.name for c in plan.ranked} == set(only) and not plan.dropped
+    fsdp = next(c for c in plan.ranked if c.name == "FSDP over 8")
+    assert fsdp.strategy.mesh.shape["stage"] == 1  # the layers run in order there
+    _runs_like_one_device(best, _pipelined_create, step, x)

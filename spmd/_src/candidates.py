@@ -267,7 +267,8 @@ def candidates(
       model_axes: the mesh axes the model names (its annotations, sharding
         constraints, rules): every candidate's mesh has them, of size 1 where
         the candidate does not split over them. Tensor parallelism splits the
-        one of them that is not data or fsdp (`tensor_axis`).
+        one of them that is not data or fsdp (`tensor_axis`), nor a pipeline's
+        or an attention's axis.
       rules, logical_axis_rules: given to every candidate, the rules ahead of
         the candidate's own (its logical rules end with `activation_rules`: the
         layout of the activations `spmd.logical.constrain` names).
@@ -281,7 +282,8 @@ def candidates(
     """
     n = len(devices)
     per_slice = n // slices
-    tensor = tensor_axis(model_axes)
+    calls = {c.axis for c in (*pipelines, *attentions)}
+    tensor = tensor_axis([a for a in model_axes if a not in calls])  # not the stage or context
     notes = dict(annotated or {})
     out: list[tuple[str, Callable[[], Strategy]]] = []
 

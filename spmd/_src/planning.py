@@ -554,13 +554,15 @@ def auto_strategy(
     ]
     pipelines = tuple(dict.fromkeys(c for t in traced for c in t.pipelines))
     attentions = tuple(dict.fromkeys(c for t in traced for c in t.attentions))
+    # Every candidate's mesh has the calls' axes (of size 1 where it does not split them).
+    busy = tuple(dict.fromkeys(c.axis for c in (*pipelines, *attentions)))
     built = candidates(
         model.leaves,
         devices,
         n_slices,
         host_memory=_offers_host_memory(devices[0]) and bool(model.optimizer),
         annotated=model.annotated,
-        model_axes=model.axes,
+        model_axes=tuple(dict.fromkeys((*model.axes, *busy))),
         rules=rules,
         logical_axis_rules=logical_axis_rules,
         pipelines=pipelines,
@@ -576,9 +578,8 @@ def auto_strategy(
     built = _matching(built, wanted)
     chip = chip_of(devices[0])
     capacity = _capacity(devices[0])
-    busy = frozenset(c.axis for c in (*pipelines, *attentions))
     judge = _Judge(
-        create_fn, batch, args, chip, len(devices), capacity, cache_dir is not None, busy
+        create_fn, batch, args, chip, len(devices), capacity, cache_dir is not None, frozenset(busy)
     )
     results = _settle(built, judge, jobs, cache_dir, progress)
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
