@@ -150,3 +150,22 @@ def test_a_pipeline_without_a_stage_rule_runs_in_every_candidate():
     fsdp = next(c for c in plan.ranked if c.name == "FSDP over 8")
     assert fsdp.strategy.mesh.shape["stage"] == 1  # the layers run in order there
     _runs_like_one_device(best, _pipelined_create, step, x)
+
+
+@pytest.mark.slow  # 7 s of CPU: four layouts compiled for two v5e:2x2 slices
+def test_on_two_slices_the_stage_axis_is_the_one_across_them():
+    pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    _, plan = spmd.auto_strategy(
+        _pipelined_create,
+        _sgd(_pipelined_loss),
+        x,
+        "v5e:2x2",
+        slices=2,
+        rules=PIPELINE_RULES,
+        only="stage",
+    )
+    assert not plan.dropped and all(c.explanation.fits for c in plan.ranked)
+    two = next(c for c in plan.ranked if c.name == "stage 2 x FSDP 4")
+    slice_of = np.vectorize(lambda d: d.slice_index)(two.strategy.mesh.devices)
+    assert (slice_of == np.arange(2).reshape(2, 1, 1)).all()  # stage s is slice s: DCN
