@@ -1,6 +1,7 @@
 """spmd.auto_strategy offers a stage axis where the step calls spmd.pipeline, and a context
 axis where it calls spmd.attention; a step calling neither gets neither."""
 
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,3 +170,50 @@ def test_on_two_slices_the_stage_axis_is_the_one_across_them():
     two = next(c for c in plan.ranked if c.name == "stage 2 x FSDP 4")
     slice_of = np.vectorize(lambda d: d.slice_index)(two.strategy.mesh.devices)
     assert (slice_of == np.arange(2).reshape(2, 1, 1)).all()  # stage s is slice s: DCN
+
+
+class _Block(linen.Module):
+    @linen.compact
+    def __call__(self, h, _):
+        init = linen.with_logical_partitioning(linen.initializers.normal(0.1), ("embed", "mlp"))
+        return jnp.tanh(h @ self.param("kernel", init, (128, 128))), None
+
+
+def _scanned_create(key):
+    stack = linen.scan(
+        _Block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=4,
+        metadata_params={linen.PARTITION_NAME: "layers"},
+    )
+    return stack().init(key, jnp.zeros((2, 128)), None)["params"]
+
+
+def _scanned_loss(state, x):
+    layers = linen.unbox(state)
+    y = spmd.pipeline(lambda p, h: jnp.tanh(h @ p["kernel"]), layers, x, microbatches=4)
+    return jnp.mean((y - x) ** 2)
+
+
+@pytest.mark.slow  # 6 s of CPU: two layouts compiled
+def test_annotated_stacked_layers_split_over_stage_and_fsdp():
+    rules = [("layers", "stage"), ("embed", None), ("mlp", None)]
+    x = jax.random.normal(jax.random.key(1), (16, 128))
+    step = _sgd(_scanned_loss)
+    only = ["stage 2 x FSDP 4"]
+    with pytest.warns(spmd.LayoutConflictWarning):  # FSDP adds its axis to the annotation
+        best, plan = spmd.auto_strategy(
+            _scanned_create, step, x, jax.devices(), logical_axis_rules=rules, only=only
+        )
+        one = spmd.Strategy(
+            spmd.make_mesh({"stage": 1, "data": 1}, jax.devices()[:1]), logical_axis_rules=rules
+        )
+        state, metrics = best.step(step)(best.init(_scanned_create, jax.random.key(0)), x)
+    assert [c.name for c in plan.ranked] == only
+    assert state["kernel"].value.sharding.spec == P("stage", "fsdp")
+    want_state, want = one.step(step)(one.init(_scanned_create, jax.random.key(0)), x)
+    np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        state["kernel"].value, want_state["kernel"].value, rtol=1e-4, atol=1e-6
+    )
