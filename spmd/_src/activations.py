@@ -36,25 +36,28 @@ ACTIVATIONS = (BATCH, LENGTH, EMBED, HEADS, MLP, VOCAB)
 
 
 def activation_rules(
-    sizes: Mapping[str, int], batch_axes: Sequence[str], tensor: str
+    sizes: Mapping[str, int], batch_axes: Sequence[str], tensor: str, context: str | None = None
 ) -> LogicalRules:
     """A candidate layout's rules for the activation names, as MaxText's map them.
 
     The batch splits over the candidate's batch axes; the residual stream's
     width (`activation_embed`), the heads, the MLP's hidden units and the
     vocabulary over its tensor axis (where it has more than one device); the
-    length stays whole (no context axis).
+    length (`activation_length`) over its context axis where it has one of more
+    than one device, else whole.
 
     Args:
       sizes: the candidate's mesh axes and their sizes.
       batch_axes: the axes its batch splits over.
       tensor: its tensor-parallel axis (of size 1, or absent, where it has none).
+      context: its context-parallel axis (`spmd.attention`'s), or None.
     """
     batch = tuple(a for a in batch_axes if a in sizes)
     split = tensor if sizes.get(tensor, 1) > 1 else None
+    length = context if context is not None and sizes.get(context, 1) > 1 else None
     return (
         (BATCH, batch or None),
-        (LENGTH, None),
+        (LENGTH, length),
         (EMBED, split),
         (HEADS, split),
         (MLP, split),

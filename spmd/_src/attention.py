@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import re
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,12 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from spmd._src.errors import ConfigurationError, ContextError, message, received
+from spmd._src.markers import marked
 
+__all__ = ["AttentionCall", "attention", "calls_in"]
+
+_CALL = "spmd_attention_q{}_kv{}_over_{}"
+_CALL_RE = re.compile(r"spmd_attention_q(\d+)_kv(\d+)_over_(\w+)")
 _FIX_SHAPES = "pass q, k and v as [batch, length, heads, head_dim] arrays."
 
 
@@ -86,6 +93,46 @@ def attention(
     _check_shapes(q, k, v)
     q_seg, kv_seg = _segments(segment_ids, q, k)
     _check_mask(mask, q, k)
+    with jax.named_scope(_CALL.format(q.shape[1], k.shape[1], axis)):
+        return _split(q, k, v, causal, axis, scale, q_seg, kv_seg, mask)
+
+
+class AttentionCall(NamedTuple):
+    """What one `spmd.attention` call was given, found in a step traced on any mesh:
+    `auto_strategy` sizes the context axis by it.
+
+    Attributes:
+      axis: the mesh axis the length is split over.
+      q_length: the queries' length.
+      kv_length: the keys' and values' length.
+    """
+
+    axis: str
+    q_length: int
+    kv_length: int
+
+    def splits_over(self, size: int) -> bool:
+        """Whether an `axis` of `size` devices splits both lengths evenly."""
+        return self.q_length % size == 0 and self.kv_length % size == 0
+
+
+def calls_in(jaxpr: Any) -> tuple[AttentionCall, ...]:
+    """The distinct `spmd.attention` calls a traced program makes."""
+    return tuple(AttentionCall(axis, int(q), int(kv)) for q, kv, axis in marked(jaxpr, _CALL_RE))
+
+
+def _split(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    causal: bool,
+    axis: str,
+    scale: float | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    mask: jax.Array | None,
+) -> jax.Array:
+    """The attention with the length split over `axis` (whole where it has one device)."""
     size = _axis_size(axis)
     if size == 1:
         where = _mask(causal, q_seg, kv_seg, q.shape[1], 0, k.shape[1], mask)

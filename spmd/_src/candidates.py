@@ -1,4 +1,6 @@
-"""The layouts `spmd.auto_strategy` tries: data parallel, FSDP, HSDP, TP, FSDP x TP, optimizer offload.
+"""The layouts `spmd.auto_strategy` tries: data parallel, FSDP, HSDP, TP, FSDP x TP, optimizer
+offload; pipeline stages and context parallelism where the step calls `spmd.pipeline` or
+`spmd.attention`.
 
 Each candidate is a `Strategy` on the target's devices whose rules lay out
 every leaf of the state. A leaf with a flax annotation keeps it wherever it
@@ -18,8 +20,10 @@ import jax
 from jax.sharding import PartitionSpec
 
 from spmd._src.activations import activation_rules
+from spmd._src.attention import AttentionCall
 from spmd._src.logical import REST, LogicalRules, annotations, to_spec
 from spmd._src.mesh import make_mesh
+from spmd._src.pipeline import PipelineCall
 from spmd._src.rules import Rule, path_str
 from spmd._src.strategy import nnx_state
 from spmd._src.strategy.base import Strategy
@@ -193,16 +197,17 @@ def model_layout(
     return ModelLayout(leaves, annotated, tuple(a for a in axes if a != DATA_AXIS), optimizer)
 
 
-def idle_axes(strategy: Strategy, state: Any) -> list[str]:
+def idle_axes(strategy: Strategy, state: Any, busy: Sequence[str] = ()) -> list[str]:
     """The mesh axes of more than one device that split no work: outside the batch axes
-    (so every device along one gets the same rows), and splitting no leaf of `state` (an
-    abstract state: `strategy.abstract_state`).
+    (so every device along one gets the same rows) and `busy` (the axes the step's
+    `spmd.pipeline` and `spmd.attention` calls split their work over), and splitting no
+    leaf of `state` (an abstract state: `strategy.abstract_state`).
 
     A tensor-parallel candidate of a model whose matrices are all under
     `MIN_SHARDED_ELEMENTS` (or not divisible by the axis) is such a layout: its
     devices would each compute the whole step of their rows.
     """
-    used = set(strategy.batch_axes)
+    used = set(strategy.batch_axes) | set(busy)
     for leaf in jax.tree.leaves(nnx_state.pure(state)):
         spec = getattr(getattr(leaf, "sharding", None), "spec", None) or ()
         used.update(a for entry in spec for a in _names(entry))
@@ -226,6 +231,8 @@ def candidates(
     model_axes: Sequence[str] = (),
     rules: Sequence[Rule] = (),
     logical_axis_rules: LogicalRules = (),
+    pipelines: Sequence[PipelineCall] = (),
+    attentions: Sequence[AttentionCall] = (),
 ) -> list[tuple[str, Callable[[], Strategy]]]:
     """The layouts `auto_strategy` tries for these state leaves on these devices.
 
@@ -236,6 +243,16 @@ def candidates(
     TP axis leaves inside a slice; and, where the devices have host memory,
     the widest FSDP with the optimizer state in host memory
     (placement="offload_optimizer"), for a model that almost fits.
+
+    Where the step calls `spmd.pipeline`, its stage axis of every size k that
+    runs every call (k divides the layers / repeats; k dividing a slice's
+    devices, or k = the slices), outermost in the mesh (across the slices:
+    the pipeline's permutes are the one traffic that goes over DCN), with
+    data parallelism or FSDP over the rest ("stage 2 x FSDP 4"). Where it
+    calls `spmd.attention`, its context axis of every size c dividing a
+    slice's devices and every call's lengths, innermost, with data
+    parallelism or FSDP over the rest ("context 4 x data 2"); the candidate's
+    `activation_length` is split over it.
 
     Args:
       state_leaves: ('/'-joined path, leaf) of every leaf of the state.
@@ -250,21 +267,27 @@ def candidates(
       model_axes: the mesh axes the model names (its annotations, sharding
         constraints, rules): every candidate's mesh has them, of size 1 where
         the candidate does not split over them. Tensor parallelism splits the
-        one of them that is not data or fsdp (`tensor_axis`).
+        one of them that is not data or fsdp (`tensor_axis`), nor a pipeline's
+        or an attention's axis.
       rules, logical_axis_rules: given to every candidate, the rules ahead of
         the candidate's own (its logical rules end with `activation_rules`: the
         layout of the activations `spmd.logical.constrain` names).
+      pipelines: the step's `spmd.pipeline` calls (`spmd._src.pipeline.calls_in`
+        of the step traced on one device); none: no stage candidates.
+      attentions: the step's `spmd.attention` calls (`spmd._src.attention.calls_in`);
+        none: no context candidates.
 
     Returns:
       (name, a function building the `Strategy`) pairs.
     """
     n = len(devices)
     per_slice = n // slices
-    tensor = tensor_axis(model_axes)
+    calls = {c.axis for c in (*pipelines, *attentions)}
+    tensor = tensor_axis([a for a in model_axes if a not in calls])  # not the stage or context
     notes = dict(annotated or {})
     out: list[tuple[str, Callable[[], Strategy]]] = []
 
-    def strategy(name, axes, batch_axes, placement="device"):
+    def strategy(name, axes, batch_axes, placement="device", context=None):
         sizes = axes | {a: 1 for a in model_axes if a not in axes}
         own = _rules(state_leaves, sizes, tensor, notes)
 
@@ -278,7 +301,7 @@ def candidates(
                 logical_axis_rules=[*logical_axis_rules, *activations],
             )
 
-        activations = activation_rules(sizes, batch_axes, tensor)
+        activations = activation_rules(sizes, batch_axes, tensor, context)
         out.append((name, build))
 
     strategy("data parallel", {DATA_AXIS: n}, (DATA_AXIS,))
@@ -297,4 +320,41 @@ def candidates(
         axes = {DATA_AXIS: n // per_slice, FSDP_AXIS: per_slice}
         name = f"FSDP over {per_slice}, optimizer state in host memory"
         strategy(name, axes, (DATA_AXIS, FSDP_AXIS), placement="offload_optimizer")
+    for axis, k in _stage_sizes(pipelines, n, per_slice, slices):
+        in_slice = n // k // (slices // math.gcd(k, slices))  # the stages fill the slices first
+        for label, inner in _with_data(n // k, in_slice):
+            strategy(f"{axis} {k}{label}", {axis: k} | inner, tuple(inner))
+    for axis, c in _context_sizes(attentions, per_slice):
+        for label, inner in _with_data(n // c, per_slice // c):
+            strategy(f"{axis} {c}{label}", inner | {axis: c}, tuple(inner), context=axis)
     return out
+
+
+def _with_data(rest: int, in_slice: int) -> list[tuple[str, dict[str, int]]]:
+    """(name suffix, axes) of the devices a stage or context axis leaves: data parallel
+    over them, and FSDP over those inside a slice (data over the slices)."""
+    if rest == 1:
+        return [("", {DATA_AXIS: 1})]
+    out = [(f" x data {rest}", {DATA_AXIS: rest})]
+    if in_slice > 1:
+        out.append((f" x FSDP {in_slice}", {DATA_AXIS: rest // in_slice, FSDP_AXIS: in_slice}))
+    return out
+
+
+def _stage_sizes(calls: Sequence[PipelineCall], n: int, per_slice: int, slices: int):
+    """(axis, k) for each stage axis and size that runs all its pipeline calls."""
+    sizes = _divisors(per_slice) + ([slices] if slices > 1 else [])
+    for axis in dict.fromkeys(c.axis for c in calls):
+        mine = [c for c in calls if c.axis == axis]
+        for k in sorted(set(sizes)):
+            if n % k == 0 and all(c.splits_over(k) for c in mine):
+                yield axis, k
+
+
+def _context_sizes(calls: Sequence[AttentionCall], per_slice: int):
+    """(axis, c) for each context axis and size, inside a slice, that splits all its calls."""
+    for axis in dict.fromkeys(c.axis for c in calls):
+        mine = [c for c in calls if c.axis == axis]
+        for c in _divisors(per_slice):
+            if all(call.splits_over(c) for call in mine):
+                yield axis, c

@@ -17,16 +17,17 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.markers import marked
 from spmd._src.validate import positive_int
 
-__all__ = ["PipelineSchedule", "pipeline", "schedules_in"]
+__all__ = ["PipelineCall", "PipelineSchedule", "calls_in", "pipeline", "schedules_in"]
 
 P = PartitionSpec
 U = P.UNCONSTRAINED
@@ -37,6 +38,32 @@ _PIPELINING: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "spmd_pipeline_axis", default=None
 )
 _SCOPE_RE = re.compile(r"spmd_pipeline_stages(\d+)_microbatches(\d+)_repeats(\d+)")
+_CALL = "spmd_pipeline_layers{}_microbatches{}_repeats{}_over_{}"
+_CALL_RE = re.compile(r"spmd_pipeline_layers(\d+)_microbatches(\d+)_repeats(\d+)_over_(\w+)")
+
+
+class PipelineCall(NamedTuple):
+    """What one `spmd.pipeline` call was given, found in a step traced on any mesh (one
+    device too, where it runs the layers in order): `auto_strategy` sizes the stage axis
+    by it.
+
+    Attributes:
+      axis: the mesh axis of the stages.
+      layers: L, the stacked layers.
+      microbatches: M.
+      repeats: how many times a microbatch goes round the stages.
+    """
+
+    axis: str
+    layers: int
+    microbatches: int
+    repeats: int
+
+    def splits_over(self, stages: int) -> bool:
+        """Whether `stages` stages can run this call (the checks `spmd.pipeline` makes)."""
+        if self.layers % (stages * self.repeats):
+            return False
+        return self.repeats == 1 or self.microbatches >= stages
 
 
 @dataclass(frozen=True)
@@ -125,6 +152,22 @@ def pipeline(
     repeats = positive_int(repeats, "repeats")
     _check_batch(x, microbatches)
     _check_layer(layer_fn, stacked_params, x, microbatches)
+    if axis is None:
+        return _in_order(layer_fn, stacked_params, x)
+    with jax.named_scope(_CALL.format(layers, microbatches, repeats, axis)):
+        return _staged(layer_fn, stacked_params, x, layers, microbatches, axis, repeats)
+
+
+def _staged(
+    layer_fn: Callable,
+    stacked_params: Any,
+    x: jax.Array,
+    layers: int,
+    microbatches: int,
+    axis: str,
+    repeats: int,
+) -> jax.Array:
+    """The layers over the stages of `axis` (in order on a mesh of one device)."""
     stages = _stages(axis)
     if stages is None:
         return _in_order(layer_fn, stacked_params, x)
@@ -145,21 +188,15 @@ def schedules_in(jaxpr: Any) -> tuple[PipelineSchedule, ...]:
     One entry per distinct schedule: two calls with the same stages, microbatches
     and repeats (two stacks alike) are listed once.
     """
-    found: dict[tuple[int, int, int], None] = {}
-    for eqn in _eqns(getattr(jaxpr, "jaxpr", jaxpr)):
-        for match in _SCOPE_RE.finditer(str(eqn.source_info.name_stack)):
-            found[tuple(int(g) for g in match.groups())] = None
-    return tuple(PipelineSchedule(*key) for key in found)
+    return tuple(PipelineSchedule(*map(int, groups)) for groups in marked(jaxpr, _SCOPE_RE))
 
 
-def _eqns(jaxpr: Any):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                sub = getattr(item, "jaxpr", item)
-                if hasattr(sub, "eqns"):
-                    yield from _eqns(sub)
+def calls_in(jaxpr: Any) -> tuple[PipelineCall, ...]:
+    """The distinct `spmd.pipeline` calls (with a mesh axis) a traced program makes."""
+    return tuple(
+        PipelineCall(axis, int(layers), int(m), int(r))
+        for layers, m, r, axis in marked(jaxpr, _CALL_RE)
+    )
 
 
 def _in_order(layer_fn: Callable, stacked_params: Any, x: jax.Array) -> jax.Array:

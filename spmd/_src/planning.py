@@ -16,10 +16,12 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
+from spmd._src import attention as attention_calls
+from spmd._src import pipeline as pipeline_calls
 from spmd._src import plan_cache
 from spmd._src.activations import constrains_activations
 from spmd._src.calibration import calibration_note
@@ -546,19 +548,25 @@ def auto_strategy(
     steps = _remat_steps(step, remat)
     rules, logical_axis_rules = tuple(rules), tuple(logical_axis_rules)
     model = _traced(lambda: model_layout(create_fn, args, devices, rules, logical_axis_rules))
-    constrained = [
+    traced = [
         _check_on_one_device(create_fn, s, batch, args, devices, model, rules, logical_axis_rules)
         for _, s in steps
     ]
+    pipelines = tuple(dict.fromkeys(c for t in traced for c in t.pipelines))
+    attentions = tuple(dict.fromkeys(c for t in traced for c in t.attentions))
+    # Every candidate's mesh has the calls' axes (of size 1 where it does not split them).
+    busy = tuple(dict.fromkeys(c.axis for c in (*pipelines, *attentions)))
     built = candidates(
         model.leaves,
         devices,
         n_slices,
         host_memory=_offers_host_memory(devices[0]) and bool(model.optimizer),
         annotated=model.annotated,
-        model_axes=model.axes,
+        model_axes=tuple(dict.fromkeys((*model.axes, *busy))),
         rules=rules,
         logical_axis_rules=logical_axis_rules,
+        pipelines=pipelines,
+        attentions=attentions,
     )
     built = [(name, build, True) for name, build in built]
     built += [(name, (lambda s=s: s), False) for name, s in extras]
@@ -570,10 +578,12 @@ def auto_strategy(
     built = _matching(built, wanted)
     chip = chip_of(devices[0])
     capacity = _capacity(devices[0])
-    judge = _Judge(create_fn, batch, args, chip, len(devices), capacity, cache_dir is not None)
+    judge = _Judge(
+        create_fn, batch, args, chip, len(devices), capacity, cache_dir is not None, frozenset(busy)
+    )
     results = _settle(built, judge, jobs, cache_dir, progress)
     ranked = sorted((c for c in results if c.dropped is None), key=lambda c: c.step_seconds)
-    notes = () if all(constrained) else _unconstrained_note(built)
+    notes = () if all(t.constrained for t in traced) else _unconstrained_note(built)
     plan = Plan(target, tuple(ranked) + tuple(c for c in results if c.dropped is not None), notes)
     if plan.best is None:
         raise _nothing_fits(target, plan)
@@ -696,13 +706,22 @@ def _traced(fn: Callable[[], Any], what: str = "create_fn") -> Any:
         raise
 
 
+class _OnOneDevice(NamedTuple):
+    """What the step traced on one device tells of the model."""
+
+    constrained: bool  # whether it lays out any of its activations (a sharding constraint)
+    pipelines: tuple[pipeline_calls.PipelineCall, ...]  # its spmd.pipeline calls
+    attentions: tuple[attention_calls.AttentionCall, ...]  # its spmd.attention calls
+
+
 def _check_on_one_device(
     create_fn, step, batch, args, devices, model, rules, logical_axis_rules
-) -> bool:
+) -> _OnOneDevice:
     """Traces the step on one device (every axis of size 1): what fails there fails anywhere.
 
     Returns:
-      Whether the step lays out any of its activations (a sharding constraint).
+      Whether the step lays out any of its activations, and the `spmd.pipeline` and
+      `spmd.attention` calls it makes (the stage and context axes to offer).
     """
     sizes = {"data": 1} | {a: 1 for a in model.axes}
     one = Strategy(
@@ -710,7 +729,12 @@ def _check_on_one_device(
     )
     state = _traced(lambda: one.abstract_state(create_fn, *args))
     traced = _traced(lambda: _bound(one, step).trace(state, *batch), "the step")
-    return constrains_activations(traced[0].jaxpr)
+    jaxpr = traced[0].jaxpr
+    return _OnOneDevice(
+        constrains_activations(jaxpr),
+        pipeline_calls.calls_in(jaxpr),
+        attention_calls.calls_in(jaxpr),
+    )
 
 
 REMAT_POLICIES = ("none", "minimal", "full")  # the usual names: MaxText's `remat_policy`
@@ -802,9 +826,9 @@ def _nothing_fits(target: str, plan: Plan) -> ConfigurationError:
     )
 
 
-def _idle(strategy: Strategy, state: Any) -> str | None:
+def _idle(strategy: Strategy, state: Any, busy: frozenset[str]) -> str | None:
     """Why a candidate of spmd's splits no work over one of its axes; None where it does."""
-    axes = idle_axes(strategy, state)
+    axes = idle_axes(strategy, state, busy)
     if not axes:
         return None
     sizes = strategy.mesh.shape
@@ -829,6 +853,7 @@ class _Judge:
     n_devices: int
     capacity: int | None
     cached: bool  # whether a cache key is wanted (the program's text: seconds for a large one)
+    busy: frozenset[str] = frozenset()  # the axes the step's pipeline / attention calls split
 
     def prepare(self, name: str, build: Callable[[], Strategy], own: bool, step: Any):
         """The candidate (its layout and its train step: one per remat policy) traced and
@@ -841,7 +866,7 @@ class _Judge:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 state = strategy.abstract_state(self.create_fn, *self.args)
-                if own and (idle := _idle(strategy, state)):
+                if own and (idle := _idle(strategy, state, self.busy)):
                     return Candidate(name, strategy, dropped=idle)
                 if (over := self._state_over_hbm(state)) is not None:
                     return Candidate(name, strategy, dropped=over)
