@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import os
 import sys
@@ -23,6 +24,8 @@ from spmd._src.validate import positive_int
 
 if TYPE_CHECKING:
     from spmd._src.trainer.trainer import Trainer
+
+_log = logging.getLogger("spmd.trainer")
 
 __all__ = [
     "BackupAndRestore",
@@ -428,13 +431,44 @@ class EarlyStopping(Callback):
             else (-math.inf if self.mode == "max" else math.inf)
         )
         self.best_state = None
+        self._through = -1  # the last epoch whose logs were weighed
 
     def _better(self, value: float) -> bool:
         if self.mode == "max":
             return value - self.min_delta > self.best
         return value - self.min_delta < self.best
 
+    def _backup_state(self, ended: tuple[int, dict] | None = None) -> dict:
+        """What BackupAndRestore saves of this callback: the wait and the best so far (JSON),
+        with the epoch that just `ended` (epoch, logs) weighed first, whatever the order of
+        the callbacks' on_epoch_end."""
+        if ended is not None:
+            self._weigh(*ended)
+        best = self.best if math.isfinite(self.best) else None
+        kept = self.best_state is not None
+        return {"wait": self.wait, "best": best, "best_epoch": self.best_epoch, "kept": kept}
+
+    def _resume(self, saved: dict) -> None:
+        """Takes the wait and the best of the fit a backup resumes, as if it had not stopped."""
+        self.wait, self.best_epoch = int(saved["wait"]), int(saved["best_epoch"])
+        if saved["best"] is not None:
+            self.best = float(saved["best"])
+        if saved["kept"]:  # the weights are not in the backup: say so, never restore others
+            _log.warning(
+                "EarlyStopping(restore_best_weights=True) resumed from a backup: the best "
+                "weights (epoch %d) were held in memory, not backed up, so a stop restores "
+                "the best weights seen since the resume, if any.",
+                self.best_epoch,
+            )
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._weigh(epoch, logs)
+
+    def _weigh(self, epoch: int, logs: dict | None) -> None:
+        """Weighs an epoch's logs once: the best, the wait, and the stop after patience."""
+        if epoch <= self._through:
+            return
+        self._through = epoch
         logs = logs or {}
         if self.monitor not in logs:
             raise ConfigurationError(
@@ -633,6 +667,7 @@ class BackupAndRestore(Callback):
         self.manager = None
         self.restored_step: int | None = None
         self._saves = 0  # multiples of save_freq crossed so far
+        self._resumed: dict | None = None  # the other callbacks' saved state, until applied
 
     def on_train_begin(self, logs: dict | None = None) -> None:
 
@@ -652,17 +687,38 @@ class BackupAndRestore(Callback):
             trainer.epoch = int(meta["epoch"])
             trainer.iterations = step
             trainer._pass_ended = bool(meta.get("pass_ended", False))
+            self._resumed = meta.get("callbacks")
         self._saves = trainer.iterations // interval
 
-    def _save(self, epoch: int, force: bool, pass_ended: bool = False) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        # After every callback's on_train_begin (which resets its own state), whatever
+        # the callbacks' order: the resumed fit's callbacks go on as the stopped fit's.
+        saved, self._resumed = self._resumed or {}, None
+        for key, callback in _resumable(self.trainer).items():
+            if key in saved:
+                callback._resume(saved[key])
+
+    def _save(
+        self,
+        epoch: int,
+        force: bool,
+        pass_ended: bool = False,
+        ended: tuple[int, dict] | None = None,
+    ) -> None:
         """Backs up at `epoch`; `pass_ended`: the epoch's data is read to its end, so the
-        saved position is the next pass's start and the resumed epoch reads no batch."""
+        saved position is the next pass's start and the resumed epoch reads no batch;
+        `ended`: the epoch that just ended and its logs, which the callbacks' saved state
+        (EarlyStopping's best and wait) takes in."""
         trainer = self.trainer
         self.manager.save(
             trainer.iterations,
             trainer.state,
             data=trainer.dataset,
-            metadata={"epoch": epoch, "pass_ended": pass_ended},
+            metadata={
+                "epoch": epoch,
+                "pass_ended": pass_ended,
+                "callbacks": {k: c._backup_state(ended) for k, c in _resumable(trainer).items()},
+            },
             force=force,
         )
 
@@ -678,7 +734,7 @@ class BackupAndRestore(Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.save_freq == "epoch":
-            self._save(epoch + 1, force=True)
+            self._save(epoch + 1, force=True, ended=(epoch, dict(logs or {})))
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.manager is None:
@@ -695,6 +751,18 @@ class BackupAndRestore(Callback):
         if self.manager is not None:  # the backups stay: the retry resumes from them
             self.manager.close()
             self.manager = None
+
+
+def _resumable(trainer: Any) -> dict[str, Callback]:
+    """Fit's callbacks whose state a backup carries (EarlyStopping's wait and best), by
+    class name and rank among them: "EarlyStopping:0", ..."""
+    found: dict[str, Callback] = {}
+    for callback in getattr(trainer, "_fit_callbacks", ()):
+        if hasattr(callback, "_backup_state"):
+            name = type(callback).__name__
+            rank = sum(key.startswith(name + ":") for key in found)
+            found[f"{name}:{rank}"] = callback
+    return found
 
 
 def _remove_everywhere(directory: str) -> None:

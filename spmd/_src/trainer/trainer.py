@@ -562,8 +562,9 @@ class Trainer:
         steps = steps_per_epoch or self.dataset.num_batches
         verbose = (1 if sys.stdout.isatty() else 2) if verbose == "auto" else verbose
         shown = [ProgressBar()] if verbose == 1 else [EpochLogger()] if verbose == 2 else []
+        self._fit_callbacks = [history, *callbacks, *shown]  # BackupAndRestore backs theirs up
         hooks = CallbackList(
-            [history, *callbacks, *shown],
+            self._fit_callbacks,
             self,
             {"epochs": epochs, "steps": steps, "verbose": verbose},
         )
