@@ -149,6 +149,7 @@ def _fit_until_early_stop(backup: str, *callbacks) -> tuple[spmd.Trainer, int]:
     return trainer, early.stopped_epoch
 
 
+@pytest.mark.slow  # 2 s of CPU: three fits
 def test_early_stopping_resumed_from_a_backup_stops_where_the_uninterrupted_fit_does(tmp_path):
     """A fit stopped after epoch 1's backup resumes EarlyStopping's wait and best with it,
     so it stops after the same epoch with the same weights (not 2 epochs later)."""
@@ -160,6 +161,37 @@ def test_early_stopping_resumed_from_a_backup_stops_where_the_uninterrupted_fit_
     assert (resumed_stop, resumed.iterations) == (3, 20)
     for got, want in zip(
         jax.tree.leaves(resumed.host_state()["params"]),
+        jax.tree.leaves(whole.host_state()["params"]),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow  # 4 s of CPU: three fits
+def test_model_checkpoint_steps_after_the_backup_are_set_aside_and_saved_anew(tmp_path):
+    """BackupAndRestore each epoch, ModelCheckpoint each batch: stopped at step 8, resumed from
+    epoch 0's backup (step 5), the steps 7 and 8 the stopped attempt saved are newer than the
+    resumed fit's first save; they are set aside, not a CheckpointError at every resume."""
+    ckpt, backup = tmp_path / "ckpt", str(tmp_path / "backup")
+
+    def saving():
+        return spmd.callbacks.ModelCheckpoint(str(ckpt), save_freq=1, max_to_keep=2)
+
+    with pytest.raises(_Stopped):
+        _fit(1, spmd.callbacks.BackupAndRestore(backup), saving(), _StopAt(8))
+    resumed, _, _ = _fit(1, spmd.callbacks.BackupAndRestore(backup), saving())
+    whole, _, _ = _fit(1)
+    assert resumed.iterations == EPOCHS * 5
+    assert sorted(p.name for p in ckpt.iterdir() if p.name[0].isdigit()) == [
+        "14",
+        "15",
+        "7.superseded",
+        "8.superseded",
+    ]
+    with spmd.CheckpointManager(ckpt, read_only=True) as reader:
+        saved = reader.restore(15, target=resumed.state)
+    for got, want in zip(
+        jax.tree.leaves(jax.device_get(saved["params"])),
         jax.tree.leaves(whole.host_state()["params"]),
         strict=True,
     ):

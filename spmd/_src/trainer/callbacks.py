@@ -551,14 +551,53 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
 
         self._saves = self.trainer.iterations // self.save_freq if self.save_freq != "epoch" else 0
-        self.manager = CheckpointManager(
+        self._first_save = True
+        self.manager = self._open()
+
+    def _open(self) -> CheckpointManager:
+        return CheckpointManager(
             self.directory,
             max_to_keep=self.max_to_keep,
             async_save=self.async_save,
             preemption="off",
         )
 
+    def _set_aside_newer(self, step: int) -> None:
+        """Sets aside (as STEP.superseded) the steps after `step` that the stopped attempt of
+        a fit BackupAndRestore resumed saved: the resumed fit saves those steps anew.
+
+        A fit resumed from an older backup (BackupAndRestore each epoch, this callback
+        each batch) would otherwise find them newer than its first save (a
+        CheckpointError on every relaunch). Only where a BackupAndRestore of this fit
+        restored a backup: any other run's steps stay an error."""
+        resumed = [
+            c.restored_step
+            for c in getattr(self.trainer, "_fit_callbacks", ())
+            if isinstance(c, BackupAndRestore) and c.restored_step is not None
+        ]
+        if not resumed:
+            return
+        newer = sorted(
+            s for s in {*self.manager.all_steps(), *self.manager.damaged_steps()} if s > step
+        )
+        if not newer:
+            return
+        _log.warning(
+            "ModelCheckpoint: fit resumed from the backup of step %d, and %s holds steps %s "
+            "that the stopped attempt saved after it; they are set aside as STEP.superseded "
+            "and saved anew as the resumed fit reaches them.",
+            resumed[0],
+            self.directory,
+            newer,
+        )
+        self.manager.close()
+        _on_process_zero(self.directory, lambda: _supersede(self.directory, newer))
+        self.manager = self._open()
+
     def _save(self, logs: dict | None) -> None:
+        if self._first_save:
+            self._first_save = False
+            self._set_aside_newer(self.trainer.iterations)
         meta = {"epoch": self.trainer.epoch, "logs": {k: float(v) for k, v in (logs or {}).items()}}
         self.manager.save(self.trainer.iterations, self.trainer.state, metadata=meta, force=True)
 
@@ -769,14 +808,32 @@ def _remove_everywhere(directory: str) -> None:
     """The chief deletes a shared folder once every process is done with it."""
     import shutil
 
+    _on_process_zero(directory, lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
+def _on_process_zero(directory: str | os.PathLike, change: Callable[[], None]) -> None:
+    """Process 0 changes a shared folder while every process waits, before and after."""
     from jax.experimental import multihost_utils
 
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"spmd-remove:{directory}")
     if jax.process_index() == 0:
-        shutil.rmtree(directory, ignore_errors=True)
+        change()
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"spmd-removed:{directory}")
+
+
+def _supersede(directory: str | os.PathLike, steps: list[int]) -> None:
+    """Renames each step folder to STEP.superseded (STEP.superseded.N if that is taken)."""
+    from etils import epath
+
+    root = epath.Path(directory)
+    for step in steps:
+        aside, n = root / f"{step}.superseded", 1
+        while aside.exists():
+            aside, n = root / f"{step}.superseded.{n}", n + 1
+        if (root / str(step)).exists():
+            (root / str(step)).rename(aside)
 
 
 def check_freq(save_freq: Any, owner: str) -> None:
