@@ -123,3 +123,76 @@ def test_a_fit_stopped_after_any_call_resumes_to_the_uninterrupted_fit(
         jax.tree.leaves(resumed.host_state()["params"]), jax.tree.leaves(params), strict=True
     ):
         np.testing.assert_array_equal(got, want)
+
+
+class _StopAfterEpoch(spmd.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise _Stopped
+
+
+def _fit_until_early_stop(backup: str, *callbacks) -> tuple[spmd.Trainer, int]:
+    """8 epochs at most; EarlyStopping (listed after BackupAndRestore) counts every epoch
+    after the first as no better (min_delta), so it stops fit after epoch 3."""
+    early = spmd.callbacks.EarlyStopping(monitor="loss", patience=3, min_delta=1e9)
+    trainer = spmd.Trainer(
+        Linear(nnx.Rngs(0)), optax.sgd(0.1), "mse", strategy=spmd.OneDeviceStrategy()
+    )
+    backup_callback = spmd.callbacks.BackupAndRestore(backup)
+    trainer.fit(
+        _data(),
+        batch_size=BATCH,
+        epochs=8,
+        verbose=0,
+        callbacks=[backup_callback, early, *callbacks],
+    )
+    return trainer, early.stopped_epoch
+
+
+@pytest.mark.slow  # 2 s of CPU: three fits
+def test_early_stopping_resumed_from_a_backup_stops_where_the_uninterrupted_fit_does(tmp_path):
+    """A fit stopped after epoch 1's backup resumes EarlyStopping's wait and best with it,
+    so it stops after the same epoch with the same weights (not 2 epochs later)."""
+    whole, whole_stop = _fit_until_early_stop(str(tmp_path / "whole"))
+    with pytest.raises(_Stopped):
+        _fit_until_early_stop(str(tmp_path / "backup"), _StopAfterEpoch())
+    resumed, resumed_stop = _fit_until_early_stop(str(tmp_path / "backup"))
+    assert (whole_stop, whole.iterations) == (3, 20)
+    assert (resumed_stop, resumed.iterations) == (3, 20)
+    for got, want in zip(
+        jax.tree.leaves(resumed.host_state()["params"]),
+        jax.tree.leaves(whole.host_state()["params"]),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow  # 4 s of CPU: three fits
+def test_model_checkpoint_steps_after_the_backup_are_set_aside_and_saved_anew(tmp_path):
+    """BackupAndRestore each epoch, ModelCheckpoint each batch: stopped at step 8, resumed from
+    epoch 0's backup (step 5), the steps 7 and 8 the stopped attempt saved are newer than the
+    resumed fit's first save; they are set aside, not a CheckpointError at every resume."""
+    ckpt, backup = tmp_path / "ckpt", str(tmp_path / "backup")
+
+    def saving():
+        return spmd.callbacks.ModelCheckpoint(str(ckpt), save_freq=1, max_to_keep=2)
+
+    with pytest.raises(_Stopped):
+        _fit(1, spmd.callbacks.BackupAndRestore(backup), saving(), _StopAt(8))
+    resumed, _, _ = _fit(1, spmd.callbacks.BackupAndRestore(backup), saving())
+    whole, _, _ = _fit(1)
+    assert resumed.iterations == EPOCHS * 5
+    assert sorted(p.name for p in ckpt.iterdir() if p.name[0].isdigit()) == [
+        "14",
+        "15",
+        "7.superseded",
+        "8.superseded",
+    ]
+    with spmd.CheckpointManager(ckpt, read_only=True) as reader:
+        saved = reader.restore(15, target=resumed.state)
+    for got, want in zip(
+        jax.tree.leaves(jax.device_get(saved["params"])),
+        jax.tree.leaves(whole.host_state()["params"]),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)

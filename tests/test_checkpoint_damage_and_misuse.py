@@ -481,3 +481,15 @@ def test_saving_an_abstract_state_is_an_error_that_writes_nothing(tmp_path):
             ckpt.save(1, abstract, force=True)
         assert "abstract_leaves=['b', 'key', 'w']" in str(info.value)
         assert ckpt.all_steps() == []
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["the-path", "a-folder-above"])
+def test_a_file_where_the_directory_goes_is_named_as_a_file(tmp_path, under):
+    """Not 'give this process write access' (it has it): the file is in the way."""
+    blocking = tmp_path / "ckpt"
+    blocking.write_text("x")
+    directory = blocking / "run" if under else blocking
+    with pytest.raises(spmd.CheckpointError, match="is a folder") as caught:
+        spmd.CheckpointManager(directory)
+    assert f"file='{blocking}'" in str(caught.value)
+    assert "move that file away" in str(caught.value)

@@ -100,6 +100,15 @@ def test_the_first_failure_is_the_process_that_raised(capsys):
     assert text.startswith("first failure: process 0 exited with code 1; it raised ValueError: bad")
 
 
+def test_a_program_that_does_not_compile_is_named_with_its_syntax_error(capsys):
+    group = _group(1, 1, failed=(0, 1))
+    printer = _printer_with(
+        0, '  File "train.py", line 3', "    f(a,, b)", "SyntaxError: invalid syntax"
+    )
+    text = summary(group, printer)
+    assert text.startswith("first failure: process 0 exited with code 1; it raised SyntaxError: ")
+
+
 def test_processes_that_never_reached_a_collective_are_named_not_the_one_that_waited(capsys):
     """Process 0 waited in save(step=5) for process 1, which hung: process 1 is at fault."""
     error = f"spmd.CheckpointError: {not_arrived([2, 1], 'save(step=5)', 30.0)}: ..."

@@ -266,6 +266,25 @@ def test_a_step_removed_before_it_was_read_is_skipped(trained, tmp_path, caplog)
     assert "damaged" not in caplog.text
 
 
+@pytest.mark.parametrize("replaced", [True, False], ids=["by-a-file", "removed"])
+def test_a_final_step_gone_before_it_was_listed_ends_the_evaluation_not_waits(
+    trained, tmp_path, caplog, replaced
+):
+    """The run marked step 9 its last, then step 9 went: without a timeout, the evaluator
+    would wait for it for ever."""
+
+    def damage(copy):
+        shutil.rmtree(copy / "9")
+        if replaced:
+            (copy / "9").write_text("not a step")
+
+    history = _evaluate_copy(trained, tmp_path, caplog, damage)
+    assert list(history) == [3, 6]
+    assert (
+        "the training run marked step 9 as its last, but the directory holds no step 9"
+    ) in caplog.text
+
+
 def test_a_step_removed_while_it_is_read_is_skipped_as_removed_not_damaged(
     trained, tmp_path, caplog, monkeypatch
 ):

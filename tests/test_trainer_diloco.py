@@ -128,3 +128,21 @@ def test_backup_and_restore_on_diloco_resumes_exactly(tmp_path):
     assert_trees_allclose(
         jax.device_get(resumed.state), jax.device_get(through.state), rtol=0, atol=0
     )
+
+
+@pytest.mark.slow  # 6 s of CPU: the Trainer's model, checks and one inner step
+@pytest.mark.parametrize("source", ["list", "tf.data"])
+def test_a_short_batch_of_an_iterable_is_a_batch_error_naming_drop_remainder(source):
+    """Arrays' last partial batch is dropped (said at WARNING); an iterable's short batch,
+    which fit would pad, is an error, not a step of an island on padding only."""
+    x, y = _data()
+    if source == "list":
+        data = [(x[:BATCH], y[:BATCH]), (x[BATCH : BATCH + 12], y[BATCH : BATCH + 12])]
+    else:
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((x[: BATCH + 12], y[: BATCH + 12])).batch(BATCH)
+    with pytest.raises(spmd.BatchError, match="trains on whole batches only") as caught:
+        _trainer().fit(data, verbose=0)
+    assert "num_replicas_in_sync=8" in str(caught.value)
+    assert "drop_remainder=True" in str(caught.value)

@@ -315,6 +315,15 @@ def test_evaluate_with_every_sample_weight_zero_is_an_error():
         _trainer().evaluate((x, y, np.zeros(len(x), np.float32)), batch_size=16)
 
 
+def test_evaluate_with_a_nan_sample_weight_is_an_error_not_a_nan_loss():
+    x, y = _data()
+    w = np.ones(len(x), np.float32)
+    w[3] = np.nan
+    with pytest.raises(spmd.BatchError, match="sample_weight_sum=nan") as caught:
+        _trainer().evaluate((x, y, w), batch_size=16)
+    assert "np.isfinite(sample_weight).all()" in str(caught.value)
+
+
 # -- models: BatchNorm, dropout, several outputs, several inputs ----------------------------
 
 

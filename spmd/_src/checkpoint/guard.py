@@ -199,7 +199,18 @@ def _check_same_folder(
 
 
 def not_writable(directory: epath.Path, error: OSError) -> CheckpointError:
-    """The error for a writer's directory it cannot write (a read-only mount, permissions)."""
+    """The error for a writer's directory it cannot write (a read-only mount, permissions,
+    a file at its path or above it)."""
+    blocking = _file_on_the_way(directory)
+    if blocking is not None:
+        return CheckpointError(
+            message(
+                "A CheckpointManager's directory is a folder (or a path it can create).",
+                received(directory=str(directory), file=blocking),
+                "pass a folder's path: move that file away, or name another directory "
+                "(e.g. one beside it).",
+            )
+        )
     return CheckpointError(
         message(
             "A CheckpointManager that saves needs a directory it can write.",
@@ -208,6 +219,16 @@ def not_writable(directory: epath.Path, error: OSError) -> CheckpointError:
             "to save, give this process write access or another directory.",
         )
     )
+
+
+def _file_on_the_way(directory: epath.Path) -> str | None:
+    """The path of a file at `directory` or at a folder above it, if there is one (local)."""
+    path = os.path.abspath(os.fspath(directory)) if "://" not in str(directory) else None
+    while path and path != os.path.dirname(path):
+        if os.path.lexists(path):
+            return path if not os.path.isdir(path) else None
+        path = os.path.dirname(path)
+    return None
 
 
 def not_listable(directory: epath.Path, error: OSError) -> CheckpointError:

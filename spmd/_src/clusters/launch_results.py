@@ -66,6 +66,7 @@ _GLOO_PIECES = re.compile(
     r"|\d+|\s+"
 )
 _TRACEBACK = "Traceback (most recent call last):"
+_SYNTAX_ERROR = re.compile(r"^(SyntaxError|IndentationError|TabError): ")
 _KEPT_LINES = 200  # lines of each process's stderr kept for the failure summary
 
 
@@ -212,8 +213,9 @@ class Printer:
         """The last Python exception process `index` printed ("Type: message"), if any."""
         lines = list(self._stderr.get(index, ()))
         starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
-        if not starts:
-            return None
+        if not starts:  # a program that does not compile: Python prints no traceback header
+            syntax = [line for line in lines if _SYNTAX_ERROR.match(line)]
+            return syntax[-1] if syntax else None
         after = lines[starts[-1] + 1 :]
         last = [line for line in after if line and not line[0].isspace()]
         return last[0] if last else None

@@ -140,8 +140,12 @@ class BatchChecks:
         Raises:
           BatchError: the forward pass in training mode writes a variable other
             than a parameter or RNG state (BatchNorm statistics, a running mean,
-            a counter, a sown value), found by tracing it once.
+            a counter, a sown value), found by tracing it once; or any padded
+            batch on spmd.DiLoCo, where an island given padding only would
+            still step its optimizer.
         """
+        if isinstance(trainer.strategy, DiLoCo):
+            raise BatchError(_padded_islands(trainer, batch))
         if self._written is None:
             self._written = written_state(trainer, batch[0])
         if self._written:
@@ -200,6 +204,26 @@ def _check_form(trainer: Trainer, batch: tuple, what: str, placed: bool) -> None
     if what == "fit" and placed:
         replicas = trainer.strategy.num_replicas_in_sync
         check_microbatches(batch, trainer.grad_accum_steps, replicas)
+
+
+def _padded_islands(trainer: Trainer, batch: tuple) -> str:
+    """Why a Trainer on spmd.DiLoCo does not train on a padded batch, and the ways out."""
+    rows = np.shape(jax.tree.leaves(batch[0])[0])[0]
+    return message(
+        "A Trainer on spmd.DiLoCo trains on whole batches only: each island steps its own "
+        "optimizer on its rows of the batch, and an island given padding only would still "
+        "take a step. Batches are padded where a batch is smaller than the first (an "
+        "iterable's or tf.data's partial batch) or where the global batch does not split "
+        "evenly over the islands' replicas.",
+        received(
+            batch_rows=rows,
+            num_replicas_in_sync=trainer.strategy.num_replicas_in_sync,
+        ),
+        "give fit batches of one size that splits over num_replicas_in_sync: drop the last "
+        "partial batch (tf.data's .batch(n, drop_remainder=True), or "
+        'InputOptions(remainder="drop")); fit on arrays drops it itself, said at WARNING. '
+        "evaluate and predict pad and mask as on any strategy.",
+    )
 
 
 def _padded_state(trainer: Trainer, batch: tuple, written: list[str]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import os
 import sys
@@ -23,6 +24,8 @@ from spmd._src.validate import positive_int
 
 if TYPE_CHECKING:
     from spmd._src.trainer.trainer import Trainer
+
+_log = logging.getLogger("spmd.trainer")
 
 __all__ = [
     "BackupAndRestore",
@@ -428,13 +431,44 @@ class EarlyStopping(Callback):
             else (-math.inf if self.mode == "max" else math.inf)
         )
         self.best_state = None
+        self._through = -1  # the last epoch whose logs were weighed
 
     def _better(self, value: float) -> bool:
         if self.mode == "max":
             return value - self.min_delta > self.best
         return value - self.min_delta < self.best
 
+    def _backup_state(self, ended: tuple[int, dict] | None = None) -> dict:
+        """What BackupAndRestore saves of this callback: the wait and the best so far (JSON),
+        with the epoch that just `ended` (epoch, logs) weighed first, whatever the order of
+        the callbacks' on_epoch_end."""
+        if ended is not None:
+            self._weigh(*ended)
+        best = self.best if math.isfinite(self.best) else None
+        kept = self.best_state is not None
+        return {"wait": self.wait, "best": best, "best_epoch": self.best_epoch, "kept": kept}
+
+    def _resume(self, saved: dict) -> None:
+        """Takes the wait and the best of the fit a backup resumes, as if it had not stopped."""
+        self.wait, self.best_epoch = int(saved["wait"]), int(saved["best_epoch"])
+        if saved["best"] is not None:
+            self.best = float(saved["best"])
+        if saved["kept"]:  # the weights are not in the backup: say so, never restore others
+            _log.warning(
+                "EarlyStopping(restore_best_weights=True) resumed from a backup: the best "
+                "weights (epoch %d) were held in memory, not backed up, so a stop restores "
+                "the best weights seen since the resume, if any.",
+                self.best_epoch,
+            )
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._weigh(epoch, logs)
+
+    def _weigh(self, epoch: int, logs: dict | None) -> None:
+        """Weighs an epoch's logs once: the best, the wait, and the stop after patience."""
+        if epoch <= self._through:
+            return
+        self._through = epoch
         logs = logs or {}
         if self.monitor not in logs:
             raise ConfigurationError(
@@ -517,14 +551,53 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, logs: dict | None = None) -> None:
 
         self._saves = self.trainer.iterations // self.save_freq if self.save_freq != "epoch" else 0
-        self.manager = CheckpointManager(
+        self._first_save = True
+        self.manager = self._open()
+
+    def _open(self) -> CheckpointManager:
+        return CheckpointManager(
             self.directory,
             max_to_keep=self.max_to_keep,
             async_save=self.async_save,
             preemption="off",
         )
 
+    def _set_aside_newer(self, step: int) -> None:
+        """Sets aside (as STEP.superseded) the steps after `step` that the stopped attempt of
+        a fit BackupAndRestore resumed saved: the resumed fit saves those steps anew.
+
+        A fit resumed from an older backup (BackupAndRestore each epoch, this callback
+        each batch) would otherwise find them newer than its first save (a
+        CheckpointError on every relaunch). Only where a BackupAndRestore of this fit
+        restored a backup: any other run's steps stay an error."""
+        resumed = [
+            c.restored_step
+            for c in getattr(self.trainer, "_fit_callbacks", ())
+            if isinstance(c, BackupAndRestore) and c.restored_step is not None
+        ]
+        if not resumed:
+            return
+        newer = sorted(
+            s for s in {*self.manager.all_steps(), *self.manager.damaged_steps()} if s > step
+        )
+        if not newer:
+            return
+        _log.warning(
+            "ModelCheckpoint: fit resumed from the backup of step %d, and %s holds steps %s "
+            "that the stopped attempt saved after it; they are set aside as STEP.superseded "
+            "and saved anew as the resumed fit reaches them.",
+            resumed[0],
+            self.directory,
+            newer,
+        )
+        self.manager.close()
+        _on_process_zero(self.directory, lambda: _supersede(self.directory, newer))
+        self.manager = self._open()
+
     def _save(self, logs: dict | None) -> None:
+        if self._first_save:
+            self._first_save = False
+            self._set_aside_newer(self.trainer.iterations)
         meta = {"epoch": self.trainer.epoch, "logs": {k: float(v) for k, v in (logs or {}).items()}}
         self.manager.save(self.trainer.iterations, self.trainer.state, metadata=meta, force=True)
 
@@ -633,6 +706,7 @@ class BackupAndRestore(Callback):
         self.manager = None
         self.restored_step: int | None = None
         self._saves = 0  # multiples of save_freq crossed so far
+        self._resumed: dict | None = None  # the other callbacks' saved state, until applied
 
     def on_train_begin(self, logs: dict | None = None) -> None:
 
@@ -652,17 +726,38 @@ class BackupAndRestore(Callback):
             trainer.epoch = int(meta["epoch"])
             trainer.iterations = step
             trainer._pass_ended = bool(meta.get("pass_ended", False))
+            self._resumed = meta.get("callbacks")
         self._saves = trainer.iterations // interval
 
-    def _save(self, epoch: int, force: bool, pass_ended: bool = False) -> None:
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        # After every callback's on_train_begin (which resets its own state), whatever
+        # the callbacks' order: the resumed fit's callbacks go on as the stopped fit's.
+        saved, self._resumed = self._resumed or {}, None
+        for key, callback in _resumable(self.trainer).items():
+            if key in saved:
+                callback._resume(saved[key])
+
+    def _save(
+        self,
+        epoch: int,
+        force: bool,
+        pass_ended: bool = False,
+        ended: tuple[int, dict] | None = None,
+    ) -> None:
         """Backs up at `epoch`; `pass_ended`: the epoch's data is read to its end, so the
-        saved position is the next pass's start and the resumed epoch reads no batch."""
+        saved position is the next pass's start and the resumed epoch reads no batch;
+        `ended`: the epoch that just ended and its logs, which the callbacks' saved state
+        (EarlyStopping's best and wait) takes in."""
         trainer = self.trainer
         self.manager.save(
             trainer.iterations,
             trainer.state,
             data=trainer.dataset,
-            metadata={"epoch": epoch, "pass_ended": pass_ended},
+            metadata={
+                "epoch": epoch,
+                "pass_ended": pass_ended,
+                "callbacks": {k: c._backup_state(ended) for k, c in _resumable(trainer).items()},
+            },
             force=force,
         )
 
@@ -678,7 +773,7 @@ class BackupAndRestore(Callback):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.save_freq == "epoch":
-            self._save(epoch + 1, force=True)
+            self._save(epoch + 1, force=True, ended=(epoch, dict(logs or {})))
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self.manager is None:
@@ -697,18 +792,48 @@ class BackupAndRestore(Callback):
             self.manager = None
 
 
+def _resumable(trainer: Any) -> dict[str, Callback]:
+    """Fit's callbacks whose state a backup carries (EarlyStopping's wait and best), by
+    class name and rank among them: "EarlyStopping:0", ..."""
+    found: dict[str, Callback] = {}
+    for callback in getattr(trainer, "_fit_callbacks", ()):
+        if hasattr(callback, "_backup_state"):
+            name = type(callback).__name__
+            rank = sum(key.startswith(name + ":") for key in found)
+            found[f"{name}:{rank}"] = callback
+    return found
+
+
 def _remove_everywhere(directory: str) -> None:
     """The chief deletes a shared folder once every process is done with it."""
     import shutil
 
+    _on_process_zero(directory, lambda: shutil.rmtree(directory, ignore_errors=True))
+
+
+def _on_process_zero(directory: str | os.PathLike, change: Callable[[], None]) -> None:
+    """Process 0 changes a shared folder while every process waits, before and after."""
     from jax.experimental import multihost_utils
 
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"spmd-remove:{directory}")
     if jax.process_index() == 0:
-        shutil.rmtree(directory, ignore_errors=True)
+        change()
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"spmd-removed:{directory}")
+
+
+def _supersede(directory: str | os.PathLike, steps: list[int]) -> None:
+    """Renames each step folder to STEP.superseded (STEP.superseded.N if that is taken)."""
+    from etils import epath
+
+    root = epath.Path(directory)
+    for step in steps:
+        aside, n = root / f"{step}.superseded", 1
+        while aside.exists():
+            aside, n = root / f"{step}.superseded.{n}", n + 1
+        if (root / str(step)).exists():
+            (root / str(step)).rename(aside)
 
 
 def check_freq(save_freq: Any, owner: str) -> None:

@@ -175,12 +175,25 @@ class Ending:
         self.since = 0.0
 
     def ended(self, mark: final.Mark | None, steps: list[int], done: int) -> bool:
-        if mark is None or done < mark.step or (steps and steps[-1] > mark.step):
+        """Whether the run ended: its marked step evaluated, or gone from a listing made
+        after the mark was read (which the run wrote before marking it: removed, or
+        replaced by a file), every step listed evaluated; said at WARNING then."""
+        gone = mark is not None and mark.step not in steps and done >= max(steps, default=-1)
+        if mark is None or (done < mark.step and not gone) or (steps and steps[-1] > mark.step):
             self.seen = None
             return False
         now = time.monotonic()
         if mark != self.seen:
             self.seen, self.since = mark, now
+            if gone:
+                _log.warning(
+                    "the training run marked step %d as its last, but the directory holds no "
+                    "step %d (removed, or replaced by a file, after it was written): the "
+                    "evaluation ends at step %d",
+                    mark.step,
+                    mark.step,
+                    done,
+                )
             if self.grace > 0:
                 _log.info(
                     "the training run marked step %d as its last: ending in %.0f s unless it "

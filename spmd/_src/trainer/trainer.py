@@ -562,8 +562,9 @@ class Trainer:
         steps = steps_per_epoch or self.dataset.num_batches
         verbose = (1 if sys.stdout.isatty() else 2) if verbose == "auto" else verbose
         shown = [ProgressBar()] if verbose == 1 else [EpochLogger()] if verbose == 2 else []
+        self._fit_callbacks = [history, *callbacks, *shown]  # BackupAndRestore backs theirs up
         hooks = CallbackList(
-            [history, *callbacks, *shown],
+            self._fit_callbacks,
             self,
             {"epochs": epochs, "steps": steps, "verbose": verbose},
         )
@@ -703,7 +704,8 @@ class Trainer:
           its mean over the real examples.
 
         Raises:
-          BatchError: no example, a dropping dataset, or sample weights all 0.
+          BatchError: no example, a dropping dataset, or sample weights all 0 or
+            one not finite.
           ArgumentTypeError: an argument evaluate does not take, return_dict=False.
         """
         check_keras_arguments("evaluate", keras, _EVALUATE_ARGUMENTS)
@@ -831,6 +833,18 @@ def _evaluated(totals: Any, dataset: Any, what: str) -> dict[str, float]:
             )
         )
     totals = jax.device_get(totals)
+    if not np.isfinite(float(totals["weight_sum"])):
+        raise BatchError(
+            message(
+                f"The sample weights given to {what} are finite: a NaN or inf weight makes "
+                "the loss NaN, as fit stops at (NonFiniteLossError).",
+                received(
+                    examples=int(totals["count"]), sample_weight_sum=float(totals["weight_sum"])
+                ),
+                "find it in the data's sample weights (np.isfinite(sample_weight).all()) and "
+                "give that example a finite weight, or 0 to leave it out.",
+            )
+        )
     if float(totals["weight_sum"]) == 0.0:
         raise BatchError(
             message(
