@@ -16,12 +16,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
-from jax.sharding import Sharding
 
 from spmd._src.checkpoint import guard, turns
 from spmd._src.checkpoint import tree as ct
 from spmd._src.checkpoint.integrity import Damaged, RecordHandler, damage
 from spmd._src.errors import CheckpointError
+from spmd._src.placement import from_host
 
 __all__ = ["ChiefStore", "SharedStore", "forget_listings", "make_store"]
 
@@ -402,7 +402,7 @@ class ChiefStore:
         """The broadcast arrays placed as `abstract`; each process fills its own shards.
         (Every array is read and broadcast; those `abstract` names are placed.)"""
         host = self.restore_numpy(step)
-        return {p: _place(host[p], a.sharding) for p, a in abstract.items()}
+        return {p: from_host(host[p], a.sharding) for p, a in abstract.items()}
 
     def read_json(self, step: int, item: str) -> Any:
         """Process 0's JSON item, on every process."""
@@ -495,11 +495,6 @@ def _to_host(x: Any) -> np.ndarray:
     if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(x)
-
-
-def _place(x: np.ndarray, sharding: Sharding) -> jax.Array:
-    """A host array placed with `sharding`; each process fills only its own shards."""
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
 def _broadcast_json(value: Any) -> Any:

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
-import numpy as np
 
 from spmd._src.data import in_flight
 from spmd._src.data.input_context import AutoShardPolicy, InputContext, InputOptions, Remainder
 from spmd._src.data.prefetch import INLINE_S, HostCheck, Prefetcher
 from spmd._src.data.sources import HostBatch, with_mask
-from spmd._src.data.transfer import host_put, put_planned, put_plans
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.placement import put_rows
 
 if TYPE_CHECKING:
     from spmd._src.strategy.base import Strategy
@@ -32,8 +31,6 @@ FUNCTION = "FUNCTION"  # the policy named in the state of a dataset function's i
 # Under these, a position counts per-pipeline batches: it only means the same
 # data with the same number of pipelines.
 _PER_PIPELINE = ("FILE", "OFF", FUNCTION)
-
-_MAX_SIGNATURES = 64  # batch signatures whose placement plans a _Placer keeps
 
 
 class SourcePositions(Protocol):
@@ -327,7 +324,7 @@ def _device_batches(
         (the size a restored position was saved with).
     """
     host = plan.batches(epoch, start)
-    place = _Placer(strategy)
+    place = _placer(strategy)
     for step in itertools.count():
         try:
             batch = next(host, None)
@@ -377,59 +374,21 @@ def _saved_size(state: dict) -> int | None:
     return size if isinstance(size, int) and size > 0 else None
 
 
-class _Placer:
-    """Makes this process's rows of a batch into global arrays over the replicas (+ mask).
+def _placer(strategy: Strategy) -> Callable[[HostBatch], Any]:
+    """Makes this process's rows of a batch into global arrays over the replicas (+ mask),
+    by `placement.put_rows` (one batched transfer a batch with one process)."""
+    mesh, axes = strategy.mesh, tuple(strategy.batch_axes)
 
-    The shardings are built once per rank. With one process the rows are the
-    whole batch: every leaf goes to its devices in one batched transfer, whose
-    abstract values, devices and shard indices are planned once per batch
-    signature (structure, shapes, dtypes), without `jax.device_put`'s per-call
-    pytree and abstract-value work, which on a dispatch-bound step costs as
-    much as the step itself.
-    """
-
-    def __init__(self, strategy: Strategy):
-        self._strategy = strategy
-        self._shardings: dict[int, Any] = {}
-        self._plans: dict[tuple, list | None] = {}  # batch signature -> put_plans
-        self._single = jax.process_count() == 1
-
-    def _sharding(self, ndim: int) -> Any:
-        sharding = self._shardings.get(ndim)
-        if sharding is None:
-            sharding = self._shardings[ndim] = self._strategy.batch_sharding(ndim)
-        return sharding
-
-    def __call__(self, batch: HostBatch) -> Any:
+    def place(batch: HostBatch) -> Any:
         leaves, mask = batch.leaves, batch.mask
         if mask is not None:
             leaves = [*leaves, mask]
-        if self._single:
-            placed = self._put(leaves, batch.treedef)
-        else:
-            placed = [
-                jax.make_array_from_process_local_data(
-                    self._sharding(x.ndim), x, (batch.global_size, *x.shape[1:]) if x.ndim else ()
-                )
-                for x in leaves
-            ]
+        placed = put_rows(mesh, axes, leaves, batch.global_size)
         if mask is None:
             return batch.treedef.unflatten(placed)
         return with_mask(batch.treedef.unflatten(placed[:-1]), placed[-1])
 
-    def _put(self, leaves: list[np.ndarray], treedef: Any) -> list[jax.Array]:
-        """The whole batch placed (one process), by the plan of its signature."""
-        signature = (treedef, *[(x.shape, x.dtype) for x in leaves])
-        plans = self._plans.get(signature, False)
-        if plans is False:
-            shardings = [self._sharding(x.ndim) for x in leaves]
-            plans = put_plans(leaves, shardings)
-            if len(self._plans) >= _MAX_SIGNATURES:
-                self._plans.clear()
-            self._plans[signature] = plans
-        if plans is None:
-            return host_put(leaves, [self._sharding(x.ndim) for x in leaves])
-        return put_planned(leaves, plans)
+    return place
 
 
 def _record(batch: HostBatch | None, contents: bool) -> dict:

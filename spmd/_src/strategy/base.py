@@ -21,6 +21,7 @@ from spmd._src.data.dataset import (
 from spmd._src.errors import BatchError, ConfigurationError, ScopeError, message, received
 from spmd._src.explain import explain
 from spmd._src.logical import LogicalRules, check_rules, flax_context
+from spmd._src.placement import batch_sharding, put_batch
 from spmd._src.rules import Rule, is_key, path_str, resolve_sources, resolve_specs
 from spmd._src.strategy import nnx_state, per_replica, step_checks
 from spmd._src.strategy.checks import (
@@ -42,7 +43,6 @@ from spmd._src.strategy.replica import (
 from spmd._src.strategy.state_placement import own_buffers, place_state
 from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT, Step
 from spmd._src.strategy.step_checks import COMPARE_BATCH_EVERY
-from spmd._src.strategy.step_layout import put_leaf
 from spmd._src.strategy.step_records import spans_processes
 from spmd._src.topologies import check_runnable, eager_refused
 from spmd._src.validate import non_negative_int
@@ -461,18 +461,10 @@ class Strategy:
 
         `axis` is 0 for plain batches, 1 for K batches stacked for one call.
         """
-        # One object per (ndim, axis): the placed batches carry the very sharding
-        # the step's program expects, which its fast path checks by identity.
-        cache = self.__dict__.setdefault("_batch_shardings", {})
-        key = (ndim > axis, axis)
-        if key not in cache:
-            if ndim <= axis or not self.batch_axes:
-                cache[key] = NamedSharding(self.mesh, PartitionSpec())
-            else:
-                cache[key] = NamedSharding(
-                    self.mesh, PartitionSpec(*(None,) * axis, self.batch_axes)
-                )
-        return cache[key]
+        # One object per (mesh, batch axes, ndim, axis), from placement's one cache:
+        # the placed batches carry the very sharding the step's program expects,
+        # which its fast path checks by identity.
+        return batch_sharding(self.mesh, self.batch_axes, ndim, axis)
 
     @functools.cached_property
     def _spans_processes(self) -> bool:
@@ -536,7 +528,7 @@ class Strategy:
         """
         check_runnable(self, "distribute_batch")
         self.check_batch(batch, axis)
-        return jax.tree.map(lambda x: put_leaf(x, self.batch_sharding(np.ndim(x), axis)), batch)
+        return put_batch(self.mesh, self.batch_axes, batch, axis)
 
     def distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None

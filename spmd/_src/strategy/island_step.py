@@ -18,6 +18,7 @@ from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import ConfigurationError, ContextError, message, received
 from spmd._src.explain import explain_traced
+from spmd._src.placement import batch_sharding, conform, put_batch
 from spmd._src.strategy import nnx_state
 from spmd._src.strategy.islands import (
     ISLAND,
@@ -29,7 +30,6 @@ from spmd._src.strategy.islands import (
 from spmd._src.strategy.replica import Island, in_replica_context, island_context
 from spmd._src.strategy.step import CPU_MAX_IN_FLIGHT, STEP_IN_RUN, _split_output
 from spmd._src.strategy.step_checks import LastAgreed
-from spmd._src.strategy.step_layout import conform
 from spmd._src.strategy.step_records import signature, spans_processes
 from spmd._src.topologies import check_runnable
 
@@ -150,13 +150,10 @@ class IslandStep:
         """The batch as global arrays split over islands first, then an island's replicas."""
         synchronous = self.strategy.synchronous
         synchronous.check_batch(data)
-        if jax.process_count() > 1:
-            placed = all(
-                isinstance(x, jax.Array) and x.sharding == synchronous.batch_sharding(x.ndim)
-                for x in jax.tree.leaves(data)
-            )
-            return data if placed else synchronous.distribute_batch(data)
-        return jax.tree.map(lambda x: conform(x, synchronous.batch_sharding(np.ndim(x))), data)
+        mesh, axes = synchronous.mesh, synchronous.batch_axes
+        if jax.process_count() > 1:  # host data is every process's global value
+            return put_batch(mesh, axes, data)
+        return jax.tree.map(lambda x: conform(x, batch_sharding(mesh, axes, np.ndim(x))), data)
 
     def programs(self, state: DiLoCoState, data: tuple) -> _Programs:
         """The compiled programs for this state structure and batch form."""

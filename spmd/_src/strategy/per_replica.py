@@ -21,6 +21,7 @@ from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.data.host_batches import fingerprint
 from spmd._src.errors import BatchError, ConfigurationError, ContextError, message, received
 from spmd._src.logical import rules_without
+from spmd._src.placement import batch_sharding, conform
 from spmd._src.rules import path_str
 from spmd._src.strategy.replica import (
     PerReplica,
@@ -38,7 +39,6 @@ from spmd._src.strategy.step_checks import (
     host_value,
     static_key,
 )
-from spmd._src.strategy.step_layout import conform
 from spmd._src.strategy.step_records import spans_processes
 from spmd._src.validate import is_integer
 
@@ -130,7 +130,7 @@ def run(
                 f"{error} A value every replica holds a copy of (what flax.jax_utils.replicate "
                 "made for jax.pmap) goes in as spmd.PerReplica(stacked), one copy per replica."
             ) from None
-    batch = NamedSharding(strategy.mesh, PartitionSpec(strategy.batch_axes))
+    batch = batch_sharding(strategy.mesh, strategy.batch_axes)
     flat = [
         conform(x, strategy.replicated if k == _REPLICATED else batch)
         for x, k in zip(flat, kinds, strict=True)
@@ -152,9 +152,11 @@ def run(
     # The program ran on the mesh with the batch axes named `axis_name`: the same
     # devices in the same order, so placing its results back on the strategy's
     # mesh moves nothing.
-    back = NamedSharding(strategy.mesh, PartitionSpec(strategy.batch_axes))
+    back = batch_sharding(strategy.mesh, strategy.batch_axes)
     return jax.tree.map(
-        lambda r: PerReplica(jax.device_put(r.values, back)), out, is_leaf=_is_per_replica
+        lambda r: PerReplica(jax.tree.map(lambda v: conform(v, back), r.values)),
+        out,
+        is_leaf=_is_per_replica,
     )
 
 

@@ -14,8 +14,8 @@ from spmd._src.clusters.agreement import Agreement
 from spmd._src.clusters.jax_state import coordination_client
 from spmd._src.data.host_batches import fingerprint
 from spmd._src.errors import BatchError, ConfigurationError, message, received
+from spmd._src.placement import from_host, put_leaf
 from spmd._src.rules import is_key, path_str
-from spmd._src.strategy.step_layout import put_leaf
 
 __all__ = ["buffers", "own_buffers", "place_state"]
 
@@ -122,7 +122,7 @@ def _from_host(value: np.ndarray | _HostKey, sharding: NamedSharding) -> jax.Arr
     if isinstance(value, _HostKey):
         data = _from_host(value.data, sharding)  # the key's trailing data axis: replicated
         return jax.random.wrap_key_data(data, impl=value.impl)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    return from_host(value, sharding)
 
 
 def _check_same(paths: list[str], values: list[np.ndarray | _HostKey]) -> None:

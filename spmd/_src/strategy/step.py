@@ -16,19 +16,14 @@ import numpy as np
 from spmd._src.clusters.hang_watch import SHARED as _SHARED
 from spmd._src.clusters.hang_watch import STEPS as _STEPS
 from spmd._src.errors import ConfigurationError, ContextError, message, received, warn
+from spmd._src.placement import conform_all, on_device, placed, put_batch, to_memory
 from spmd._src.rules import path_str
 from spmd._src.strategy import nnx_state
 from spmd._src.strategy import step_checks as checks
 from spmd._src.strategy.offload import streamed
 from spmd._src.strategy.replica import in_replica_context
 from spmd._src.strategy.state_placement import place_state
-from spmd._src.strategy.step_layout import (
-    check_layout,
-    conform_all,
-    on_device,
-    placed,
-    to_memory,
-)
+from spmd._src.strategy.step_layout import check_layout
 from spmd._src.strategy.step_records import IS_DELETED as _IS_DELETED
 from spmd._src.strategy.step_records import Call as _Call
 from spmd._src.strategy.step_records import Hot as _Hot
@@ -271,8 +266,12 @@ class Step:
         """
         state, leaves, binding = call.state, call.leaves, call.binding
         if _multiprocess():
-            data = self.strategy.distribute_batch(
-                jax.tree.unflatten(call.data_def, leaves), self.batch_axis
+            strategy = self.strategy  # host data is every process's global value
+            data = put_batch(
+                strategy.mesh,
+                strategy.batch_axes,
+                jax.tree.unflatten(call.data_def, leaves),
+                self.batch_axis,
             )
         else:  # arrays placed elsewhere (one device, another mesh) move to the batch layout
             data = jax.tree.unflatten(call.data_def, conform_all(leaves, program.data_shardings))

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd._src.errors import BatchError, ConfigurationError, message, received
+from spmd._src.placement import put_leaf
 from spmd._src.strategy.diloco import DiLoCo
 from spmd._src.strategy.islands import DiLoCoState
-from spmd._src.strategy.step_layout import put_leaf
 
 __all__ = ["check_batch_size", "check_options", "entry", "reset", "single", "synchronous"]
 

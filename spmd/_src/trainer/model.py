@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.placement import put_batch
 from spmd._src.rules import path_str
 
 if TYPE_CHECKING:
@@ -219,4 +220,4 @@ def averages(sums: dict) -> dict[str, float]:
 def stack(strategy: Strategy, group: list[tuple]) -> tuple:
     """K global batches as one, stacked on a new leading axis, split on axis 1."""
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *group)
-    return jax.tree.map(lambda x: jax.device_put(x, strategy.batch_sharding(x.ndim, 1)), stacked)
+    return put_batch(strategy.mesh, strategy.batch_axes, stacked, axis=1)

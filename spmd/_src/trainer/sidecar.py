@@ -19,6 +19,7 @@ from flax import nnx
 from spmd._src.checkpoint.integrity import Damaged
 from spmd._src.checkpoint.manager import CheckpointManager
 from spmd._src.errors import CheckpointError, ConfigurationError, message, received
+from spmd._src.placement import from_host
 from spmd._src.strategy.base import Strategy
 from spmd._src.trainer.callbacks import Callback, CallbackList
 from spmd._src.trainer.losses import Metric
@@ -330,7 +331,7 @@ class SidecarEvaluator:
 def _placed(step: int, like: jax.Array) -> jax.Array:
     """`step` as a scalar laid out as `like` (the train state's step counter)."""
     value = np.asarray(step, like.dtype)
-    return jax.make_array_from_callback((), like.sharding, lambda index: value[index])
+    return from_host(value, like.sharding)
 
 
 def _load_into_model(trainer: Trainer) -> None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmd._src.errors import ConfigurationError, message, received
+from spmd._src.placement import in_device_memory
 from spmd._src.trainer.arguments import check_keras_arguments
 from spmd._src.trainer.callbacks import Callback, check_freq
 from spmd._src.trainer.event_files import EventFiles
@@ -103,13 +104,7 @@ def _snapshot(sums: list[jax.Array]) -> jax.Array:
     dispatch, no wait for the step; the writer thread reads it after the next step has
     taken (donated) the state it came from."""
     local = [a.addressable_data(0) for a in sums]
-    on_device = [a if a.sharding.memory_kind in (None, "device") else _to_device(a) for a in local]
-    return _stack(on_device)
-
-
-def _to_device(a: jax.Array) -> jax.Array:
-    """A host-placed (`pinned_host`) scalar in device memory, where a program reads it."""
-    return jax.device_put(a, a.sharding.with_memory_kind("device"))
+    return _stack([in_device_memory(a) for a in local])  # host-placed: where a program reads it
 
 
 def _batch_scalars(names: list[str], stacked: jax.Array) -> dict[str, float]:

@@ -24,6 +24,7 @@ from spmd._src.errors import (
     received,
     shown_as_public,
 )
+from spmd._src.placement import in_device_memory
 from spmd._src.strategy.base import Strategy, get_strategy
 from spmd._src.trainer import islands
 from spmd._src.trainer.arguments import (
@@ -273,9 +274,7 @@ class Trainer:
             live = islands.single(self.state)
             live = {"params": live["params"], "rest": live["rest"]}
             if self.strategy.placement == "host":  # the module is for eager use: device memory
-                live = jax.tree.map(
-                    lambda v: jax.device_put(v, v.sharding.with_memory_kind("device")), live
-                )
+                live = jax.tree.map(in_device_memory, live)
             graph, rest = self._model.graph, live["rest"]
             if isinstance(graph, tuple):  # (module, rngs passed at call time)
                 nnx.update(graph[0], live["params"], rest["model"])
