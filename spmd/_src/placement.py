@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,19 +59,24 @@ class Cache:
         self.shardings: dict[tuple, NamedSharding] = {}
         self.plans: dict[tuple, tuple] = {}
         self.batches: dict[tuple, list | None] = {}
+        self._lock = threading.Lock()
 
     def add(self, table: dict, key: Any, value: Any) -> Any:
-        """Stores `value` under `key` in `table`, dropping the oldest entry when full."""
-        if len(table) >= self.size:
-            del table[next(iter(table))]
-        table[key] = value
-        return value
+        """Stores `value` under `key` in `table`, dropping the oldest entry when full.
+
+        Under a lock: the prefetch thread places batches while the main thread
+        compiles a step. Lookups take none (a dict read is atomic)."""
+        with self._lock:
+            if len(table) >= self.size:
+                table.pop(next(iter(table)))
+            return table.setdefault(key, value)
 
     def clear(self) -> None:
         """Forgets every entry (a sharding made after it is a new object)."""
-        self.shardings.clear()
-        self.plans.clear()
-        self.batches.clear()
+        with self._lock:
+            self.shardings.clear()
+            self.plans.clear()
+            self.batches.clear()
 
 
 CACHE = Cache()
