@@ -109,7 +109,7 @@ def test_the_architecture_points_at_names():
             "`spmd/_src/data/iterator.py` does not define `_place`",
         ),
         ("`Step._gone` (`spmd/_src/strategy/step.py`)", "does not define `Step._gone`"),
-        ("`spmd/_src/data/transfer.py`", "`spmd/_src/data/transfer.py` does not exist"),
+        ("`tests/test_gone.py`", "`tests/test_gone.py` does not exist"),
     ],
 )
 def test_a_stale_pointer_is_caught(text, wrong):

@@ -38,6 +38,7 @@ from etils import epath
 from jax.sharding import SingleDeviceSharding
 
 from spmd._src.errors import CheckpointError, message, received
+from spmd._src.placement import in_device_memory
 
 __all__ = [
     "FORMAT",
@@ -199,12 +200,6 @@ def _kind(x: jax.Array) -> tuple:
     return x.shape, x.dtype, sharding
 
 
-def _in_device_memory(x: jax.Array) -> jax.Array:
-    """`x`, copied to device memory if it lives in host memory (CentralStorageStrategy)."""
-    sharding = _kind(x)[2]
-    return x if sharding is x.sharding else jax.device_put(x, sharding)
-
-
 def _batches(kinds: dict[str, tuple]) -> list[tuple[tuple, list[str]]]:
     """The calls for leaves of these kinds: ((shape, dtype, sharding, batch), paths), a call
     per `batch` leaves of one kind (the last one padded), `batch` bounded by count and bytes."""
@@ -358,7 +353,7 @@ def dispatch(arrays: dict[str, Any], version: int = FORMAT) -> Pending:
     (the caller may change them after). With several processes, every process must
     call it (a collective for arrays sharded over processes).
     """
-    on_device = {p: _in_device_memory(x) for p, x in arrays.items() if isinstance(x, jax.Array)}
+    on_device = {p: in_device_memory(x) for p, x in arrays.items() if isinstance(x, jax.Array)}
     host = {p: _host_sum(x, version) for p, x in arrays.items() if p not in on_device}
     work = _work(version, on_device)
     programs = iter(_ready([program for _, _, calls in work for program, _ in calls]))
