@@ -160,3 +160,34 @@ def test_a_full_cache_drops_its_oldest_entry_and_stays_bounded():
     assert small.plans == {3: 3, 4: 4}
     small.clear()
     assert not (small.plans or small.shardings or small.batches)
+
+
+def test_a_cleared_cache_costs_the_fast_path_identity_never_a_number(cache):
+    """Batches placed before a clear carry shardings equal to, not the same object as,
+    those a step compiled after it takes: the step moves nothing and computes the
+    oracle's numbers."""
+    strategy = spmd.MirroredStrategy()
+    data = _data(3)
+    placed = [strategy.distribute_batch(batch) for batch in data]
+    cache.clear()
+    step, w, w_oracle = strategy.step(_sgd), jnp.zeros(3), jnp.zeros(3)
+    for (xb, yb), (x, y) in zip(placed, data, strict=True):
+        assert xb.sharding == strategy.batch_sharding(2)
+        assert xb.sharding is not strategy.batch_sharding(2)
+        w, loss = step(w, xb, yb)
+        w_oracle, want = jax.jit(_sgd)(w_oracle, x, y)
+        np.testing.assert_allclose(float(loss), float(want), rtol=1e-5, atol=1e-6)
+    assert step.cache_size() == 1
+
+
+def test_a_batch_placed_by_another_batch_layout_is_moved_to_the_steps(cache):
+    mesh = spmd.make_mesh({"data": 4, "model": 2})
+    by_data = spmd.Strategy(mesh, batch_axes=("data",))
+    by_both = spmd.Strategy(mesh, batch_axes=("data", "model"))
+    assert by_data.batch_sharding(2) is not by_both.batch_sharding(2)
+    x, y = _data(1)[0]
+    xb, yb = by_both.distribute_batch((x, y))
+    w, loss = by_data.step(_sgd)(jnp.zeros(3), xb, yb)
+    w_oracle, want = jax.jit(_sgd)(jnp.zeros(3), x, y)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(w_oracle), rtol=1e-5, atol=1e-6)
