@@ -6,6 +6,7 @@ Run: python bench/bench_step.py [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -78,21 +79,32 @@ def _spmd_runner(strategy, model: str, x, y):
     return run
 
 
-def step_overhead(quick: bool) -> list[dict]:
-    """spmd's MirroredStrategy step vs the hand-written floor, CNN and tiny model."""
+@functools.cache
+def overhead_times(model: str, quick: bool) -> dict[str, dict]:
+    """`common.timeit` of the floor and spmd's MirroredStrategy step on `model`, 8 devices.
+
+    Cached: the quick run's peers table (bench_peers) reads this same run's figures
+    instead of compiling and timing the same two steps again.
+    """
     import spmd
 
+    steps = {"cnn": 5 if quick else 20, "tiny": 50 if quick else 500}[model]
+    x, y = common.batch(model, GLOBAL_BATCH)
+    return common.timeit(
+        {
+            "floor": _floor_runner(model, x, y),
+            "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
+        },
+        steps=steps,
+        repeats=3 if quick else 7,
+    )
+
+
+def step_overhead(quick: bool) -> list[dict]:
+    """spmd's MirroredStrategy step vs the hand-written floor, CNN and tiny model."""
     rows = []
-    for model, steps in (("cnn", 5 if quick else 20), ("tiny", 50 if quick else 500)):
-        x, y = common.batch(model, GLOBAL_BATCH)
-        times = common.timeit(
-            {
-                "floor": _floor_runner(model, x, y),
-                "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
-            },
-            steps=steps,
-            repeats=3 if quick else 7,
-        )
+    for model in ("cnn", "tiny"):
+        times = overhead_times(model, quick)
         rows.append(
             {
                 "benchmark": "step overhead",
