@@ -57,18 +57,14 @@ def render(rows: list[dict], seconds: float, quick: bool) -> str:
     """The markdown page: one table per benchmark, in the order they ran."""
     import jax
 
+    command = "python -m bench --quick" if quick else "python -m bench"
+    budget = f" (the smoke run; its budget: {QUICK_BUDGET_S} s on an idle 2-core machine)"
+    budget = budget if quick else ""
     lines = [
         "# Performance",
         "",
-        "Written by `python -m bench`"
-        + (" --quick" if quick else "")
-        + f" in {seconds:.0f} s"
-        + (
-            f" (the smoke run; its budget: {QUICK_BUDGET_S} s on an idle 2-core machine)"
-            if quick
-            else ""
-        )
-        + f" on {platform.machine()}, jax {jax.__version__}, {jax.device_count()} simulated CPU devices. "
+        f"Written by `{command}` in {seconds:.0f} s{budget} on {platform.machine()}, "
+        f"jax {jax.__version__}, {jax.device_count()} simulated CPU devices. "
         "Every figure is a median with min–max over several runs; the ratio is against the "
         "hand-written `jax.jit` floor (or the baseline named) measured in the same run. "
         "Absolute times on a shared 2-core machine are noise: read the ratios.",

@@ -335,7 +335,7 @@ def nnx_state_overhead(quick: bool) -> list[dict]:
         ("MirroredStrategy, 8 devices", spmd.MirroredStrategy()),
     ):
         times = common.timeit(
-            _nnx_runners(strategy, x, y), steps=50 if quick else 500, repeats=3 if quick else 7
+            _nnx_runners(strategy, x, y), steps=20 if quick else 500, repeats=3 if quick else 7
         )
         rows.append(
             {
