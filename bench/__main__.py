@@ -128,10 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="module names to run")
     parser.add_argument("--output", default=str(ROOT / "docs" / "performance.md"))
     args = parser.parse_args(argv)
+    names = [n if n.startswith(("bench_", "plan_")) else f"bench_{n}" for n in args.only or ()]
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        parser.error(
+            f"--only takes benchmark modules of this command, each with main(quick): "
+            f"{', '.join(MODULES)} (the bench_ prefix may be left out). "
+            f"Received: --only {' '.join(args.only)}"
+        )
     common.set_cpu_devices(8)
     start, rows, spent = time.perf_counter(), [], {}
-    for name in args.only or MODULES:
-        name = name if name.startswith(("bench_", "plan_")) else f"bench_{name}"
+    for name in names or MODULES:
         wall, cpu = time.perf_counter(), _cpu_seconds()
         module = importlib.import_module(f"bench.{name}")
         print(f"running {name} ...", flush=True)

@@ -166,3 +166,35 @@ def test_bench_diloco_quick_writes_its_table(tmp_path, task):
     table = table.split(f"<!-- bench_diloco {task} table: end -->", 1)[0]
     assert "| synchronous (MirroredStrategy) | - | - |" in table
     assert "| DiLoCo | 2 | 10 |" in table
+
+
+def test_bench_only_refuses_an_unknown_module_and_names_the_known_ones(capsys):
+    from bench.__main__ import MODULES, main
+
+    with pytest.raises(SystemExit):
+        main(["--quick", "--only", "step", "bench_nope"])
+    error = capsys.readouterr().err
+    assert "Received: --only step bench_nope" in error
+    assert all(name in error for name in MODULES)
+
+
+def test_quick_run_over_its_budget_warns_and_names_the_slowest_modules():
+    # Timing is reported, never asserted: over the budget is a WARNING line, not a failure.
+    from bench.__main__ import QUICK_BUDGET_S, summary
+
+    spent = {"bench_a": (1.0, 1.0), "bench_b": (QUICK_BUDGET_S, 90.0), "bench_c": (3.0, 2.0)}
+    spent["bench_d"] = (2.0, 2.0)
+    total, warning = summary(spent, quick=True)
+    assert (
+        total
+        == f"total: {QUICK_BUDGET_S + 6:.0f} s wall (budget {QUICK_BUDGET_S} s on an idle 2-core machine), 95 s CPU"
+    )
+    assert warning.startswith("WARNING: the quick run took")
+    assert (
+        f"Slowest: bench_b {QUICK_BUDGET_S} s (90 s CPU), bench_c 3 s (2 s CPU), bench_d 2 s"
+        in warning
+    )
+    assert summary({"bench_a": (1.0, 1.0)}, quick=True) == [
+        f"total: 1 s wall (budget {QUICK_BUDGET_S} s on an idle 2-core machine), 1 s CPU"
+    ]
+    assert summary(spent, quick=False) == [f"total: {QUICK_BUDGET_S + 6:.0f} s wall, 95 s CPU"]
