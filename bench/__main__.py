@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{', '.join(MODULES)} (the bench_ prefix may be left out). "
             f"Received: --only {' '.join(args.only)}"
         )
+    if not Path(args.output).parent.is_dir():  # known before minutes of benchmarks, not after
+        parser.error(
+            "--output is the page to write, in a folder that exists. "
+            f"Received: --output {args.output} (no folder {Path(args.output).parent})"
+        )
     common.set_cpu_devices(8)
     start, rows, spent = time.perf_counter(), [], {}
     for name in names or MODULES:

@@ -198,3 +198,12 @@ def test_quick_run_over_its_budget_warns_and_names_the_slowest_modules():
         f"total: 1 s wall (budget {QUICK_BUDGET_S} s on an idle 2-core machine), 1 s CPU"
     ]
     assert summary(spent, quick=False) == [f"total: {QUICK_BUDGET_S + 6:.0f} s wall, 95 s CPU"]
+
+
+def test_bench_output_in_a_missing_folder_is_refused_before_any_benchmark(capsys, tmp_path):
+    from bench.__main__ import main
+
+    page = tmp_path / "missing" / "performance.md"
+    with pytest.raises(SystemExit):
+        main(["--quick", "--only", "step", "--output", str(page)])
+    assert f"Received: --output {page}" in capsys.readouterr().err
