@@ -4,6 +4,12 @@ Run: python -m bench [--quick] [--output docs/performance.md]
 Each figure is the median of several runs with min–max, and a ratio to the
 hand-written jax.jit floor measured in the same run. Absolute times on a shared
 2-core machine are noise; the ratios are the result.
+
+`--quick` is the smoke run (tests/test_bench.py runs it): every module, every
+table with its ratios, few steps and repeats, within QUICK_BUDGET_S of wall time
+on an idle 2-core machine. It prints each module's wall and CPU seconds and, at
+the end, its total against the budget; over budget, a WARNING naming the slowest
+modules (timing is reported, never a failure).
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import platform
+import resource
 import sys
 import time
 from pathlib import Path
@@ -36,6 +43,7 @@ MODULES = (
     "bench_attention",
 )
 HIDDEN = {"benchmark", "median_s"}
+QUICK_BUDGET_S = 120  # the smoke run's wall time on an idle 2-core machine
 
 
 def _columns(rows: list[dict]) -> list[str]:
@@ -49,11 +57,14 @@ def render(rows: list[dict], seconds: float, quick: bool) -> str:
     """The markdown page: one table per benchmark, in the order they ran."""
     import jax
 
+    command = "python -m bench --quick" if quick else "python -m bench"
+    budget = f" (the smoke run; its budget: {QUICK_BUDGET_S} s on an idle 2-core machine)"
+    budget = budget if quick else ""
     lines = [
         "# Performance",
         "",
-        "Written by `python -m bench`" + (" --quick" if quick else "") + f" in {seconds:.0f} s on "
-        f"{platform.machine()}, jax {jax.__version__}, {jax.device_count()} simulated CPU devices. "
+        f"Written by `{command}` in {seconds:.0f} s{budget} on {platform.machine()}, "
+        f"jax {jax.__version__}, {jax.device_count()} simulated CPU devices. "
         "Every figure is a median with min–max over several runs; the ratio is against the "
         "hand-written `jax.jit` floor (or the baseline named) measured in the same run. "
         "Absolute times on a shared 2-core machine are noise: read the ratios.",
@@ -78,22 +89,71 @@ def render(rows: list[dict], seconds: float, quick: bool) -> str:
     return "\n".join(lines)
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process and of its children waited for."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def summary(spent: dict[str, tuple[float, float]], quick: bool) -> list[str]:
+    """The run's closing lines: its total wall and CPU seconds, against the budget when quick.
+
+    Args:
+      spent: module name -> (wall seconds, CPU seconds, children included).
+      quick: whether this was the smoke run, which has a wall-time budget.
+
+    Returns:
+      One line of totals; with --quick over QUICK_BUDGET_S, a WARNING line naming
+      the three slowest modules after it.
+    """
+    wall, cpu = sum(w for w, _ in spent.values()), sum(c for _, c in spent.values())
+    budget = f" (budget {QUICK_BUDGET_S} s on an idle 2-core machine)" if quick else ""
+    lines = [f"total: {wall:.0f} s wall{budget}, {cpu:.0f} s CPU"]
+    if quick and wall > QUICK_BUDGET_S:
+        slowest = sorted(spent.items(), key=lambda item: -item[1][0])[:3]
+        named = ", ".join(f"{name} {w:.0f} s ({c:.0f} s CPU)" for name, (w, c) in slowest)
+        lines.append(
+            f"WARNING: the quick run took {wall:.0f} s, over its {QUICK_BUDGET_S} s budget "
+            f"(a loaded machine stretches wall time; the CPU seconds say more). Slowest: {named}."
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (CI smoke)")
     parser.add_argument("--only", nargs="*", default=None, help="module names to run")
     parser.add_argument("--output", default=str(ROOT / "docs" / "performance.md"))
     args = parser.parse_args(argv)
+    names = [n if n.startswith(("bench_", "plan_")) else f"bench_{n}" for n in args.only or ()]
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        parser.error(
+            f"--only takes benchmark modules of this command, each with main(quick): "
+            f"{', '.join(MODULES)} (the bench_ prefix may be left out). "
+            f"Received: --only {' '.join(args.only)}"
+        )
+    if not Path(args.output).parent.is_dir():  # known before minutes of benchmarks, not after
+        parser.error(
+            "--output is the page to write, in a folder that exists. "
+            f"Received: --output {args.output} (no folder {Path(args.output).parent})"
+        )
     common.set_cpu_devices(8)
-    start, rows = time.perf_counter(), []
-    for name in args.only or MODULES:
-        name = name if name.startswith(("bench_", "plan_")) else f"bench_{name}"
+    start, rows, spent = time.perf_counter(), [], {}
+    for name in names or MODULES:
+        wall, cpu = time.perf_counter(), _cpu_seconds()
         module = importlib.import_module(f"bench.{name}")
         print(f"running {name} ...", flush=True)
         rows += module.main(args.quick)
+        spent[name] = (time.perf_counter() - wall, _cpu_seconds() - cpu)
+        print(f"{name}: {spent[name][0]:.1f} s wall, {spent[name][1]:.1f} s CPU", flush=True)
     text = render(rows, time.perf_counter() - start, args.quick)
     Path(args.output).write_text(text)
     print(text)
+    print("\n".join(summary(spent, args.quick)))
     return 0
 
 

@@ -27,7 +27,7 @@ def main(quick: bool = False) -> list[dict]:
     from spmd._src.strategy.step_checks import COMPARE_BATCH_EVERY
     from spmd.testing import run_processes
 
-    steps, repeats = (20, 2) if quick else (100, 5)
+    steps, repeats = (8, 2) if quick else (100, 5)  # quick: 2 warm-up steps, 16 timed
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         run_processes(

@@ -156,7 +156,7 @@ def fed_rows(strategy, devices, quick: bool) -> list[dict]:
     runners, host = _host_timed(_runners(strategy, devices))
     # One device's steps take tens of microseconds: longer runs, so that a
     # scheduling hiccup is a small part of each figure.
-    steps = (50 if quick else 300) * (1 if len(devices) > 1 else 5)
+    steps = (20 if quick else 300) * (1 if len(devices) > 1 else 5)
     times = common.timeit(runners, steps=steps, repeats=3 if quick else 11)
     count, rows = len(devices), []
     for name, label in NAMES.items():

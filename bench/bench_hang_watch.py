@@ -38,7 +38,7 @@ def _measure(steps: int, repeats: int) -> dict:
 
 def main(quick: bool = False) -> list[dict]:
     """Rows: the step against the floor without and with the watch, and the watch's own work."""
-    found = _measure(100 if quick else 400, 3 if quick else 15)
+    found = _measure(50 if quick else 400, 3 if quick else 15)
     times, tick = found["times"], found["tick_s"]
     case = "tiny, MirroredStrategy, 8 devices"
     today = datetime.date.today().isoformat()

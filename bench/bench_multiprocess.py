@@ -59,7 +59,7 @@ def save_rows(quick: bool = False) -> list[dict]:
     """Per-step cost of save() with no checkpoint due, at 2, 4 and 8 processes (2 with --quick)."""
     rows = []
     for processes in (2,) if quick else (2, 4, 8):
-        run = _save_run(processes, 40 if quick else 200)
+        run = _save_run(processes, 20 if quick else 200)
         ratio = statistics.median(s / p for s, p in zip(run["save"], run["plain"], strict=True))
         growth = statistics.median(
             last / first

@@ -3,9 +3,11 @@
 Run: python bench/bench_peers.py [--quick]. Keras 3 DataParallel (JAX backend)
 runs in this process; TensorFlow's MirroredStrategy (a custom loop and Keras
 `fit`) and torch DistributedDataParallel over gloo each run alone in their own
-process (bench/peers_worker.py). A peer that is not installed gives a row
-saying so: `pip install -e ".[bench]"` installs Keras and TensorFlow (CPU), and
-`pip install torch --index-url https://download.pytorch.org/whl/cpu` torch.
+process (bench/peers_worker.py; with --quick the TensorFlow rows share one, and
+the floor and spmd's step are bench_step's figures of the same run). A peer
+that is not installed gives a row saying so: `pip install -e ".[bench]"`
+installs Keras and TensorFlow (CPU), and `pip install torch --index-url
+https://download.pytorch.org/whl/cpu` torch.
 """
 
 from __future__ import annotations
@@ -81,23 +83,25 @@ PEERS = (  # (worker name, row name, package)
 )
 
 
-def _peer_time(peer: str, model: str, steps: int) -> dict | str:
-    """A peer's seconds per step, run alone in its own process, or why it could not run."""
+def _peer_times(peers: list[str], models: list[str], steps: int) -> dict[str, dict | str]:
+    """ "PEER MODEL" -> its seconds per step, or why it could not run: every pair in one
+    process of their own, one after another."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("XLA_FLAGS", None)
+    pairs = [f"{p} {m}" for m in models for p in peers]
     try:
         done = subprocess.run(
-            [sys.executable, str(WORKER), peer, model, str(steps)],
+            [sys.executable, str(WORKER), ",".join(peers), ",".join(models), str(steps)],
             env=env,
             capture_output=True,
             text=True,
             timeout=900,
         )
     except subprocess.TimeoutExpired:
-        return "failed: no result in 900 s"
+        return dict.fromkeys(pairs, "failed: no result in 900 s")
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["?"])[-1]
-        return f"failed (exit {done.returncode}): {last[:160]}"
+        return dict.fromkeys(pairs, f"failed (exit {done.returncode}): {last[:160]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -113,11 +117,30 @@ def _row(model: str, name: str, t: dict | str, floor: dict) -> dict:
     }
 
 
-def main(quick: bool = False) -> list[dict]:
-    """Every installed peer against spmd's step and the floor, on the same model and batches."""
+def _spmd_and_floor(model: str, quick: bool) -> dict[str, dict]:
+    """The floor and spmd's step on `model`: with --quick, bench_step's figures of this run."""
     import spmd
-    from bench.bench_step import _floor_runner, _spmd_runner
+    from bench.bench_step import _floor_runner, _spmd_runner, overhead_times
 
+    if quick:
+        return overhead_times(model, quick)
+    x, y = common.batch(model, GLOBAL_BATCH)
+    return common.timeit(
+        {
+            "floor": _floor_runner(model, x, y),
+            "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
+        },
+        steps=STEPS,
+        repeats=3,
+    )
+
+
+def main(quick: bool = False) -> list[dict]:
+    """Every installed peer against spmd's step and the floor, on the same model and batches.
+
+    With --quick: the floor and spmd's step are bench_step's of the same run, and the
+    TensorFlow rows run in one process (one TensorFlow start-up).
+    """
     rows = []
     has_keras = importlib.util.find_spec("keras") is not None
     if not has_keras:
@@ -127,24 +150,20 @@ def main(quick: bool = False) -> list[dict]:
         for _, name, package in PEERS
         if importlib.util.find_spec(package) is None
     ]
-    for model in ("cnn", "tiny"):
-        x, y = common.batch(model, GLOBAL_BATCH)
-        steps = 5 if quick else STEPS
-        times = common.timeit(
-            {
-                "floor": _floor_runner(model, x, y),
-                "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
-            },
-            steps=steps,
-            repeats=3,
-        )
+    steps, models = 5 if quick else STEPS, ["cnn", "tiny"]
+    installed = [p for p, _, package in PEERS if importlib.util.find_spec(package) is not None]
+    together = [p for p in installed if p.startswith("tf-")] if quick else []
+    peer_times = _peer_times(together, models, steps) if together else {}
+    for model in models:
+        times = _spmd_and_floor(model, quick)
         rows.append(_row(model, "spmd MirroredStrategy step", times["spmd"], times["floor"]))
         if has_keras:
             keras_t = _keras_time(model, steps)
             rows.append(_row(model, "Keras 3 DataParallel fit (JAX)", keras_t, times["floor"]))
-        for peer, name, package in PEERS:
-            if importlib.util.find_spec(package) is not None:
-                rows.append(_row(model, name, _peer_time(peer, model, steps), times["floor"]))
+        for peer, name, _ in PEERS:
+            if peer in installed:
+                found = peer_times if peer in together else _peer_times([peer], [model], steps)
+                rows.append(_row(model, name, found[f"{peer} {model}"], times["floor"]))
     return rows
 
 

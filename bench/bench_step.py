@@ -6,6 +6,7 @@ Run: python bench/bench_step.py [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -78,21 +79,32 @@ def _spmd_runner(strategy, model: str, x, y):
     return run
 
 
-def step_overhead(quick: bool) -> list[dict]:
-    """spmd's MirroredStrategy step vs the hand-written floor, CNN and tiny model."""
+@functools.cache
+def overhead_times(model: str, quick: bool) -> dict[str, dict]:
+    """`common.timeit` of the floor and spmd's MirroredStrategy step on `model`, 8 devices.
+
+    Cached: the quick run's peers table (bench_peers) reads this same run's figures
+    instead of compiling and timing the same two steps again.
+    """
     import spmd
 
+    steps = {"cnn": 5 if quick else 20, "tiny": 50 if quick else 500}[model]
+    x, y = common.batch(model, GLOBAL_BATCH)
+    return common.timeit(
+        {
+            "floor": _floor_runner(model, x, y),
+            "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
+        },
+        steps=steps,
+        repeats=3 if quick else 7,
+    )
+
+
+def step_overhead(quick: bool) -> list[dict]:
+    """spmd's MirroredStrategy step vs the hand-written floor, CNN and tiny model."""
     rows = []
-    for model, steps in (("cnn", 5 if quick else 20), ("tiny", 50 if quick else 500)):
-        x, y = common.batch(model, GLOBAL_BATCH)
-        times = common.timeit(
-            {
-                "floor": _floor_runner(model, x, y),
-                "spmd": _spmd_runner(spmd.MirroredStrategy(), model, x, y),
-            },
-            steps=steps,
-            repeats=3 if quick else 7,
-        )
+    for model in ("cnn", "tiny"):
+        times = overhead_times(model, quick)
         rows.append(
             {
                 "benchmark": "step overhead",
@@ -159,14 +171,18 @@ def steps_per_execution(
     return rows
 
 
-def _big_init(key):
-    """A 4-layer 1024-wide MLP with momentum: ~8.4 M parameters, ~67 MB of state."""
+def _big_init(key, width: int = 1024):
+    """A 4-layer `width`-wide MLP with momentum: ~8.4 M parameters, ~67 MB of state at 1024
+    (the full run), a quarter of that at the quick run's 512."""
     import jax
     import jax.numpy as jnp
 
     keys = jax.random.split(key, 4)
     params = {
-        f"layer{i}": {"kernel": jax.random.normal(k, (1024, 1024)) * 0.03, "bias": jnp.zeros(1024)}
+        f"layer{i}": {
+            "kernel": jax.random.normal(k, (width, width)) * 0.03,
+            "bias": jnp.zeros(width),
+        }
         for i, k in enumerate(keys)
     }
     return {"params": params, "opt": common.TX.init(params)}
@@ -200,16 +216,20 @@ def strategies_side_by_side(quick: bool) -> list[dict]:
             batch_axes=("data",),
         ),
     }
+    # quick: the same strategies, rows and columns, smaller (a 1 MiB kernel still makes
+    # ParameterServerStrategy's MinSizePartitioner split it in four)
+    width = 512 if quick else 1024
+    create = functools.partial(_big_init, width=width)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(GLOBAL_BATCH, 1024)).astype(np.float32)
-    y = rng.integers(0, 1024, size=GLOBAL_BATCH).astype(np.int32)
+    x = rng.normal(size=(GLOBAL_BATCH, width)).astype(np.float32)
+    y = rng.integers(0, width, size=GLOBAL_BATCH).astype(np.int32)
     train_step = common.make_train_step(_big_apply)
     runners, reports = {}, {}
     for name, strategy in strategies.items():
         reports[name] = strategy.explain(
-            train_step, strategy.abstract_state(_big_init, jax.random.key(0)), x, y
+            train_step, strategy.abstract_state(create, jax.random.key(0)), x, y
         )
-        state = strategy.init(_big_init, jax.random.key(0))
+        state = strategy.init(create, jax.random.key(0))
         step = strategy.step(train_step)
         data = strategy.distribute_batch((x, y))
 
@@ -323,7 +343,7 @@ def nnx_state_overhead(quick: bool) -> list[dict]:
         ("MirroredStrategy, 8 devices", spmd.MirroredStrategy()),
     ):
         times = common.timeit(
-            _nnx_runners(strategy, x, y), steps=50 if quick else 500, repeats=3 if quick else 7
+            _nnx_runners(strategy, x, y), steps=20 if quick else 500, repeats=3 if quick else 7
         )
         rows.append(
             {

@@ -1,9 +1,13 @@
-"""One peer framework training bench's model in its own process; prints its seconds per step as JSON.
+"""Peer frameworks training bench's model in their own process; prints their seconds per step
+as JSON, {"PEER MODEL": {"median", "min", "max"}}.
 
-Usage: python bench/peers_worker.py tf-loop|tf-fit|torch-ddp cnn|tiny STEPS [REPLICAS]
+Usage: python bench/peers_worker.py PEER[,PEER...] MODEL[,MODEL...] STEPS [REPLICAS]
+with PEER one of tf-loop, tf-fit, torch-ddp and MODEL cnn or tiny.
 
-Each peer runs alone in a fresh process (TensorFlow or torch would compete
-with JAX for the same cores in one), on the same model, optimizer (SGD 0.01,
+Each peer runs apart from JAX in a fresh process (TensorFlow or torch would compete
+with JAX for the same cores in one): one (peer, model) a process in the full run;
+`python -m bench --quick` runs every TensorFlow row in one process, one after another
+(one TensorFlow start-up instead of four), on the same model, optimizer (SGD 0.01,
 momentum 0.9), global batch (64) and number of replicas (8) as spmd's rows:
 TensorFlow's MirroredStrategy over 8 logical CPU devices (a custom loop with
 `strategy.run`, and Keras `fit`), torch DistributedDataParallel over gloo
@@ -12,6 +16,7 @@ with one process per replica.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -52,6 +57,7 @@ def _timed(run, steps: int) -> dict:
 # -- TensorFlow MirroredStrategy -------------------------------------------------------------
 
 
+@functools.cache  # TensorFlow's logical devices are set once, before its runtime starts
 def _tf_strategy(replicas: int):
     import tensorflow as tf
 
@@ -208,6 +214,10 @@ def torch_ddp(model: str, steps: int, replicas: int) -> dict:
 PEERS = {"tf-loop": tf_loop, "tf-fit": tf_fit, "torch-ddp": torch_ddp}
 
 if __name__ == "__main__":
-    peer, model, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    peers, models, steps = sys.argv[1].split(","), sys.argv[2].split(","), int(sys.argv[3])
     replicas = int(sys.argv[4]) if len(sys.argv) > 4 else 8
-    print(json.dumps(PEERS[peer](model, steps, replicas)))
+    found = {f"{p} {m}": PEERS[p](m, steps, replicas) for m in models for p in peers}
+    print(json.dumps(found), flush=True)
+    # TensorFlow's runtime can hang at interpreter exit after a MirroredStrategy loop and
+    # fit in one process; the results are out, so end at once.
+    os._exit(0)
