@@ -19,10 +19,13 @@ core, at most eight; the `engines` tests run one after another on one worker
 start processes are handed out first, the long poles before the short tests.
 """
 
+import atexit
 import json
 import os
 import resource
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +35,23 @@ import pytest
 STARTED = time.perf_counter()  # before JAX is imported: the run's wall time counts its import
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also what child processes inherit
+
+
+def _share_compilations() -> None:
+    """One XLA compilation cache for the whole run: the workers and every process a test
+    starts (they inherit the environment) compile a program the run compiled before only
+    once. A fresh folder per run, removed at its end by the process that made it; every
+    program is cached (no minimum compile time), behind JAX's file lock (a size bound)."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="spmd-tests-xla-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+
+
+_share_compilations()
 
 import jax  # noqa: E402
 
