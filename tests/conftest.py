@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import bound, headroom
 
 STARTED = time.perf_counter()  # before JAX is imported: the run's wall time counts its import
 
@@ -105,12 +106,16 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects and xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Marks `slow` every test marked `multiprocess`, `engines` or `bench`; puts the
-    `engines` tests in one xdist group; orders whole modules, long poles first."""
+    `engines` tests in one xdist group; gives each test's time limit the run's headroom
+    (tests/bounds.py); orders whole modules, long poles first."""
     for item in items:
         if any(item.get_closest_marker(name) for name in SLOW_TOO):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("engines"):
             item.add_marker(pytest.mark.xdist_group("engines"))
+        limit = item.get_closest_marker("timeout")
+        if limit is not None and limit.args and headroom() > 1:
+            item.add_marker(pytest.mark.timeout(bound(limit.args[0])), append=False)
     if config is not None:
         items[:] = _long_poles_first(items)
 
