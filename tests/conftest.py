@@ -10,23 +10,49 @@ docs/accelerators.md.
 Also the test tiers: a test marked `multiprocess`, `engines` or `bench` is
 `slow` too, so `python -m pytest -q -m "not slow"` is the fast tier; and with
 `-q` pytest still prints one line per test file. Setting SPMD_TEST_RECORD to a
-file path records, per test, which spmd/ files ran and its CPU and wall time, and
-the whole run's (see tests/tiers.py).
+file path records, per test, which spmd/ files ran, its CPU and wall time and
+whether it is slow, and the whole run's (see tests/tiers.py).
+
+And the parallel run (pytest-xdist, `-n auto` in pyproject.toml): one worker per
+core, at most eight; the `engines` tests run one after another on one worker
+(they share daemons' ports and the 10.200.0.x namespaces); the modules that
+start processes are handed out first, the long poles before the short tests.
 """
 
+import atexit
 import json
 import os
 import resource
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from bounds import bound, headroom
 
 STARTED = time.perf_counter()  # before JAX is imported: the run's wall time counts its import
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also what child processes inherit
+
+
+def _share_compilations() -> None:
+    """One XLA compilation cache for the whole run: the workers and every process a test
+    starts (they inherit the environment) compile a program the run compiled before only
+    once. A fresh folder per run, removed at its end by the process that made it; every
+    program is cached (no minimum compile time), behind JAX's file lock (a size bound)."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="spmd-tests-xla-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+
+
+_share_compilations()
 
 import jax  # noqa: E402
 
@@ -67,14 +93,44 @@ def pytest_ignore_collect(collection_path, config):
 
 SLOW_TOO = ("multiprocess", "engines", "bench")
 SPMD = str(Path(__file__).resolve().parent.parent / "spmd") + os.sep
+MAX_WORKERS = 8  # each worker holds JAX with eight simulated devices (about 1 GiB)
+# The order modules are handed to the workers in: those that start processes first.
+FIRST = ("engines", "multiprocess", "bench", "slow")
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core (at least two), at most MAX_WORKERS."""
+    return max(2, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects and xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Marks `slow` every test marked `multiprocess`, `engines` or `bench`."""
+    """Marks `slow` every test marked `multiprocess`, `engines` or `bench`; puts the
+    `engines` tests in one xdist group; gives each test's time limit the run's headroom
+    (tests/bounds.py); orders whole modules, long poles first."""
     for item in items:
         if any(item.get_closest_marker(name) for name in SLOW_TOO):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("engines"):
+            item.add_marker(pytest.mark.xdist_group("engines"))
+        limit = item.get_closest_marker("timeout")
+        if limit is not None and limit.args and headroom() > 1:
+            item.add_marker(pytest.mark.timeout(bound(limit.args[0])), append=False)
+    if config is not None:
+        items[:] = _long_poles_first(items)
+
+
+def _long_poles_first(items: list) -> list:
+    """`items` with whole modules reordered by their costliest kind of test (FIRST), each
+    module's tests kept together and in order; the same order on every worker."""
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        kinds = [i for i, name in enumerate(FIRST) if item.get_closest_marker(name)]
+        rank[module] = min([rank.get(module, len(FIRST)), *kinds])
+    order = {module: i for i, module in enumerate(rank)}
+    key = lambda item: (rank[m := item.nodeid.split("::", 1)[0]], order[m])  # noqa: E731
+    return sorted(items, key=key)
 
 
 @pytest.hookimpl(trylast=True)
@@ -121,16 +177,20 @@ def cpu_seconds() -> float:
 
 
 class _Recorder:
-    """Records, per test, which spmd/ files had a function called (a profile hook) and the
-    CPU and wall seconds it took (setup and teardown included), and the whole run's.
+    """Records, per test, which spmd/ files had a function called (a profile hook), the
+    CPU and wall seconds it took (setup and teardown included) and whether it is slow,
+    and the whole run's.
 
-    The record is `{"run": {"cpu_s", "wall_s"}, "tests": {nodeid: {"ran", "cpu_s",
-    "wall_s"}}}`; the run's CPU time counts everything since the process started
-    (importing JAX, collecting), which no test's does.
+    The record is `{"run": {"cpu_s", "wall_s", "workers"}, "tests": {nodeid: {"ran",
+    "cpu_s", "wall_s", "slow"}}}`; the run's CPU time counts everything since the
+    process started (importing JAX, collecting), which no test's does. Under xdist
+    each worker writes its own part beside `path` and the controller merges them:
+    the run's CPU is the workers' and the controller's, its wall the controller's.
     """
 
     def __init__(self, path: str):
-        self.path, self.seen, self.tests = path, set(), {}
+        self.worker = os.environ.get("PYTEST_XDIST_WORKER")
+        self.path, self.seen, self.tests = Path(path), set(), {}
         sys.setprofile(self._profile)
         threading.setprofile(self._profile)
 
@@ -145,11 +205,27 @@ class _Recorder:
         yield
         cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
         ran = sorted({f[len(SPMD) :] for f in self.seen if f.startswith(SPMD)})
-        self.tests[item.nodeid] = {"ran": ran, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
+        slow = item.get_closest_marker("slow") is not None
+        entry = {"ran": ran, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "slow": slow}
+        self.tests[item.nodeid.split("@", 1)[0]] = entry  # without xdist's group suffix
 
+    @pytest.hookimpl(trylast=True)  # after xdist has waited for its workers
     def pytest_sessionfinish(self, session):
         sys.setprofile(None)
         threading.setprofile(None)
-        run = {"cpu_s": round(cpu_seconds(), 3), "wall_s": round(time.perf_counter() - STARTED, 3)}
+        run = {"cpu_s": cpu_seconds(), "wall_s": round(time.perf_counter() - STARTED, 3)}
+        if self.worker:
+            part = self.path.with_name(f"{self.path.name}.{self.worker}")
+            part.write_text(json.dumps({"run": run, "tests": self.tests}))
+            return
+        parts = sorted(self.path.parent.glob(f"{self.path.name}.gw*"))
+        if parts:  # the workers, reaped, are the controller's children: counted once
+            run["cpu_s"] = time.process_time()
+        for part in parts:
+            record = json.loads(part.read_text())
+            self.tests.update(record["tests"])
+            run["cpu_s"] += record["run"]["cpu_s"]
+            part.unlink()
+        run["cpu_s"], run["workers"] = round(run["cpu_s"], 3), len(parts)
         record = {"run": run, "tests": self.tests}
-        Path(self.path).write_text(json.dumps(record, indent=0, sort_keys=True))
+        self.path.write_text(json.dumps(record, indent=0, sort_keys=True))

@@ -568,7 +568,17 @@ def _pytest_mesh(platform):
     else:
         env["SPMD_TEST_PLATFORM"] = platform
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_mesh.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_mesh.py",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
