@@ -136,7 +136,7 @@ def test_a_plan_notes_a_step_that_lays_out_no_activation_where_tensor_parallelis
     assert plain.notes == ()  # no tensor parallelism: nothing to say
 
 
-@pytest.mark.slow  # 120 s of CPU: two TPU compiles of a small decoder
+@pytest.mark.slow  # 26 s of CPU: two TPU compiles of a small decoder
 def test_on_a_tpu_topology_naming_the_activations_lowers_the_tensor_parallel_memory():
     from bench import plan_maxtext as pm
 

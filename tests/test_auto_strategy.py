@@ -167,7 +167,7 @@ def test_tensor_parallel_layouts_are_built_and_ranked_on_a_slice():
     assert tp.explanation.state_bytes == pytest.approx(8 * both.explanation.state_bytes, rel=0.01)
 
 
-@pytest.mark.slow  # compiles 16 candidates for 512 chips: about a minute on 2 shared cores
+@pytest.mark.slow  # 11 s of CPU: 16 candidates compiled for 512 chips
 def test_every_layout_builds_on_two_v5e_256_slices():
     best, plan = spmd.auto_strategy(_create, _step, BIG, "v5e:16x16", slices=2)
     (offload,) = plan.dropped  # HSDP fits on its mesh: settled without compiling
@@ -182,7 +182,7 @@ def test_every_layout_builds_on_two_v5e_256_slices():
     assert {d.slice_index for d in tp.mesh.devices[0].flat} == {0}  # data over DCN
 
 
-@pytest.mark.slow  # compiles for 128 and 64 chips
+@pytest.mark.slow  # 1 s of CPU each: compiles for 128 and 64 chips
 @pytest.mark.parametrize("target", ["v5p-256", "v6e-64"])
 def test_layouts_over_two_devices_build_on_large_slices(target):
     _, plan = spmd.auto_strategy(_create, _step, BIG, target, only=["TP over 2", "FSDP over 2"])

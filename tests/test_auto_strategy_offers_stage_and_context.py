@@ -63,7 +63,7 @@ def _runs_like_one_device(best, create, step, x, rules=()):
     return state
 
 
-@pytest.mark.slow  # 18 s of CPU: four pipelined layouts compiled
+@pytest.mark.slow  # 10 s of CPU: four pipelined layouts compiled
 def test_a_pipelined_step_gets_stage_candidates_outermost_that_equal_one_device():
     x = jax.random.normal(jax.random.key(1), (16, 64))
     step = _sgd(_pipelined_loss)
@@ -81,7 +81,7 @@ def test_a_pipelined_step_gets_stage_candidates_outermost_that_equal_one_device(
     assert best.explain(step, state, x).pipelines[0].stages == best.mesh.shape["stage"]
 
 
-@pytest.mark.slow  # 18 s of CPU: five context-parallel layouts compiled
+@pytest.mark.slow  # 7 s of CPU: five context-parallel layouts compiled
 def test_an_attention_step_gets_context_candidates_that_equal_one_device():
     x = jax.random.normal(jax.random.key(1), (4, 16, 32))
     step = _sgd(_attention_loss)
@@ -141,7 +141,7 @@ def test_stage_sizes_follow_the_layers_repeats_and_slices():
     assert tp.mesh.shape["stage"] == 1 and tp.mesh.shape["model"] == 2
 
 
-@pytest.mark.slow  # 13 s of CPU: two layouts compiled
+@pytest.mark.slow  # 8 s of CPU: two layouts compiled
 def test_a_pipeline_without_a_stage_rule_runs_in_every_candidate():
     x = jax.random.normal(jax.random.key(1), (16, 64))
     step = _sgd(_pipelined_loss)
@@ -153,7 +153,7 @@ def test_a_pipeline_without_a_stage_rule_runs_in_every_candidate():
     _runs_like_one_device(best, _pipelined_create, step, x)
 
 
-@pytest.mark.slow  # 8 s of CPU: four layouts compiled for two v5e:2x2 slices
+@pytest.mark.slow  # 4 s of CPU: four layouts compiled for two v5e:2x2 slices
 def test_on_two_slices_the_stage_axis_is_the_one_across_them():
     pytest.importorskip("libtpu", reason="the TPU compiler (the tpu-compile extra)")
     x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
@@ -196,7 +196,7 @@ def _scanned_loss(state, x):
     return jnp.mean((y - x) ** 2)
 
 
-@pytest.mark.slow  # 5 s of CPU: one layout compiled
+@pytest.mark.slow  # 6 s of CPU: one layout compiled
 def test_annotated_stacked_layers_split_over_stage_and_fsdp():
     rules = [("layers", "stage"), ("embed", None), ("mlp", None)]
     x = jax.random.normal(jax.random.key(1), (16, 128))
