@@ -4,7 +4,8 @@ Usage: python elastic_fit_worker.py DEVICES BACKUP_DIR OUT.npz KILL_AT STEPS_PER
 
 With KILL_AT >= 0 the process kills itself (SIGKILL) once `trainer.iterations`
 reaches it: a host lost mid-epoch. A later run on another device count resumes
-from the backup; OUT gets the final parameters.
+from the backup; OUT gets the final parameters. BACKUP_DIR "-" runs without a backup
+(the uninterrupted oracle, which nothing resumes).
 """
 
 import os
@@ -50,7 +51,9 @@ trainer = spmd.Trainer(
     strategy=spmd.MirroredStrategy(jax.devices()[:devices]),
     steps_per_execution=per_execution,
 )
-callbacks = [spmd.callbacks.BackupAndRestore(backup, save_freq=4), Kill()]
+callbacks = [Kill()]
+if backup != "-":
+    callbacks.insert(0, spmd.callbacks.BackupAndRestore(backup, save_freq=4))
 history = trainer.fit((x, y), batch_size=32, epochs=2, shuffle=True, callbacks=callbacks, verbose=0)
 leaves = jax.tree.leaves(jax.device_get(trainer.state["params"]))
 arrays = {f"param_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)}

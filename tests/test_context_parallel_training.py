@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import lm_batches, lm_create, lm_logits, lm_step
+from models import lm_batches, lm_create, lm_logits, lm_step, oracle_compiled
 
 import spmd
 from spmd.testing import assert_trees_allclose
@@ -18,8 +18,9 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 def one_device(steps):
     """The oracle: the same model, data and seed, jax.jit on one device (no mesh)."""
-    state, step, losses = lm_create(jax.random.key(0)), jax.jit(lm_step()), []
-    for tokens in lm_batches(steps):
+    state, batches, losses = lm_create(jax.random.key(0)), lm_batches(steps), []
+    step = oracle_compiled(lm_step(), state, batches[0])
+    for tokens in batches:
         state, metrics = step(state, tokens)
         losses.append(float(metrics["loss"]))
     return state, losses
@@ -34,7 +35,7 @@ def spmd_train(strategy, steps):
     return state, losses
 
 
-@pytest.mark.slow  # 9 s of CPU
+@pytest.mark.slow  # 8 s of CPU
 def test_a_step_with_context_and_data_axes_trains_as_one_device():
     strategy = spmd.Strategy(mesh=spmd.make_mesh({"data": 2, "context": 4}), batch_axes=("data",))
     state, losses = spmd_train(strategy, 3)
@@ -44,7 +45,7 @@ def test_a_step_with_context_and_data_axes_trains_as_one_device():
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.slow  # 4 s of CPU
+@pytest.mark.slow  # 5 s of CPU
 def test_the_trainer_fits_a_context_parallel_model_as_one_device():
     tokens = np.concatenate(lm_batches(3))
     x, y = tokens, np.roll(tokens, -1, axis=1)  # the length stays a multiple of 2
@@ -63,12 +64,12 @@ def test_the_trainer_fits_a_context_parallel_model_as_one_device():
     params, tx = init(jax.random.key(0)), optax.adamw(1e-2)
     opt, losses = tx.init(params), []
 
-    @jax.jit
-    def step(params, opt, x, y):
+    def train_step(params, opt, x, y):
         loss, grads = jax.value_and_grad(lambda p: per_example(lm_logits(p, x), y).mean())(params)
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, loss
 
+    step = oracle_compiled(train_step, params, opt, x[:8], y[:8])
     for i in range(0, len(x), 8):
         params, opt, loss = step(params, opt, x[i : i + 8], y[i : i + 8])
         losses.append(float(loss))
@@ -76,7 +77,7 @@ def test_the_trainer_fits_a_context_parallel_model_as_one_device():
     assert_trees_allclose(trainer.model, params, **TOL)
 
 
-@pytest.mark.slow  # 8 s of CPU
+@pytest.mark.slow  # 10 s of CPU
 def test_diloco_islands_with_a_context_axis_train_as_islands_without_one():
     options = {"islands": 2, "sync_every": 2, "batch_axes": ("data",)}
     with_context = spmd.DiLoCo({"data": -1, "context": 2}, **options)

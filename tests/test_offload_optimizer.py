@@ -79,13 +79,20 @@ STRATEGIES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def oracle():
+    """The one-device run (state all in device memory): losses and final state, run once."""
+    want_losses, want, _ = _run(spmd.OneDeviceStrategy())
+    return want_losses, jax.device_get(want)
+
+
 @pytest.mark.slow  # 7 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize("make", STRATEGIES)
-def test_a_pytree_adam_state_with_its_optimizer_in_host_memory_matches_one_device(make):
-    want_losses, want, _ = _run(spmd.OneDeviceStrategy())
+def test_a_pytree_adam_state_with_its_optimizer_in_host_memory_matches_one_device(make, oracle):
+    want_losses, want = oracle
     got_losses, got, step = _run(make())
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-    assert_trees_allclose(jax.device_get(got), jax.device_get(want), rtol=1e-6, atol=1e-7)
+    assert_trees_allclose(jax.device_get(got), want, rtol=1e-6, atol=1e-7)
     kinds = _kinds(got)
     assert {kinds[p] for p in kinds if p.startswith("opt/0/mu/")} == {"pinned_host"}
     assert {kinds[p] for p in kinds if p.startswith("opt/0/nu/")} == {"pinned_host"}
@@ -105,12 +112,12 @@ def test_the_parameters_are_donated_and_the_host_leaves_kept():
 
 
 @pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
-def test_offload_keeps_in_host_memory_only_the_leaves_its_regex_names():
+def test_offload_keeps_in_host_memory_only_the_leaves_its_regex_names(oracle):
     strategy = _one_device(offload=r"opt/.*/nu/.*")  # Adam's second moment alone
-    want_losses, want, _ = _run(spmd.OneDeviceStrategy())
+    want_losses, want = oracle
     got_losses, got, _ = _run(strategy)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-    assert_trees_allclose(jax.device_get(got), jax.device_get(want), rtol=1e-6, atol=1e-7)
+    assert_trees_allclose(jax.device_get(got), want, rtol=1e-6, atol=1e-7)
     on_host = sorted(p for p, kind in _kinds(got).items() if kind == "pinned_host")
     assert on_host == [f"opt/0/nu/w{i}" for i in range(LAYERS)]
 
@@ -167,7 +174,7 @@ def test_an_nnx_optimizer_is_found_by_its_opt_state_path():
     want_losses, want = run(spmd.OneDeviceStrategy())
     got_losses, got = run(_one_device())
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-    assert_trees_allclose(jax.device_get(got), jax.device_get(want), rtol=1e-6, atol=1e-7)
+    assert_trees_allclose(jax.device_get(got), want, rtol=1e-6, atol=1e-7)
     kinds = _kinds(got)
     assert {kinds[p] for p in kinds if "/opt_state/0/mu/" in p} == {"pinned_host"}
     assert {kinds[p] for p in kinds if p.startswith("0/")} == {"device"}  # the model
@@ -216,9 +223,9 @@ def test_a_checkpoint_restores_the_optimizer_into_host_memory(tmp_path):
 
 
 @pytest.mark.slow  # 2 s of CPU: over the fast tier's share (tests/tiers.py)
-def test_a_named_strategy_takes_the_placement_by_replace():
+def test_a_named_strategy_takes_the_placement_by_replace(oracle):
     strategy = dataclasses.replace(spmd.OneDeviceStrategy(), placement="offload_optimizer")
-    want_losses, _, _ = _run(spmd.OneDeviceStrategy())
+    want_losses, _ = oracle
     got_losses, got, _ = _run(strategy)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     assert "pinned_host" in _kinds(got).values()

@@ -101,16 +101,23 @@ def test_the_random_bits_of_the_first_rows_do_not_depend_on_the_rows_padded_afte
 # -- the Trainer pads on its own --------------------------------------------------------------
 
 
-@pytest.mark.slow  # 13 s of CPU: over the fast tier's share (tests/tiers.py)
+@pytest.fixture(scope="module")
+def plain_fit():
+    """The one-device fit with no options, run once: the oracle of the plain fit on 4
+    replicas and the trained model whose evaluate and predict the 4 replicas' must equal."""
+    return _fit(_mirrored(1))
+
+
+@pytest.mark.slow  # 11 s of CPU: over the fast tier's share (tests/tiers.py)
 @pytest.mark.parametrize(
     "kwargs",
     [{}, {"grad_accum_steps": 2}, {"steps_per_execution": 3}],
     ids=["plain", "grad_accum_steps", "steps_per_execution"],
 )
-def test_fit_with_a_batch_of_6_on_4_replicas_with_dropout_equals_one_device(kwargs):
+def test_fit_with_a_batch_of_6_on_4_replicas_with_dropout_equals_one_device(kwargs, plain_fit):
     """Each batch is padded to 8 rows (with 2 microbatches too: 8 = 4 x 2), the padding
     masked out of the loss, the metrics and the gradient's divisor."""
-    _, want_history, want = _fit(_mirrored(1), **kwargs)
+    _, want_history, want = _fit(_mirrored(1), **kwargs) if kwargs else plain_fit
     trainer, history, got = _fit(_mirrored(4), **kwargs)
     assert trainer.iterations == 12
     _assert_close(got, want)
@@ -118,10 +125,10 @@ def test_fit_with_a_batch_of_6_on_4_replicas_with_dropout_equals_one_device(kwar
         np.testing.assert_allclose(history[name], want_history[name], rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.slow  # 3 s of CPU: over the fast tier's share (tests/tiers.py)
-def test_evaluate_and_predict_with_a_batch_of_6_on_4_replicas_count_each_example_once():
+@pytest.mark.slow  # 1 s of CPU: over the fast tier's share (tests/tiers.py)
+def test_evaluate_and_predict_with_a_batch_of_6_on_4_replicas_count_each_example_once(plain_fit):
     x, y = _data(n=40)  # 7 batches of 6, the last of 4: padded twice over
-    one, _, _ = _fit(_mirrored(1))
+    one, _, _ = plain_fit
     four = spmd.Trainer(Net(nnx.Rngs(0)), optax.adam(1e-2), "sparse_categorical_crossentropy",
                         metrics=("accuracy",), strategy=_mirrored(4))  # fmt: skip
     four.build()
