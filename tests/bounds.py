@@ -16,7 +16,7 @@ __all__ = ["bound", "headroom"]
 
 def headroom() -> float:
     """The factor every bounded wait of a test is given: 1 alone; under xdist, the cores a
-    test was written for (2) over those each worker has, e.g. 2 for 2 workers on 2 cores."""
+    test was written for (2) over those each worker has, e.g. 3 for 3 workers on 2 cores."""
     asked = os.environ.get("SPMD_TEST_HEADROOM")
     if asked:
         return max(1.0, float(asked))

@@ -14,7 +14,7 @@ file path records, per test, which spmd/ files ran, its CPU and wall time and
 whether it is slow, and the whole run's (see tests/tiers.py).
 
 And the parallel run (pytest-xdist, `-n auto` in pyproject.toml): one worker per
-core, at most eight; the `engines` tests run one after another on one worker
+core and one more, at most eight; the `engines` tests run one after another on one worker
 (they share daemons' ports and the 10.200.0.x namespaces); the modules that
 start processes are handed out first, the long poles before the short tests.
 """
@@ -53,6 +53,22 @@ def _share_compilations() -> None:
 
 
 _share_compilations()
+
+
+def _compile_unoptimized() -> None:
+    """XLA's CPU backend at optimization level 0 (LLVM's passes off) for the run and the
+    processes it starts: the same HLO programs, the same collectives and layouts, at
+    about 40% less CPU per compile, which is most of what a test costs. The numbers
+    agree with an optimized build's to float rounding (the one-device oracles compile
+    the same way). SPMD_TEST_XLA_OPTIMIZE=1 compiles as a user's program does."""
+    if os.environ.get("SPMD_TEST_XLA_OPTIMIZE") == "1":
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+
+
+_compile_unoptimized()
 
 import jax  # noqa: E402
 
@@ -99,8 +115,9 @@ FIRST = ("engines", "multiprocess", "bench", "slow")
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker per core (at least two), at most MAX_WORKERS."""
-    return max(2, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+    """`-n auto`: one worker per core and one more (the tests that start processes spend
+    much of their time waiting for them, or for a fault to be named), at most MAX_WORKERS."""
+    return min(len(os.sched_getaffinity(0)) + 1, MAX_WORKERS)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects and xdist reads the groups
@@ -142,7 +159,8 @@ def pytest_configure(config):
     if ACCELERATOR != "cpu":
         config.pluginmanager.register(_LeaveOutCpuMesh())
     if os.environ.get("SPMD_TEST_RECORD"):
-        config.pluginmanager.register(_Recorder(os.environ["SPMD_TEST_RECORD"]))
+        worker = getattr(config, "workerinput", {}).get("workerid")  # set on xdist's workers
+        config.pluginmanager.register(_Recorder(os.environ["SPMD_TEST_RECORD"], worker))
 
 
 @pytest.fixture(
@@ -188,8 +206,8 @@ class _Recorder:
     the run's CPU is the workers' and the controller's, its wall the controller's.
     """
 
-    def __init__(self, path: str):
-        self.worker = os.environ.get("PYTEST_XDIST_WORKER")
+    def __init__(self, path: str, worker: str | None = None):
+        self.worker = worker
         self.path, self.seen, self.tests = Path(path), set(), {}
         sys.setprofile(self._profile)
         threading.setprofile(self._profile)

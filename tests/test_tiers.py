@@ -30,7 +30,7 @@ class _Item:
         self.marks = set(marks)
 
     def get_closest_marker(self, name):
-        return name if name in self.marks else None
+        return getattr(pytest.mark, name).mark if name in self.marks else None
 
     def add_marker(self, mark):
         self.marks.add(mark.name)

@@ -22,6 +22,7 @@ import pytest
 from spmd._src.clusters.launch import free_port
 from spmd._src.clusters.launch_results import HANG_EXIT_CODE
 from spmd.testing import run_processes
+from tests.bounds import bound
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -108,7 +109,7 @@ class Group:
 
     def wait_for(self, text: str, seconds: float = 30.0) -> None:
         """Reads each process's output until it prints `text` (bounded)."""
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + bound(seconds)
         for p in self.procs:
             os.set_blocking(p.stdout.fileno(), True)
             while time.monotonic() < deadline:
@@ -118,8 +119,9 @@ class Group:
                     break
 
     def finish(self, seconds: float) -> list[tuple[int, str]]:
-        """(returncode, output) of each process; fails the test if one runs past `seconds`."""
-        results = []
+        """(returncode, output) of each process; fails the test if one runs past `seconds`
+        (with the run's headroom)."""
+        seconds, results = bound(seconds), []
         for p in self.procs:
             left = max(0.1, seconds - (time.monotonic() - self.start))
             out, _ = p.communicate(timeout=left)
@@ -194,7 +196,7 @@ def test_a_raising_peer_ends_the_survivor_within_seconds():
     assert code1 == 1 and "RuntimeError: process 1 broke" in out1
     assert code0 == 1, out0[-2000:]
     assert "process 1 failed (RuntimeError: process 1 broke); ending this one too." in out0
-    assert elapsed < 30  # joining takes a few seconds; the heartbeat would take 100
+    assert elapsed < bound(30)  # joining takes a few seconds; the heartbeat would take 100
 
 
 def test_a_process_that_ends_while_its_peer_waits_for_it_in_a_step_fails_naming_itself():
@@ -213,7 +215,7 @@ def test_a_process_that_ends_while_its_peer_waits_for_it_in_a_step_fails_naming_
     ), out0[-2000:]
     assert code1 == 1 and "process 0 failed" in out1, out1[-2000:]
     assert "END" not in out1.split()
-    assert elapsed < 15, elapsed
+    assert elapsed < bound(15), elapsed
 
 
 def test_a_process_that_ends_while_its_peer_waits_in_a_collective_outside_a_step_fails():
@@ -246,7 +248,7 @@ def test_sigterm_without_a_save_ends_processes_blocked_in_cpp_at_once():
         elapsed = time.monotonic() - sent
     assert (code0, code1) == (143, 143), (out0[-1500:], out1[-1500:])
     assert "BLOCK ENDED" not in out0 + out1
-    assert elapsed < 4, elapsed
+    assert elapsed < bound(4), elapsed
 
 
 def test_sigterm_with_a_save_to_make_ends_a_blocked_process_after_the_grace():
@@ -277,7 +279,7 @@ def test_a_peer_killed_without_a_launcher_is_named_by_the_survivor(when):
     assert code == HANG_EXIT_CODE, (elapsed, out[-2000:])
     assert f"spmd: ending: process {killed} failed (gone: " in out, out[-2000:]
     assert_spmd_message_only(out)
-    assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s) would abort it
+    assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s) would abort it: not scaled
 
 
 def test_a_peer_killed_while_the_survivor_waits_for_it_in_a_collective_is_named():
@@ -294,7 +296,7 @@ def test_a_peer_killed_while_the_survivor_waits_for_it_in_a_collective_is_named(
     [line] = [line for line in out.splitlines() if line.startswith("spmd: ")]
     assert line.startswith("spmd: ending: process 1 failed (gone: "), line
     assert_spmd_message_only(out)
-    assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s)
+    assert elapsed < 10, elapsed  # before the heartbeat timeout (10 s): not scaled
 
 
 @pytest.mark.parametrize(
@@ -323,7 +325,7 @@ def test_process_0_killed_without_a_launcher_is_named_with_its_address(scenario)
         "killed or crashed)"
     ), line
     assert_spmd_message_only(out)
-    assert elapsed < 10, elapsed  # at once, never after the heartbeat timeout (10 s)
+    assert elapsed < 10, elapsed  # at once, never after the heartbeat timeout (10 s): not scaled
 
 
 def test_process_0_frozen_without_a_launcher_is_named_after_the_heartbeat_timeout():
@@ -344,7 +346,7 @@ def test_process_0_frozen_without_a_launcher_is_named_after_the_heartbeat_timeou
         f"at {group.address}, is gone (no answer within 2 s: process 0 is frozen" in out
     ), out[-2000:]
     assert_spmd_message_only(out)
-    assert elapsed < 30, elapsed  # the heartbeat timeout (10 s), then the 2 s probe
+    assert elapsed < bound(30), elapsed  # the heartbeat timeout (10 s), then the 2 s probe
 
 
 def test_a_job_that_jax_detects_joins_at_the_address_it_detects_and_trains():
@@ -364,7 +366,7 @@ def test_a_missing_process_is_named_on_every_process_that_joined(env):
     for _, out in results:
         assert "process(es) [1] did not reach spmd.initialize() within 8 s" in init_error(out)
         assert "Traceback" not in out and "bad_cast" not in out
-    assert elapsed < 30, elapsed  # initialization_timeout=8
+    assert elapsed < bound(30), elapsed  # initialization_timeout=8
 
 
 @pytest.mark.parametrize("env", DESCRIPTIONS)
@@ -389,7 +391,7 @@ def test_process_0_never_starting_is_named_on_the_others(env):
         line = init_error(out)
         assert "process(es) [0] did not reach spmd.initialize() (process 0 hosts the " in line, line
         assert "Traceback" not in out and "bad_cast" not in out
-    assert elapsed < 30, elapsed  # initialization_timeout=8
+    assert elapsed < bound(30), elapsed  # initialization_timeout=8
 
 
 @pytest.mark.parametrize("counts", [[2, 3], [3, 2]], ids=["1_counts_more", "0_counts_more"])
@@ -407,7 +409,7 @@ def test_processes_given_different_process_counts_are_named_on_every_process(cou
         assert f"process 0 was given {counts[0]} (coordinator {group.address})" in line, line
         assert f"process 1 was given {counts[1]} (coordinator {group.address})" in line, line
         assert "did not reach" not in line and "Traceback" not in out
-    assert elapsed < 8 + 10, elapsed  # the verdict comes once process 1 came: no timeout
+    assert elapsed < bound(8) + 10, elapsed  # the verdict comes once process 1 came: no timeout
 
 
 def test_a_second_process_0_is_named_as_a_process_id_given_twice():
@@ -421,7 +423,7 @@ def test_a_second_process_0_is_named_as_a_process_id_given_twice():
         line = init_error(out)
         assert "process_id 0 was given to more than one process" in line, line
         assert "must be free" not in line
-    assert elapsed < 8 + 10, elapsed  # 2 s after the second came, not initialization_timeout
+    assert elapsed < bound(8) + 10, elapsed  # 2 s after the second came, not initialization_timeout
 
 
 def test_a_late_second_process_0_is_refused_and_the_job_runs():
