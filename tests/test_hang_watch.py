@@ -220,8 +220,8 @@ def test_strategy_run_is_progress_unless_traced_in_a_step(monkeypatch):
 def test_a_look_at_the_main_thread_sees_jax_compile():
     seen, done = [], threading.Event()
 
-    def look():
-        while not done.is_set():
+    def look():  # a look every millisecond: the compile takes hundreds of them
+        while not done.wait(0.001):
             seen.append(hang_watch._activity())
 
     thread = threading.Thread(target=look, name="spmd-hang-watch")

@@ -20,7 +20,7 @@ slow, and the whole run's. The fast tier is the tests not marked slow. Each
 budget is for a 2-core machine: the suite in SUITE_WALL_BUDGET_S of wall time;
 the fast tier in TIER_CPU_BUDGET_S of CPU time (all threads, children too:
 what counts on a shared machine), no test of it over TEST_CPU_BUDGET_S; and no
-module that defines a function or a class left unrun by the fast tier (modules
+module that defines a function or a method left unrun by the fast tier (modules
 that only re-export names, `spmd/callbacks.py`, ... need no test). The
 recorder's profile hook adds about a tenth to the CPU time, so a recorded run
 within the budgets is within them unrecorded too. The last line is the verdict;
@@ -52,12 +52,13 @@ USAGE = (
 
 @functools.cache
 def runnable(root: Path = SPMD) -> list[str]:
-    """The files of spmd/ (relative to it) that define a function or a class (read once)."""
+    """The files of spmd/ (relative to it) that define a function or a method (read once):
+    code a test can run. A module of records only (a NamedTuple of fields) has none."""
     found = []
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
-        kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-        if any(isinstance(node, kinds) for node in tree.body):
+        kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+        if any(isinstance(node, kinds) for node in ast.walk(tree)):
             found.append(path.relative_to(root).as_posix())
     return found
 
