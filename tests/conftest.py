@@ -134,8 +134,7 @@ def pytest_collection_modifyitems(config, items):
         limit = item.get_closest_marker("timeout")
         if limit is not None and limit.args and headroom() > 1:
             item.add_marker(pytest.mark.timeout(bound(limit.args[0])), append=False)
-    if config is not None:
-        items[:] = _long_poles_first(items)
+    items[:] = _long_poles_first(items)
 
 
 def _long_poles_first(items: list) -> list:

@@ -27,7 +27,7 @@ class _Item:
     """What the collection hook reads and writes of a test item."""
 
     def __init__(self, *marks: str):
-        self.marks = set(marks)
+        self.marks, self.nodeid = set(marks), "tests/test_x.py::test_x"
 
     def get_closest_marker(self, name):
         return getattr(pytest.mark, name).mark if name in self.marks else None
