@@ -20,6 +20,7 @@ start processes are handed out first, the long poles before the short tests.
 """
 
 import atexit
+import gc
 import json
 import os
 import resource
@@ -121,6 +122,15 @@ def pytest_xdist_auto_num_workers(config):
     return min(len(os.sched_getaffinity(0)) + 1, MAX_WORKERS)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` that finishes the run after a worker crashes (tests/scheduling.py)."""
+    if config.getvalue("dist") == "loadgroup":
+        from scheduling import CrashSafeLoadGroupScheduling
+
+        return CrashSafeLoadGroupScheduling(config, log)
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects and xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Marks `slow` every test marked `multiprocess`, `engines` or `bench`; puts the
@@ -176,6 +186,29 @@ def input_strategy(request):
     if request.param == "8dev":
         return spmd.MirroredStrategy()
     return spmd.Strategy(jax.make_mesh((4, 2), ("data", "model")), batch_axes=["data"])
+
+
+@pytest.fixture(autouse=True)
+def _no_preemption_watch_left_open(request):
+    """A test that leaves a checkpoint writer open fails, and its SIGTERM watch is closed.
+
+    An open writer keeps the process's SIGTERM handler and its watchdog: a later test's
+    SIGTERM (the preemption tests send one to their own process) would then end this
+    worker 120 s later, in the middle of another test.
+    """
+    yield
+    preemption = sys.modules.get("spmd._src.checkpoint.preemption")
+    if preemption is None or not preemption.open_watchers():
+        return
+    gc.collect()  # a writer dropped unclosed is no longer watching once collected
+    left = preemption.open_watchers()
+    for watcher in left:
+        watcher.close()
+    assert not left, (
+        f"{request.node.nodeid} left {len(left)} checkpoint writer(s) open "
+        "(CheckpointManager, or a Trainer callback that holds one): close them "
+        "(`with spmd.CheckpointManager(...)`, or `.close()` in a `finally`)."
+    )
 
 
 class _LeaveOutCpuMesh:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
@@ -19,7 +20,7 @@ from spmd._src.checkpoint.notices import NoticeBoard
 from spmd._src.checkpoint.position import as_json as _json
 from spmd._src.checkpoint.position import position_of as _position
 from spmd._src.checkpoint.position import restore_position as _set_position
-from spmd._src.checkpoint.preemption import Mode, Preempted, PreemptionWatcher
+from spmd._src.checkpoint.preemption import Mode, Preempted, PreemptionWatcher, check_options
 from spmd._src.checkpoint.store import SharedStore, forget_listings, make_store
 from spmd._src.clusters.initialize import check_initialized_under_launcher
 from spmd._src.errors import CheckpointError, ConfigurationError, message, received
@@ -123,23 +124,30 @@ class CheckpointManager:
         self._root = _absolute(directory)
         self._interval = save_interval_steps
         self.read_only = boolean(read_only, "read_only", fix="pass read_only=True for a reader.")
-        self._watcher = PreemptionWatcher(
-            "off" if read_only else preemption, preemption_check_steps
-        )
         self._exit_on_preemption = exit_on_preemption
         self._timeout = _check_timeout(coordination_timeout)
+        watch = "off" if read_only else preemption
+        check_options(watch, preemption_check_steps)  # before anything is opened
         self._board = NoticeBoard(self._timeout)  # the preemption notices, where not agreed
         self._pending: list[int] = []  # steps saved since the last wait that succeeded
         self._maybe_final = False  # this writer marked a final step (a later save clears it)
         self._session = final.new_session()  # names this writer in the markers it writes
         self._prepared = False  # whether the checksums' programs for the state were started
         self._async_save = async_save
+        # The SIGTERM watch is the last thing opened: a manager that fails to open leaves
+        # the process's SIGTERM handling as it found it.
         self._lock = guard.open_directory(self._root, shared_filesystem, self._timeout, read_only)
         try:
             store = (max_to_keep, save_interval_steps, async_save, shared_filesystem, read_only)
             self._store = make_store(self._root, *store)
             self._hold = self._hold_final()
+            self._watcher = PreemptionWatcher(watch, preemption_check_steps)
         except BaseException:
+            if getattr(self, "_hold", None) is not None:
+                self._release_hold()
+            if getattr(self, "_store", None) is not None:
+                with contextlib.suppress(Exception):
+                    self._store.close()
             self._lock.release()
             raise
         self._closed = False

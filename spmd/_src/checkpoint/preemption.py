@@ -9,6 +9,8 @@ import signal
 import socket
 import sys
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -21,7 +23,7 @@ from spmd._src.clusters.launch_results import PREEMPTED_EXIT_CODE
 from spmd._src.errors import ConfigurationError, message, received
 from spmd._src.validate import positive_int
 
-__all__ = ["MODES", "Preempted", "PreemptionWatcher", "jax_service_available"]
+__all__ = ["MODES", "Preempted", "PreemptionWatcher", "check_options", "jax_service_available", "open_watchers"]
 
 Mode = Literal["auto", "jax", "signal", "off"]
 MODES: tuple[str, ...] = ("auto", "signal", "jax", "off")
@@ -102,17 +104,13 @@ class PreemptionWatcher:
         check_every: int = 1,
         grace_period: float = distributed.SIGTERM_GRACE,
     ):
-        self.mode = _resolve_mode(mode)
-        self.check_every = _positive(check_every, "preemption_check_steps")
+        self.mode, self.check_every = check_options(mode, check_every)
         self.grace_period = float(grace_period)
         self.step: int | None = None  # where the processes agreed to stop, once they have
         self._notice = threading.Event()
-        self._previous: Any = None
-        self._watchdog: _SigtermWatchdog | None = None
+        self._routed = False
         if self.mode != "off":
-            distributed.expect_save(self.grace_period)
-        if self.mode == "signal":
-            self._install()
+            _ROUTE.open(self)
 
     def reached(self, step: int, notices: list[bool] | None = None) -> bool:
         """Whether `step` is the agreed preemption step. Call it at every step, on every process.
@@ -142,15 +140,12 @@ class PreemptionWatcher:
         return self._notice.is_set()
 
     def close(self) -> None:
-        """Puts back the SIGTERM handler that was there before; SIGTERM ends the process again."""
-        if self.mode != "off":
-            distributed.expect_save(None)
-        if self._watchdog is not None:
-            self._watchdog.close()
-            self._watchdog = None
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        """Stops watching; the last watcher open puts back the SIGTERM handler that was there
+        before it, and SIGTERM ends the process again."""
+        _ROUTE.close(self)
+
+    def _noticed_sigterm(self) -> None:
+        self._notice.set()
 
     def _agree(self, step: int) -> bool:
         if jax.process_count() == 1:
@@ -160,28 +155,107 @@ class PreemptionWatcher:
         flags = multihost_utils.process_allgather(np.int32(self._notice.is_set()))
         return bool(np.any(flags))
 
-    def _install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            _log.warning("preemption: not the main thread, so no SIGTERM handler was installed")
-            return
-        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-        self._watchdog = _SigtermWatchdog(self.grace_period)
+
+class _SigtermRoute:
+    """The process's one SIGTERM handler and watchdog, shared by every watcher open in it.
+
+    Several checkpoint managers may be open at once (two writers, a Trainer's callback
+    beside the user's own) and closed in any order: each watcher registers here, a SIGTERM
+    reaches every one of them, and the handler that was there before the first is put back
+    when the last closes. Watchers are held weakly: one dropped without `close()` stops
+    being told and no longer keeps the process's end pending; a SIGTERM that finds none
+    left is handled as the handler from before would have (by default: the process ends).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._open: weakref.WeakSet[PreemptionWatcher] = weakref.WeakSet()
+        self._previous: Any = None
+        self._installed = False
+        self._watchdog: _SigtermWatchdog | None = None
+
+    def open(self, watcher: PreemptionWatcher) -> None:
+        with self._lock:
+            self._open.add(watcher)
+            distributed.expect_save(self._grace())
+            if watcher.mode != "signal":
+                return
+            if threading.current_thread() is not threading.main_thread():
+                _log.warning("preemption: not the main thread, so no SIGTERM handler was installed")
+                return
+            watcher._routed = True
+            if not self._installed:
+                self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+                self._installed = True
+            if self._watchdog is None:
+                self._watchdog = _SigtermWatchdog(self._signal_grace)
+
+    def close(self, watcher: PreemptionWatcher) -> None:
+        with self._lock:
+            if watcher not in self._open:
+                return
+            self._open.discard(watcher)
+            watcher._routed = False
+            distributed.expect_save(self._grace())
+            if self._installed and not self._routed():
+                self._uninstall()
+
+    def watching(self) -> list[PreemptionWatcher]:
+        """The watchers open in this process."""
+        with self._lock:
+            return list(self._open)
+
+    def _routed(self) -> list[PreemptionWatcher]:
+        return [w for w in self._open if w._routed]
+
+    def _grace(self) -> float | None:
+        graces = [w.grace_period for w in self._open]
+        return max(graces) if graces else None
+
+    def _signal_grace(self) -> float | None:
+        """The grace a SIGTERM gives the watchers open now; None where none is."""
+        with self._lock:
+            graces = [w.grace_period for w in self._routed()]
+        return max(graces) if graces else None
+
+    def _uninstall(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) == self._on_signal:  # not someone's since
+                previous = self._previous
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            self._installed, self._previous = False, None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        print(sigterm_line(self.grace_period), file=sys.stderr, flush=True)
-        self._notice.set()
+        watchers = self._routed()
+        if not watchers:  # every one was dropped unclosed: as if none had been installed
+            previous = self._previous
+            with self._lock:
+                self._uninstall()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.raise_signal(signum)
+            return
+        print(sigterm_line(max(w.grace_period for w in watchers)), file=sys.stderr, flush=True)
+        for watcher in watchers:
+            watcher._noticed_sigterm()
 
 
 class _SigtermWatchdog:
-    """Ends the process `grace` seconds after a SIGTERM, even while the main thread is blocked.
+    """Ends the process some seconds after a SIGTERM, even while the main thread is blocked.
 
     A Python signal handler runs only when the main thread runs Python, never
     while it waits in a collective; but the interpreter's C-level handler
     writes the signal number to the wakeup fd at once, and a thread reads it.
     Not installed where something else (e.g. asyncio) owns the wakeup fd.
+    `grace()` says how long the watchers open at the SIGTERM have (None: none
+    is open, the process is left alone).
     """
 
-    def __init__(self, grace: float) -> None:
+    def __init__(self, grace: Callable[[], float | None]) -> None:
         self._grace = grace
         self._closed = threading.Event()
         self._reader, writer = socket.socketpair()
@@ -202,8 +276,9 @@ class _SigtermWatchdog:
                 return
             if not data:
                 return
-            if signal.SIGTERM in data and not self._closed.wait(self._grace):
-                _end_after_grace(self._grace)
+            grace = self._grace() if signal.SIGTERM in data else None
+            if grace is not None and not self._closed.wait(grace):
+                _end_after_grace(grace)
 
     def close(self) -> None:
         """Stops watching; a SIGTERM no longer ends the process after the grace."""
@@ -213,6 +288,24 @@ class _SigtermWatchdog:
         self._closed.set()
         self._writer.close()
         self._reader.close()
+
+
+_ROUTE = _SigtermRoute()
+
+
+def open_watchers() -> list[PreemptionWatcher]:
+    """The preemption watchers open in this process (each open checkpoint writer has one)."""
+    return _ROUTE.watching()
+
+
+def check_options(mode: str, check_every: int) -> tuple[str, int]:
+    """The mode a watcher runs in ("auto" resolved) and its `check_every`, checked.
+
+    Raises:
+      ConfigurationError: an unknown mode, "jax" where its service is not running, or a
+        `check_every` that is not a positive integer.
+    """
+    return _resolve_mode(mode), _positive(check_every, "preemption_check_steps")
 
 
 def sigterm_line(grace: float) -> str:

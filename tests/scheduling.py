@@ -1,0 +1,55 @@
+"""The parallel run's scheduler: xdist's `loadgroup`, made to finish after a worker crashes.
+
+pytest-xdist 3.8's `LoadScopeScheduling` (which `loadgroup` is) hangs the run once a
+worker dies (pytest-dev/pytest-xdist#1323, #1327, #1378): it puts every unit the dead
+worker ever ran back on the queue, finished ones too, and sends them out as empty
+batches, which nothing ever reports done; and it hands a replacement worker a single
+test, which a worker does not start before it knows the next one. The run then waits
+until CI's limit, every worker idle. Here a crash costs the test it happened in (xdist
+reports it failed, with the worker's last words) and nothing else: the dead worker's
+unfinished tests go first in line, the one it died in is not run again, and a worker
+always holds two tests or knows that no more are coming.
+"""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadGroupScheduling
+
+__all__ = ["CrashSafeLoadGroupScheduling"]
+
+
+class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
+    """`--dist loadgroup` that survives a worker's crash (see the module's docstring)."""
+
+    def remove_node(self, node) -> str | None:
+        workload = self.assigned_work.pop(node)
+        unfinished = {scope: unit for scope, unit in workload.items() if not all(unit.values())}
+        if not unfinished:
+            return None
+        crashed = next(n for unit in unfinished.values() for n, done in unit.items() if not done)
+        unfinished[self._split_scope(crashed)][crashed] = True  # reported failed by xdist
+        for scope, unit in reversed(unfinished.items()):
+            if not all(unit.values()):
+                self.workqueue[scope] = unit
+                self.workqueue.move_to_end(scope, last=False)
+        for other in self.assigned_work:
+            self._reschedule(other)
+        return crashed
+
+    def _assign_work_unit(self, node) -> None:
+        while self.workqueue:
+            scope, unit = next(iter(self.workqueue.items()))
+            if not all(unit.values()):
+                super()._assign_work_unit(node)
+                return
+            del self.workqueue[scope]  # nothing left to run in it
+
+    def _reschedule(self, node) -> None:
+        if node.shutting_down:
+            return
+        if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
+            self._assign_work_unit(node)
+        while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+            self._assign_work_unit(node)  # a worker starts a test once it knows the next
+        if not self.workqueue:
+            node.shutdown()  # it runs what it holds, the last with no next test
