@@ -300,8 +300,9 @@ def test_inside_run_the_running_strategy_is_current():
     assert not spmd.has_strategy()
 
 
-@pytest.mark.slow
-def test_run_of_a_new_lambda_each_call_compiles_once():
+def test_run_of_a_new_lambda_each_call_compiles_once(monkeypatch):
+    """A new lambda each call with the same code and captures is one program; the programs
+    kept are bounded (the bound lowered to 4 here: the same eviction, 16 compiles, not 300)."""
     from spmd._src.strategy import per_replica
 
     strategy = spmd.MirroredStrategy()
@@ -315,10 +316,13 @@ def test_run_of_a_new_lambda_each_call_compiles_once():
     for scale in (1.0, 3.0, -0.0):  # captured values that differ get their own program
         out = strategy.run(lambda x, s=scale: x * s, args=(X,))
         np.testing.assert_array_equal(strategy.gather(out), X * scale)
-    for i in range(300):
-        strategy.run(lambda x, i=i: x + i, args=(X,))
-    assert len(per_replica._BY_JAXPR) <= per_replica.RUN_CACHE_SIZE
-    assert len(per_replica._BY_FUNCTION) <= per_replica.RUN_CACHE_SIZE
+    monkeypatch.setattr(per_replica, "RUN_CACHE_SIZE", 4)
+    for i in range(12):
+        out = strategy.run(lambda x, i=i: x + i, args=(X,))
+        assert len(per_replica._BY_JAXPR) <= 4 and len(per_replica._BY_FUNCTION) <= 4
+    np.testing.assert_array_equal(strategy.gather(out), X + 11)
+    first = strategy.run(lambda x, i=0: x + i, args=(X,))  # evicted long ago: built again
+    np.testing.assert_array_equal(strategy.gather(first), X)
 
 
 def test_run_traces_one_function_object_once_per_signature_as_jax_jit():
@@ -340,17 +344,20 @@ def test_run_traces_one_function_object_once_per_signature_as_jax_jit():
     np.testing.assert_array_equal(strategy.gather(strategy.run(lambda x: fn(x), args=(X,))), X * 4)
 
 
-@pytest.mark.slow
-def test_a_step_keeps_a_bounded_number_of_programs():
+def test_a_step_keeps_a_bounded_number_of_programs(monkeypatch):
+    """The bound lowered to 4: the same eviction at 14 compiles instead of 42."""
     from spmd._src.strategy import step as step_module
 
+    monkeypatch.setattr(step_module, "STEP_CACHE_SIZE", 4)
     strategy = spmd.MirroredStrategy()
     step = strategy.step(static_argnames=("k",))(lambda s, x, k: (s + k, x.sum()))
     state = jnp.zeros(4)
-    for k in range(step_module.STEP_CACHE_SIZE + 10):
+    for k in range(14):
         state, _ = step(state, X, k=k)
-    assert len(step._compiled) == step_module.STEP_CACHE_SIZE
-    np.testing.assert_allclose(state, np.full(4, sum(range(step_module.STEP_CACHE_SIZE + 10))))
+        assert len(step._compiled) <= 4
+    assert len(step._compiled) == 4
+    state, _ = step(state, X, k=0)  # evicted: built again, still right
+    np.testing.assert_allclose(state, np.full(4, sum(range(14))))
 
 
 def test_run_of_a_new_lambda_reading_a_mutated_value_sees_the_new_value():
