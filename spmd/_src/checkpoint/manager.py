@@ -124,7 +124,13 @@ class CheckpointManager:
         self._root = _absolute(directory)
         self._interval = save_interval_steps
         self.read_only = boolean(read_only, "read_only", fix="pass read_only=True for a reader.")
-        self._exit_on_preemption = exit_on_preemption
+        self._exit_on_preemption = boolean(
+            exit_on_preemption, "exit_on_preemption", fix="pass exit_on_preemption=False."
+        )
+        async_save = boolean(async_save, "async_save", fix="pass async_save=False.")
+        shared_filesystem = boolean(
+            shared_filesystem, "shared_filesystem", fix="pass shared_filesystem=False."
+        )
         self._timeout = _check_timeout(coordination_timeout)
         watch = "off" if read_only else preemption
         check_options(watch, preemption_check_steps)  # before anything is opened
@@ -342,6 +348,7 @@ class CheckpointManager:
 
     def _stop(self, step: int) -> None:
         self.wait()
+        self._watcher.answered()
         if self._exit_on_preemption:
             self.close()
             raise Preempted(step, str(self._root))

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -28,6 +29,8 @@ __all__ = ["MODES", "Preempted", "PreemptionWatcher", "check_options", "jax_serv
 Mode = Literal["auto", "jax", "signal", "off"]
 MODES: tuple[str, ...] = ("auto", "signal", "jax", "off")
 _log = logging.getLogger("spmd.checkpoint")
+_LOOK_S = 0.5  # how often the watchdog looks whether the writers saved, after a SIGTERM
+_NO_WRITER_WAIT_S = 2.0  # a SIGTERM with no writer open: the main thread's time to end it
 
 
 class Preempted(SystemExit):
@@ -108,7 +111,8 @@ class PreemptionWatcher:
         self.grace_period = float(grace_period)
         self.step: int | None = None  # where the processes agreed to stop, once they have
         self._notice = threading.Event()
-        self._routed = False
+        self._routed = False  # whether the process's SIGTERM handler reaches it
+        self._answered = False  # whether it saved the step agreed after a notice
         if self.mode != "off":
             _ROUTE.open(self)
 
@@ -144,6 +148,11 @@ class PreemptionWatcher:
         before it, and SIGTERM ends the process again."""
         _ROUTE.close(self)
 
+    def answered(self) -> None:
+        """Says that the step agreed after the notice is saved: the watchdog no longer
+        ends the process on this watcher's account (the program stops when it chooses)."""
+        self._answered = True
+
     def _noticed_sigterm(self) -> None:
         self._notice.set()
 
@@ -159,113 +168,191 @@ class PreemptionWatcher:
 class _SigtermRoute:
     """The process's one SIGTERM handler and watchdog, shared by every watcher open in it.
 
-    Several checkpoint managers may be open at once (two writers, a Trainer's callback
-    beside the user's own) and closed in any order: each watcher registers here, a SIGTERM
-    reaches every one of them, and the handler that was there before the first is put back
-    when the last closes. Watchers are held weakly: one dropped without `close()` stops
-    being told and no longer keeps the process's end pending; a SIGTERM that finds none
-    left is handled as the handler from before would have (by default: the process ends).
+    Several checkpoint writers may be open at once and closed in any order, from any
+    thread: each watcher registers here and a SIGTERM reaches every one of them. The
+    handler that was in place when the route installed its own comes back when the last
+    closes (one installed meanwhile by the program is left where it is, and taken as the
+    one to put back if the route installs its own again). Only the main thread installs
+    or removes anything: a close elsewhere leaves the handler and the watchdog in place,
+    acting as if no writer were open, until the main thread next opens or closes one.
+    Watchers are held weakly: one dropped without `close()` stops being told once
+    collected. A SIGTERM that finds no writer open is handled as the handler from before
+    would have (by default the process ends; the watchdog ends it even while the main
+    thread is blocked in a collective).
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._open: weakref.WeakSet[PreemptionWatcher] = weakref.WeakSet()
-        self._previous: Any = None
+        self._open: dict[int, weakref.ref[PreemptionWatcher]] = {}
+        self._previous: Any = None  # the handler the route's replaced, while it is installed
         self._installed = False
         self._watchdog: _SigtermWatchdog | None = None
 
     def open(self, watcher: PreemptionWatcher) -> None:
         with self._lock:
-            self._open.add(watcher)
-            distributed.expect_save(self._grace())
-            if watcher.mode != "signal":
-                return
-            if threading.current_thread() is not threading.main_thread():
-                _log.warning("preemption: not the main thread, so no SIGTERM handler was installed")
-                return
-            watcher._routed = True
-            if not self._installed:
-                self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-                self._installed = True
-            if self._watchdog is None:
-                self._watchdog = _SigtermWatchdog(self._signal_grace)
+            self._check_mix(watcher.mode)
+            key = id(watcher)
+            watcher._routed = watcher.mode == "signal"  # before a SIGTERM can see it
+            self._open[key] = weakref.ref(watcher, lambda ref, key=key: self._collected(key, ref))
+            try:
+                if watcher.mode == "signal":
+                    self._install()
+            except BaseException:
+                del self._open[key]
+                watcher._routed = False
+                raise
+            finally:
+                distributed.expect_save(self._grace())
 
     def close(self, watcher: PreemptionWatcher) -> None:
         with self._lock:
-            if watcher not in self._open:
+            if self._open.pop(id(watcher), None) is None:
                 return
-            self._open.discard(watcher)
             watcher._routed = False
             distributed.expect_save(self._grace())
-            if self._installed and not self._routed():
+            if not self._routed():
                 self._uninstall()
 
     def watching(self) -> list[PreemptionWatcher]:
         """The watchers open in this process."""
         with self._lock:
-            return list(self._open)
+            return [w for ref in self._open.values() if (w := ref()) is not None]
+
+    def _check_mix(self, mode: str) -> None:
+        """JAX's preemption service catches SIGTERM in C++; spmd's handler would replace it."""
+        modes = {w.mode for w in self.watching()}
+        other = {"signal": "jax", "jax": "signal"}.get(mode)
+        if other in modes:
+            raise ConfigurationError(
+                message(
+                    'Every writer of a process uses one SIGTERM mechanism: "jax" (JAX\'s '
+                    "preemption service, whose handler is C++) or \"signal\" (spmd's Python "
+                    "handler, which would replace JAX's).",
+                    received(preemption=mode, already_open=other),
+                    f'open this writer with preemption="{other}" too (or "off"), or close the '
+                    "other first.",
+                )
+            )
+
+    def _collected(self, key: int, ref: weakref.ref) -> None:
+        """A watcher dropped without `close()` was collected (any thread, any time)."""
+        with self._lock:
+            if self._open.get(key) is ref:
+                del self._open[key]
+            distributed.expect_save(self._grace())
 
     def _routed(self) -> list[PreemptionWatcher]:
-        return [w for w in self._open if w._routed]
+        return [w for w in self.watching() if w._routed]
 
     def _grace(self) -> float | None:
-        graces = [w.grace_period for w in self._open]
+        graces = [w.grace_period for w in self.watching()]
         return max(graces) if graces else None
 
-    def _signal_grace(self) -> float | None:
-        """The grace a SIGTERM gives the watchers open now; None where none is."""
-        with self._lock:
-            graces = [w.grace_period for w in self._routed()]
-        return max(graces) if graces else None
+    def _install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            if not self._installed:
+                _log.warning(
+                    "preemption: a writer opened outside the main thread, where no SIGTERM "
+                    "handler can be installed: until one opens in the main thread, SIGTERM "
+                    "does what it did before"
+                )
+            return
+        made = None
+        if self._watchdog is None:
+            made = self._watchdog = _SigtermWatchdog(self._after_sigterm)
+        current = signal.getsignal(signal.SIGTERM)
+        if self._installed and current == self._on_signal:
+            return
+        try:
+            signal.signal(signal.SIGTERM, self._on_signal)
+        except BaseException:
+            if made is not None:
+                made.close()
+                self._watchdog = None
+            raise
+        self._previous, self._installed = current, True  # the program's own, if it set one
 
     def _uninstall(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # left in place: the next open or close in the main thread finishes it
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
-        if threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGTERM) == self._on_signal:  # not someone's since
-                previous = self._previous
-                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-            self._installed, self._previous = False, None
+        if self._installed and signal.getsignal(signal.SIGTERM) == self._on_signal:
+            previous = self._previous
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            self._previous, self._installed = None, False
+        # else the program's handler is in place now: kept, and `_previous` with it, so
+        # that the route's handler, if put back, still forwards to the one from before
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        watchers = self._routed()
-        if not watchers:  # every one was dropped unclosed: as if none had been installed
+        with self._lock:
+            watchers = self._routed()
             previous = self._previous
-            with self._lock:
+            if not watchers:  # none left open (dropped unclosed): as if none had been
                 self._uninstall()
+        if not watchers:
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN:
-                signal.raise_signal(signum)
+                signal.raise_signal(signum)  # the default: the process ends
             return
         print(sigterm_line(max(w.grace_period for w in watchers)), file=sys.stderr, flush=True)
         for watcher in watchers:
             watcher._noticed_sigterm()
 
+    def _after_sigterm(self, closed: threading.Event) -> None:
+        """The watchdog's answer to a SIGTERM: end the process once the writers open have
+        had their grace without saving; or, with none open and SIGTERM's default action,
+        end it when the main thread cannot (blocked in C, e.g. in a collective)."""
+        started = time.monotonic()
+        while True:
+            with self._lock:
+                routed = self._routed()
+                previous = self._previous
+            waiting = [w for w in routed if not w._answered]
+            if routed and not waiting:
+                return  # each writer saved its preemption step: stopping is the program's
+            if not routed:
+                if previous in (None, signal.SIG_DFL) and not closed.wait(_NO_WRITER_WAIT_S):
+                    _end_unwatched()
+                return
+            grace = max(w.grace_period for w in waiting)
+            left = grace - (time.monotonic() - started)
+            if left <= 0:
+                _end_after_grace(grace)
+            if closed.wait(min(left, _LOOK_S)):
+                return
+
 
 class _SigtermWatchdog:
-    """Ends the process some seconds after a SIGTERM, even while the main thread is blocked.
+    """Acts on a SIGTERM even while the main thread is blocked (`act(closed)` does).
 
     A Python signal handler runs only when the main thread runs Python, never
     while it waits in a collective; but the interpreter's C-level handler
     writes the signal number to the wakeup fd at once, and a thread reads it.
     Not installed where something else (e.g. asyncio) owns the wakeup fd.
-    `grace()` says how long the watchers open at the SIGTERM have (None: none
-    is open, the process is left alone).
+    Made and closed in the main thread only (the wakeup fd is the main thread's).
     """
 
-    def __init__(self, grace: Callable[[], float | None]) -> None:
-        self._grace = grace
+    def __init__(self, act: Callable[[threading.Event], None]) -> None:
+        self._act = act
         self._closed = threading.Event()
         self._reader, writer = socket.socketpair()
         writer.setblocking(False)
         self._writer = writer
-        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._owned = False
+        try:
+            previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        except BaseException:
+            self._closed.set()
+            self._close_sockets()
+            raise
         if previous != -1:  # someone else's: put it back, go without
             signal.set_wakeup_fd(previous)
             self._closed.set()
             return
+        self._owned = True
         threading.Thread(target=self._run, name="spmd-sigterm-watchdog", daemon=True).start()
 
     def _run(self) -> None:
@@ -276,16 +363,21 @@ class _SigtermWatchdog:
                 return
             if not data:
                 return
-            grace = self._grace() if signal.SIGTERM in data else None
-            if grace is not None and not self._closed.wait(grace):
-                _end_after_grace(grace)
+            if signal.SIGTERM in data:
+                self._act(self._closed)
 
     def close(self) -> None:
-        """Stops watching; a SIGTERM no longer ends the process after the grace."""
-        if not self._closed.is_set():
-            with contextlib.suppress(ValueError):  # not the main thread: leave it
-                signal.set_wakeup_fd(-1)
+        """Stops watching (main thread only); the wakeup fd goes back to none, unless
+        someone else set their own since."""
+        if self._owned:
+            previous = signal.set_wakeup_fd(-1)
+            if previous not in (-1, self._writer.fileno()):
+                signal.set_wakeup_fd(previous)  # someone else's since: theirs stays
+            self._owned = False
         self._closed.set()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self._writer.close()
         self._reader.close()
 
@@ -302,10 +394,14 @@ def check_options(mode: str, check_every: int) -> tuple[str, int]:
     """The mode a watcher runs in ("auto" resolved) and its `check_every`, checked.
 
     Raises:
-      ConfigurationError: an unknown mode, "jax" where its service is not running, or a
-        `check_every` that is not a positive integer.
+      ConfigurationError: an unknown mode, "jax" where its service is not running, a
+        mode that would mix with the other mechanism in this process (see
+        `_SigtermRoute`), or a `check_every` that is not a positive integer.
     """
-    return _resolve_mode(mode), _positive(check_every, "preemption_check_steps")
+    resolved = _resolve_mode(mode)
+    with _ROUTE._lock:
+        _ROUTE._check_mix(resolved)
+    return resolved, _positive(check_every, "preemption_check_steps")
 
 
 def sigterm_line(grace: float) -> str:
@@ -330,6 +426,19 @@ def _end_after_grace(grace: float) -> None:
     distributed.report_failure(f"SIGTERM {grace:g} s ago and no save ended it")
     print(
         f"spmd: SIGTERM {grace:g} s ago and no save ended the process; ending it (code 143).",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signal.SIGTERM)
+
+
+def _end_unwatched() -> None:
+    """Ends the process: SIGTERM came with no writer open, and the main thread, blocked,
+    could not let it end the process as SIGTERM does by default."""
+    distributed.report_failure("SIGTERM with no checkpoint writer open")
+    print(
+        "spmd: SIGTERM with no checkpoint writer open, and the main thread blocked; "
+        "ending the process (code 143).",
         file=sys.stderr,
         flush=True,
     )
