@@ -239,7 +239,10 @@ class _SigtermRoute:
         with self._lock:
             if self._open.get(key) is ref:
                 del self._open[key]
-            distributed.expect_save(self._grace())
+            try:
+                distributed.expect_save(self._grace())
+            except Exception:  # at the interpreter's exit, when this module's names are gone
+                pass
 
     def _routed(self) -> list[PreemptionWatcher]:
         return [w for w in self.watching() if w._routed]

@@ -57,13 +57,17 @@ def drop_late_completions() -> None:
     process): the late completions can come before the failure reaches
     spmd's handler, on a loaded machine.
     """
-    previous = sys.unraisablehook
+    previous, default = sys.unraisablehook, sys.__unraisablehook__
     if getattr(previous, "spmd_drops_late_reads", False):
         return
 
     def hook(unraisable: Any) -> None:
-        if not _late_completion(unraisable):
-            previous(unraisable)
+        try:
+            late = _late_completion(unraisable)
+        except Exception:  # at the interpreter's exit this module's names may be gone
+            late = False
+        if not late:
+            (previous or default)(unraisable)
 
     hook.spmd_drops_late_reads = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
