@@ -22,6 +22,8 @@ from spmd._src.cli import main as cli
 from spmd._src.clusters.launch import launch
 from spmd._src.clusters.launch_results import CONFIGURATION_EXIT_CODE
 
+from bounds import bound
+
 from .procs import alive, child_env, wait_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,9 +104,10 @@ class Launcher:
         return found()
 
     def finish(self, seconds: float) -> tuple[int | None, str]:
-        """(exit code or None if it was still running after `seconds`, all output)."""
+        """(exit code or None if it was still running after `seconds` with the run's
+        headroom, all output)."""
         try:
-            code = self.proc.wait(timeout=seconds)
+            code = self.proc.wait(timeout=bound(seconds))
         except subprocess.TimeoutExpired:
             code = None
         time.sleep(0.2)
@@ -136,7 +139,7 @@ def test_workers_die_with_their_launcher(signals):
             time.sleep(0.5)  # the second Ctrl-C lands in the 5 s grace of the first
         code, out = launcher.finish(15)
         assert code is not None, out[-2000:]
-        assert wait_gone(pids, 3.0) == [], f"workers left alive after {signals}"
+        assert wait_gone(pids, bound(3.0)) == [], f"workers left alive after {signals}"
     finally:
         launcher.cleanup()
 
@@ -149,7 +152,7 @@ def test_sighup_stops_the_workers_and_says_so():
         code, out = launcher.finish(15)
         assert code == 128 + signal.SIGHUP
         assert "terminated (SIGHUP); stopped every process." in out
-        assert wait_gone(pids, 3.0) == []
+        assert wait_gone(pids, bound(3.0)) == []
     finally:
         launcher.cleanup()
 
@@ -164,7 +167,9 @@ def test_children_of_workers_that_already_exited_are_stopped(fate):
         grandchildren = launcher.collect("GRANDCHILD", 2)
         code, out = launcher.finish(30)
         assert code is not None, out[-2000:]
-        assert wait_gone(grandchildren, 3.0) == [], f"children left running after {fate}: {out}"
+        assert wait_gone(grandchildren, bound(3.0)) == [], (
+            f"children left running after {fate}: {out}"
+        )
     finally:
         launcher.cleanup()
 
@@ -178,8 +183,8 @@ def test_sigkill_of_the_launcher_takes_the_workers_children_too():
         grandchildren = launcher.collect("GRANDCHILD", 2)
         os.kill(launcher.proc.pid, signal.SIGKILL)
         launcher.finish(10)
-        assert wait_gone(workers, 3.0) == []
-        assert wait_gone(grandchildren, 3.0) == [], (
+        assert wait_gone(workers, bound(3.0)) == []
+        assert wait_gone(grandchildren, bound(3.0)) == [], (
             "a worker's child outlived SIGKILL of spmd launch"
         )
     finally:
@@ -197,7 +202,9 @@ def test_sigkill_of_the_launcher_kills_a_bash_wrapped_worker():
         launcher.collect("GRANDCHILD", 2)  # so that cleanup kills them too
         os.kill(launcher.proc.pid, signal.SIGKILL)
         launcher.finish(10)
-        assert wait_gone(workers, 3.0) == [], "the python under `bash -c` outlived spmd launch"
+        assert wait_gone(workers, bound(3.0)) == [], (
+            "the python under `bash -c` outlived spmd launch"
+        )
     finally:
         launcher.cleanup()
 

@@ -24,7 +24,14 @@ from spmd._src.clusters.launch_results import PREEMPTED_EXIT_CODE
 from spmd._src.errors import ConfigurationError, message, received
 from spmd._src.validate import positive_int
 
-__all__ = ["MODES", "Preempted", "PreemptionWatcher", "check_options", "jax_service_available", "open_watchers"]
+__all__ = [
+    "MODES",
+    "Preempted",
+    "PreemptionWatcher",
+    "check_options",
+    "jax_service_available",
+    "open_watchers",
+]
 
 Mode = Literal["auto", "jax", "signal", "off"]
 MODES: tuple[str, ...] = ("auto", "signal", "jax", "off")
@@ -226,7 +233,7 @@ class _SigtermRoute:
             raise ConfigurationError(
                 message(
                     'Every writer of a process uses one SIGTERM mechanism: "jax" (JAX\'s '
-                    "preemption service, whose handler is C++) or \"signal\" (spmd's Python "
+                    'preemption service, whose handler is C++) or "signal" (spmd\'s Python '
                     "handler, which would replace JAX's).",
                     received(preemption=mode, already_open=other),
                     f'open this writer with preemption="{other}" too (or "off"), or close the '
