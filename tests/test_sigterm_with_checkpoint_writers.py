@@ -181,9 +181,11 @@ def test_signal_and_jax_preemption_are_not_mixed_in_one_process(tmp_path, monkey
         assert not (tmp_path / "a").exists()
     finally:
         jax_watch.close()
-    with spmd.CheckpointManager(tmp_path / "b"):
-        with pytest.raises(spmd.ConfigurationError, match='preemption="signal" too'):
-            preemption.PreemptionWatcher("jax")
+    with (
+        spmd.CheckpointManager(tmp_path / "b"),
+        pytest.raises(spmd.ConfigurationError, match='preemption="signal" too'),
+    ):
+        preemption.PreemptionWatcher("jax")
     assert preemption.open_watchers() == []
 
 

@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from bounds import bound
 
 from spmd._src.cli import main as cli
 from spmd._src.clusters.launch import launch
 from spmd._src.clusters.launch_results import CONFIGURATION_EXIT_CODE
-
-from bounds import bound
 
 from .procs import alive, child_env, wait_gone
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -246,7 +245,7 @@ class _SigtermRoute:
         with self._lock:
             if self._open.get(key) is ref:
                 del self._open[key]
-            try:
+            try:  # noqa: SIM105 (contextlib itself may be gone by then)
                 distributed.expect_save(self._grace())
             except Exception:  # at the interpreter's exit, when this module's names are gone
                 pass
