@@ -65,12 +65,33 @@ print("SURVIVOR ENDED ALONE", flush=True)
 """
 
 
+# `spmd launch` started as from a terminal: every signal unblocked and at its default action.
+# A test process may have inherited, or had a library set, an ignored or blocked signal
+# (ignored and blocked signals survive exec): a launcher started from it would then never
+# see the Ctrl-C these tests send. The state it had is in every failure's message.
+AS_FROM_A_TERMINAL = """
+import os, signal, sys
+signal.pthread_sigmask(signal.SIG_SETMASK, [])
+for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT):
+    signal.signal(sig, signal.SIG_DFL)
+os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+"""
+
+
+def _signal_state() -> str:
+    """This process's ignored and blocked signals (/proc), for a failure's message."""
+    with open("/proc/self/status") as f:
+        return " ".join(line.strip() for line in f if line.startswith(("SigIgn", "SigBlk")))
+
+
 class Launcher:
     """`spmd launch -n N [extra] -- python -c CODE` as a child, output read by a thread."""
 
     def __init__(self, code: str, n: int = 2, *extra: str, program=None) -> None:
         program = program or [PY, "-c", code]
-        argv = [PY, "-m", "spmd", "launch", "-n", str(n), *extra, "--", *program]
+        argv = [PY, "-c", AS_FROM_A_TERMINAL, "-m", "spmd", "launch", "-n", str(n), *extra]
+        argv += ["--", *program]
+        self.signals = _signal_state()
         self.start = time.monotonic()
         self.proc = subprocess.Popen(
             argv,
@@ -137,7 +158,7 @@ def test_workers_die_with_their_launcher(signals):
             os.kill(launcher.proc.pid, getattr(signal, name))
             time.sleep(0.5)  # the second Ctrl-C lands in the 5 s grace of the first
         code, out = launcher.finish(15)
-        assert code is not None, out[-2000:]
+        assert code is not None, f"{out[-2000:]}\n(the test process's {launcher.signals})"
         assert wait_gone(pids, bound(3.0)) == [], f"workers left alive after {signals}"
     finally:
         launcher.cleanup()
