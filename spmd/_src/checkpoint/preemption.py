@@ -117,7 +117,6 @@ class PreemptionWatcher:
         self.grace_period = float(grace_period)
         self.step: int | None = None  # where the processes agreed to stop, once they have
         self._notice = threading.Event()
-        self._routed = False  # whether the process's SIGTERM handler reaches it
         self._answered = False  # whether it saved the step agreed after a notice
         if self.mode != "off":
             _ROUTE.open(self)
@@ -197,15 +196,13 @@ class _SigtermRoute:
     def open(self, watcher: PreemptionWatcher) -> None:
         with self._lock:
             self._check_mix(watcher.mode)
-            key = id(watcher)
-            watcher._routed = watcher.mode == "signal"  # before a SIGTERM can see it
+            key = id(watcher)  # registered before the handler: a SIGTERM then reaches it
             self._open[key] = weakref.ref(watcher, lambda ref, key=key: self._collected(key, ref))
             try:
                 if watcher.mode == "signal":
                     self._install()
             except BaseException:
                 del self._open[key]
-                watcher._routed = False
                 raise
             finally:
                 distributed.expect_save(self._grace())
@@ -214,7 +211,6 @@ class _SigtermRoute:
         with self._lock:
             if self._open.pop(id(watcher), None) is None:
                 return
-            watcher._routed = False
             distributed.expect_save(self._grace())
             if not self._routed():
                 self._uninstall()
@@ -251,7 +247,8 @@ class _SigtermRoute:
                 pass
 
     def _routed(self) -> list[PreemptionWatcher]:
-        return [w for w in self.watching() if w._routed]
+        """The open watchers a SIGTERM reaches: those in "signal" mode."""
+        return [w for w in self.watching() if w.mode == "signal"]
 
     def _grace(self) -> float | None:
         graces = [w.grace_period for w in self.watching()]
@@ -324,12 +321,14 @@ class _SigtermRoute:
                 return  # each writer saved its preemption step: stopping is the program's
             if not routed:
                 if previous in (None, signal.SIG_DFL) and not closed.wait(_NO_WRITER_WAIT_S):
-                    _end_unwatched()
+                    _end_after_sigterm(
+                        "SIGTERM with no checkpoint writer open, and the main thread blocked"
+                    )
                 return
             grace = max(w.grace_period for w in waiting)
             left = grace - (time.monotonic() - started)
             if left <= 0:
-                _end_after_grace(grace)
+                _end_after_sigterm(f"SIGTERM {grace:g} s ago and no save ended the process")
             if closed.wait(min(left, _LOOK_S)):
                 return
 
@@ -408,8 +407,7 @@ def check_options(mode: str, check_every: int) -> tuple[str, int]:
         `_SigtermRoute`), or a `check_every` that is not a positive integer.
     """
     resolved = _resolve_mode(mode)
-    with _ROUTE._lock:
-        _ROUTE._check_mix(resolved)
+    _ROUTE._check_mix(resolved)
     return resolved, _positive(check_every, "preemption_check_steps")
 
 
@@ -427,30 +425,13 @@ def sigterm_line(grace: float) -> str:
     )
 
 
-def _end_after_grace(grace: float) -> None:
-    """Ends the process: SIGTERM came `grace` seconds ago and the save has not ended it.
+def _end_after_sigterm(why: str) -> None:
+    """Ends the process with code 143 because of a SIGTERM, for the reason `why`.
 
     The other processes are told first, so that they end too rather than wait for it.
     """
-    distributed.report_failure(f"SIGTERM {grace:g} s ago and no save ended it")
-    print(
-        f"spmd: SIGTERM {grace:g} s ago and no save ended the process; ending it (code 143).",
-        file=sys.stderr,
-        flush=True,
-    )
-    os._exit(128 + signal.SIGTERM)
-
-
-def _end_unwatched() -> None:
-    """Ends the process: SIGTERM came with no writer open, and the main thread, blocked,
-    could not let it end the process as SIGTERM does by default."""
-    distributed.report_failure("SIGTERM with no checkpoint writer open")
-    print(
-        "spmd: SIGTERM with no checkpoint writer open, and the main thread blocked; "
-        "ending the process (code 143).",
-        file=sys.stderr,
-        flush=True,
-    )
+    distributed.report_failure(why)
+    print(f"spmd: {why}; ending the process (code 143).", file=sys.stderr, flush=True)
     os._exit(128 + signal.SIGTERM)
 
 
