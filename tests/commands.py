@@ -22,6 +22,21 @@ def child_env(*without: str) -> dict[str, str]:
     return env
 
 
+def program_env() -> dict[str, str]:
+    """`child_env()` for a program that picks its own devices (an example, `spmd demo`):
+    XLA_FLAGS only as the run compiles (its optimization level, tests/conftest.py), without
+    a device count or any other XLA flag of the shell the run started in."""
+    env = child_env("XLA_FLAGS")
+    kept = [
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if flag.startswith("--xla_backend_optimization_level=")
+    ]
+    if kept:
+        env["XLA_FLAGS"] = " ".join(kept)
+    return env
+
+
 def run_spmd(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

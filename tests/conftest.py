@@ -57,6 +57,19 @@ def _share_compilations() -> None:
 _share_compilations()
 
 
+def _share_bytecode() -> None:
+    """Python's bytecode written and read where Python keeps it (`__pycache__`, ignored by
+    git) for the run and every process it starts, also where PYTHONDONTWRITEBYTECODE is
+    set: each module of spmd/ and tests/ (assertions rewritten) is compiled once, not again
+    in each worker and in each of the hundreds of processes the tests start (a worker's
+    collection: 15 s of CPU without, 9 s with). Installed packages come with theirs."""
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+
+
+_share_bytecode()
+
+
 def _compile_unoptimized() -> None:
     """XLA's CPU backend at optimization level 0 (LLVM's passes off) for the run and the
     processes it starts: the same HLO programs, the same collectives and layouts, at

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from commands import child_env, run_spmd
+from commands import program_env, run_spmd
 
 from spmd._src.cli import main as cli
 
@@ -15,7 +15,7 @@ ACCURACY = re.compile(r"accuracy +(\d+\.\d)% on (\d+) held-out examples \(target
 
 def run_demo(*args: str, timeout: int = 300) -> str:
     """Runs `python -m spmd demo ARGS` as a user would; returns its stdout."""
-    proc = run_spmd("demo", *args, env=child_env("XLA_FLAGS"), timeout=timeout)
+    proc = run_spmd("demo", *args, env=program_env(), timeout=timeout)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -164,6 +164,6 @@ def test_usage_errors_exit_2(capsys, args):
 
 @pytest.mark.slow
 def test_error_from_the_command_line_exits_1():
-    proc = run_spmd("demo", "--strategy", "nope", env=child_env("XLA_FLAGS"), timeout=120)
+    proc = run_spmd("demo", "--strategy", "nope", env=program_env(), timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.startswith("spmd demo: error: --strategy is one of"), proc.stderr

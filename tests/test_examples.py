@@ -1,11 +1,11 @@
 """Every program in examples/ runs, in one process and under `spmd launch`."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from commands import program_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -31,10 +31,8 @@ MULTIPROCESS = {"03_multi_worker_tf_config.py", "11_sidecar_evaluator.py"}
 
 
 def _run(command, timeout=240):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
     result = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        command, cwd=ROOT, env=program_env(), capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, (
         f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -86,8 +84,12 @@ def test_keras_tf_data_tutorial_under_launch():
 
 @pytest.mark.multiprocess
 def test_diloco_example_under_launch():
-    """Islands cut across the two processes; the checkpoint in one folder both see."""
-    out = _launch(4, "10_diloco.py", "--steps", "150", timeout=400)
+    """Islands cut across the two processes; the checkpoint in one folder both see. 60
+    steps, not the plain run's 150: each step of both trainings crosses processes (gloo)
+    and costs ~0.1 s of CPU, and what this run adds to the plain one (islands and a
+    checkpoint across processes) needs no more; DiLoCo is ~2 points above synchronous
+    training there (90.0% and 92.2% held out), well within the example's 5."""
+    out = _launch(4, "10_diloco.py", "--steps", "60", timeout=400)
     assert "[0] OK: DiLoCo within 5 points" in out
 
 
