@@ -7,9 +7,11 @@ hand-written jax.jit floor measured in the same run. Absolute times on a shared
 
 `--quick` is the smoke run (tests/test_bench.py runs it): every module, every
 table with its ratios, few steps and repeats, within QUICK_BUDGET_S of wall time
-on an idle 2-core machine. It prints each module's wall and CPU seconds and, at
-the end, its total against the budget; over budget, a WARNING naming the slowest
-modules (timing is reported, never a failure).
+on an idle 2-core machine; its processes share one persistent compilation cache
+(common.share_compilations), so that a program is compiled once per run. It
+prints each module's wall and CPU seconds and, at the end, its total against the
+budget; over budget, a WARNING naming the slowest modules (timing is reported,
+never a failure).
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Received: --output {args.output} (no folder {Path(args.output).parent})"
         )
     common.set_cpu_devices(8)
+    if args.quick:
+        common.share_compilations()
     start, rows, spent = time.perf_counter(), [], {}
     for name in names or MODULES:
         wall, cpu = time.perf_counter(), _cpu_seconds()

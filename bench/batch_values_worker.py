@@ -1,8 +1,11 @@
 """One process of the batch-values benchmark: a step fed numpy batches directly, with the
 processes comparing them never, on the default schedule and every call; timings as JSON.
 
-Usage: python bench/batch_values_worker.py STEPS REPEATS OUT.json (under
+Usage: python bench/batch_values_worker.py STEPS REPEATS OUT.json STATES (under
 spmd.testing.run_processes)
+
+STATES is a folder of each model's initial state, MODEL.npz (common.write_leaves): the
+processes start from it without compiling the models' inits each.
 """
 
 import json
@@ -21,16 +24,18 @@ from bench import common  # noqa: E402
 from spmd._src.strategy import step_checks  # noqa: E402
 from spmd._src.strategy.step_checks import COMPARE_BATCH_EVERY  # noqa: E402
 
-steps, repeats, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+steps, repeats, out, initial = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 strategy = spmd.MultiWorkerMirroredStrategy()
 SCHEDULES = {"never": 0, "default": COMPARE_BATCH_EVERY, "every call": 1}
 
 
-def runner(model: str, every: int):
-    init, apply, _, _ = common.MODELS[model]
+def runner(model: str, every: int, state):
+    """run(n): n steps of `model` from `state` (its own: the step donates it), comparing
+    the numpy batches every `every` calls."""
+    apply = common.MODELS[model][1]
     step = strategy.step(common.make_train_step(apply), compare_batch_every=every)
     batches = [common.batch(model, 64, seed=i) for i in range(4)]  # numpy: the global batch
-    box = {"state": strategy.init(init, jax.random.key(0))}
+    box = {"state": state}
 
     def run(n: int) -> None:
         state = box["state"]
@@ -54,7 +59,13 @@ def comparison(model: str):
 
 results = {}
 for model in ("tiny", "cnn"):
-    runners = {name: runner(model, every) for name, every in SCHEDULES.items()}
+    like = jax.eval_shape(common.MODELS[model][0], jax.random.key(0))
+    made = common.read_leaves(Path(initial) / f"{model}.npz", like)
+    states = [strategy.put(made) for _ in SCHEDULES]  # each runner its own: the step donates it
+    runners = {
+        name: runner(model, every, state)
+        for (name, every), state in zip(SCHEDULES.items(), states, strict=True)
+    }
     runners["comparison alone"] = comparison(model)
     results[model] = common.timeit(runners, steps, repeats)
 if info.is_chief:

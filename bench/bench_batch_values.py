@@ -24,14 +24,17 @@ MODELS = {"tiny": "one 16x16 dense layer (all dispatch)", "cnn": "the CNN"}
 
 def main(quick: bool = False) -> list[dict]:
     """Seconds per step of each schedule, as ratios to the step that compares nothing."""
+    from bench.bench_step import _initial_state
     from spmd._src.strategy.step_checks import COMPARE_BATCH_EVERY
     from spmd.testing import run_processes
 
-    steps, repeats = (8, 2) if quick else (100, 5)  # quick: 2 warm-up steps, 16 timed
+    steps, repeats = (4, 2) if quick else (100, 5)  # quick: 2 warm-up steps, 8 timed
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
+        for model in MODELS:
+            common.write_leaves(_initial_state(model), Path(tmp) / f"{model}.npz")
         run_processes(
-            [sys.executable, str(WORKER), str(steps), str(repeats), str(out)],
+            [sys.executable, str(WORKER), str(steps), str(repeats), str(out), tmp],
             2,
             devices_per_process=4,
             timeout=600,

@@ -3,7 +3,7 @@
 Run: python bench/bench_checkpoint.py [--quick]
 Two states on 8 simulated CPU devices: ~100 MB of float32 in 4 leaves, sharded
 (ParameterServerStrategy; 16 MB with --quick), and 10,000 small leaves of a deep
-model's ten shapes, replicated (MirroredStrategy; 200 leaves with --quick). Each is saved by plain
+model's ten shapes, replicated (MirroredStrategy; 100 leaves with --quick). Each is saved by plain
 Orbax (`orbax.checkpoint.CheckpointManager` with the PyTree handler spmd writes
 its arrays with) and by `spmd.CheckpointManager`, each synchronously and with
 async_save, in turns. "Blocked" is the time `save` takes to return; every save
@@ -36,7 +36,7 @@ else:
     from bench import common
 
 STATE_MB, QUICK_STATE_MB = 100, 16
-LEAVES, QUICK_LEAVES = 10_000, 200
+LEAVES, QUICK_LEAVES = 10_000, 100
 TARGET = 0.05  # blocked time of an async save, as a fraction of a synchronous save (100 MB)
 CHECKSUM_TARGET = 0.05  # the checksums' blocking time, as a fraction of a synchronous save
 FIRST_TARGET = 2.0  # the first async save of many leaves, against plain Orbax's first
@@ -167,26 +167,83 @@ def steady(case: str, size: int, repeats: int) -> tuple[str, dict[str, list[floa
 
 def first_save(case: str, size: int, variant: str, directory: str) -> None:
     """Prints the blocked seconds of `variant`'s first save in this (fresh) process, then
-    ends it at once: only the blocking is measured, the commit is left unfinished."""
+    ends it at once: only the blocking is measured, the commit is left unfinished.
+
+    With its state placed it prints "ready" and waits for a line on stdin before it
+    makes its manager and saves: the other processes of its turn start up meanwhile
+    and wait for theirs (see `first_saves`).
+    """
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.ERROR)
     state, _ = _state(case, size)
+    print("ready", flush=True)
+    sys.stdin.readline()
     saver = _Saver(variant, directory)
     print(json.dumps(_timed(lambda: saver.save(1, state))), flush=True)
     os._exit(0)
 
 
+def _next(child: subprocess.Popen, log: Path, wanted: Callable[[str], bool]) -> str:
+    """The next line `child` prints that is `wanted` (other output is passed over); the end
+    of its stderr in the error if it ends first."""
+    for line in child.stdout:
+        if wanted(line.strip()):
+            return line.strip()
+    child.wait()
+    raise RuntimeError(
+        f"{' '.join(child.args)} ended (exit {child.returncode}) before its result:\n"
+        + log.read_text()[-3000:]
+    )
+
+
+def _is_number(line: str) -> bool:
+    try:
+        float(line)
+    except ValueError:
+        return False
+    return True
+
+
 def first_saves(case: str, size: int, repeats: int) -> dict[str, list[float]]:
-    """Each async variant's first save, each in a fresh process, in turns."""
+    """Each async variant's first save, each in a fresh process, in turns.
+
+    A turn starts its processes together (their start-ups overlap) and, once every
+    one has its state placed, lets each save in turn, the next only once the last
+    has ended: a save runs beside processes that only wait.
+    """
     found: dict[str, list[float]] = {"orbax async": [], "spmd async": []}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = common.without_shared_compilations(env)  # a first save compiles its own programs
     for _ in range(repeats):
-        for variant in found:
-            with tempfile.TemporaryDirectory() as root:
-                command = [sys.executable, __file__, "--first-save", case, str(size), variant, root]
-                out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-            found[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        with tempfile.TemporaryDirectory() as root:
+            children: dict[str, tuple[subprocess.Popen, Path]] = {}
+            try:
+                for variant in found:
+                    name = variant.replace(" ", "-")
+                    command = [sys.executable, __file__, "--first-save", case, str(size)]
+                    log = Path(root, f"{name}.log")
+                    with log.open("w") as err:
+                        child = subprocess.Popen(
+                            [*command, variant, os.path.join(root, name)],
+                            env=env,
+                            stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE,
+                            stderr=err,
+                            text=True,
+                        )
+                    children[variant] = child, log
+                for child, log in children.values():
+                    _next(child, log, lambda line: line == "ready")
+                for variant, (child, log) in children.items():
+                    child.stdin.write("go\n")
+                    child.stdin.flush()
+                    found[variant].append(float(_next(child, log, _is_number)))
+                    child.wait(timeout=60)
+            finally:
+                for child, _ in children.values():
+                    child.kill()
+                    child.wait()
     return found
 
 

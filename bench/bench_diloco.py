@@ -59,7 +59,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from bench import common  # noqa: E402
 from spmd._src.cli.demo import CNN, LEARNING_RATE, load_digits  # noqa: E402
+
+if args.quick:  # the smoke run: explain's programs are the trained ones, read back
+    common.share_compilations()
 
 DIGITS_BATCH, DIGITS_TOLERANCE = 64, 0.01  # tolerance: held-out accuracy
 LM_BATCH, LM_TOLERANCE = 32, 0.05  # tolerance: held-out loss, nats per character

@@ -45,7 +45,7 @@ SWEEP_LMS = (
     dict(vocab=32768, dim=3072, heads=24, mlp=12288, layers=16, seq=1024, batch=32),
     dict(vocab=32768, dim=4096, heads=32, mlp=16384, layers=8, seq=2048, batch=16),
 )
-QUICK_SWEEP = (QUICK_LM, dict(QUICK_LM, dim=128, heads=4, mlp=512))
+QUICK_SWEEP = (QUICK_LM,)  # one model: the best of one is the one the fit runs
 
 
 def example():
@@ -424,7 +424,19 @@ def kernel_table(directory, steps: int) -> str:
     return "\n".join(lines)
 
 
-# -- e. CentralStorageStrategy: state in pinned_host memory, one process per measurement
+# -- e. CentralStorageStrategy: state in pinned_host memory, one process per measurement (see
+# _apart)
+
+
+def _apart(args) -> bool:
+    """Whether each measurement of `central` and `sweep` runs in a fresh process of its own,
+    so that the device's peak memory is that measurement's alone (and a model that runs
+    out of memory ends its process, not the run). The quick run on a device that reports
+    no memory (the CPU) measures in this process: there is no peak to keep apart, and a
+    process start with its compiles costs more than the rows (six fewer on the CPU)."""
+    import jax
+
+    return not args.quick or jax.devices()[0].memory_stats() is not None
 
 
 def central(args) -> list[dict]:
@@ -435,7 +447,11 @@ def central(args) -> list[dict]:
     for model in ("mlp", "lm"):
         results = {}
         for strategy in ("OneDeviceStrategy", "CentralStorageStrategy"):
-            results[strategy] = _central_subprocess(args, model, strategy)
+            results[strategy] = (
+                _central_subprocess(args, model, strategy)
+                if _apart(args)
+                else central_worker(model, strategy, args.quick)
+            )
         base = results["OneDeviceStrategy"]["step_s"]
         for strategy, r in results.items():
             rows.append(
@@ -520,17 +536,17 @@ def central_worker(model: str, strategy_name: str, quick: bool) -> dict:
 
 
 # -- f. sweep: MFU of >1 B-parameter LMs, hand-written jax.jit against strategy.step, and the
-# compiler's memory figure against the device's measured peak; one process per model
+# compiler's memory figure against the device's measured peak; one process per model (see _apart)
 
 
 def sweep(args) -> list[dict]:
-    """Each of SWEEP_LMS in its own process (a model that does not fit says so); then
-    Trainer.fit and `explain` on the one with the best MFU."""
+    """Each of SWEEP_LMS in its own process (a model that does not fit says so; see
+    `_apart`); then Trainer.fit and `explain` on the one with the best MFU."""
     rows, results = [], []
     lms = json.loads(args.sweep_lms) if args.sweep_lms else SWEEP_LMS
     for sizes in QUICK_SWEEP if args.quick else lms:
         try:
-            result = _worker_subprocess("--sweep-worker", json.dumps(sizes), args.quick)
+            result = _worker(args, "--sweep-worker", sizes)
         except Exception as error:  # noqa: BLE001 - one model that fails must not lose the rest
             rows.append(
                 {
@@ -546,9 +562,7 @@ def sweep(args) -> list[dict]:
     if results:
         best = max(results, key=lambda r: r["mfu"])
         try:
-            rows += _worker_subprocess("--fit-worker", json.dumps(best["sizes"]), args.quick)[
-                "rows"
-            ]
+            rows += _worker(args, "--fit-worker", best["sizes"])["rows"]
         except Exception as error:  # noqa: BLE001
             rows.append(
                 {
@@ -558,6 +572,14 @@ def sweep(args) -> list[dict]:
                 }
             )
     return rows
+
+
+def _worker(args, flag: str, sizes: dict) -> dict:
+    """The sweep's or the fit's worker (`flag`) on the model of `sizes`: in a process of
+    its own, or, where `_apart` says, in this one."""
+    if _apart(args):
+        return _worker_subprocess(flag, json.dumps(sizes), args.quick)
+    return {"--sweep-worker": sweep_worker, "--fit-worker": fit_worker}[flag](sizes, args.quick)
 
 
 def _worker_subprocess(flag: str, sizes: str, quick: bool) -> dict:
@@ -793,6 +815,8 @@ def main(argv: list[str] | None = None) -> int:
         "--sweep-lms", default=None, help="the sweep's LM sizes, a JSON list of dicts"
     )
     args = parser.parse_args(argv)
+    if args.quick:  # the smoke run: its processes compile a program once between them
+        common.share_compilations()
     for flag, worker in ((args.sweep_worker, sweep_worker), (args.fit_worker, fit_worker)):
         if flag:
             print(json.dumps(worker(json.loads(flag), args.quick)), flush=True)

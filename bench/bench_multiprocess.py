@@ -29,12 +29,14 @@ SAVE_WORKER = Path(__file__).with_name("save_worker.py")
 
 
 def _run(processes: int, devices: int, steps: int) -> dict:
+    from bench.bench_step import _initial_state
     from spmd.testing import run_processes
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
+        out, initial = Path(tmp) / "result.json", Path(tmp) / "state.npz"
+        common.write_leaves(_initial_state("cnn"), initial)
         run_processes(
-            [sys.executable, str(WORKER), str(steps), str(out)],
+            [sys.executable, str(WORKER), str(steps), str(out), str(initial)],
             processes,
             devices_per_process=devices,
             timeout=300,

@@ -24,6 +24,15 @@ def _init_apply(model: str):
     return (_big_init, _big_apply) if model == "mlp" else common.MODELS[model][:2]
 
 
+@functools.cache
+def _initial_state(model: str):
+    """The model's state from key 0, as numpy: made once (one create program compiled) and
+    placed by each runner, the floor's and spmd's alike."""
+    import jax
+
+    return jax.device_get(jax.jit(_init_apply(model)[0])(jax.random.key(0)))
+
+
 def _floor_runner(model: str, x, y, devices=None):
     """The hand-written floor: jax.jit with NamedShardings, donation, device-resident data,
     over `devices` (every device by default)."""
@@ -31,13 +40,13 @@ def _floor_runner(model: str, x, y, devices=None):
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    init, apply = _init_apply(model)
+    apply = _init_apply(model)[1]
     devices = jax.devices() if devices is None else devices
     mesh = jax.make_mesh(
         (len(devices),), ("replica",), axis_types=(AxisType.Auto,), devices=devices
     )
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
-    state = jax.jit(init, out_shardings=replicated)(jax.random.key(0))
+    state = jax.device_put(_initial_state(model), replicated)
     step = jax.jit(
         common.make_train_step(apply),
         in_shardings=(replicated, split, split),
@@ -64,9 +73,8 @@ def _floor_runner(model: str, x, y, devices=None):
 def _spmd_runner(strategy, model: str, x, y):
     import jax
 
-    init, apply = _init_apply(model)
-    state = strategy.init(init, jax.random.key(0))
-    step = strategy.step(common.make_train_step(apply))
+    state = strategy.put(_initial_state(model))
+    step = strategy.step(common.make_train_step(_init_apply(model)[1]))
     x, y = strategy.distribute_batch((x, y))
     box = [state]
 
@@ -224,12 +232,15 @@ def strategies_side_by_side(quick: bool) -> list[dict]:
     x = rng.normal(size=(GLOBAL_BATCH, width)).astype(np.float32)
     y = rng.integers(0, width, size=GLOBAL_BATCH).astype(np.int32)
     train_step = common.make_train_step(_big_apply)
+    # the state made once and placed by each strategy (what init would make, without
+    # compiling a create program per layout: the table is about the step and its state)
+    made = jax.device_get(jax.jit(create)(jax.random.key(0)))
     runners, reports = {}, {}
     for name, strategy in strategies.items():
         reports[name] = strategy.explain(
             train_step, strategy.abstract_state(create, jax.random.key(0)), x, y
         )
-        state = strategy.init(create, jax.random.key(0))
+        state = strategy.put(made)
         step = strategy.step(train_step)
         data = strategy.distribute_batch((x, y))
 
@@ -303,9 +314,11 @@ def _nnx_runners(strategy, x, y) -> dict:
         updates, opt = tx.update(grads, state["opt"], state["params"])
         return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
-    nnx_state, jit_state = strategy.init(nnx_create), nnx_create()
+    # each state made eagerly and placed by the strategy (what init would make, without a
+    # create program compiled per state and strategy: the rows are about the step's calls)
+    nnx_state, jit_state = strategy.put(nnx_create()), nnx_create()
     nnx_step, jit_step = strategy.step(lambda s, x, y: nnx_update(*s, x, y)), nnx.jit(nnx_update)
-    box = [strategy.init(pytree_create)]
+    box = [strategy.put(pytree_create())]
     py_step = strategy.step(pytree_step)
     xs, ys = strategy.distribute_batch((x, y))
 

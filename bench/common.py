@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -16,6 +17,55 @@ import optax
 def set_cpu_devices(count: int = 8) -> None:
     """Simulated CPU devices; must run before JAX starts its backend."""
     jax.config.update("jax_num_cpu_devices", count)
+
+
+CACHE_VARIABLE = "JAX_COMPILATION_CACHE_DIR"
+
+
+def share_compilations() -> str:
+    """One persistent XLA compilation cache for this process and every process it starts.
+
+    For the smoke runs (`--quick`), whose CPU time is mostly compiling: a program
+    compiled once in the run (the same floor or step in several modules, the same
+    step under several schedules, in a worker process) is read back rather than
+    compiled again. A compiled program runs the same read from the cache, and
+    every compile happens in a warm-up, outside the timed turns. A folder the
+    environment already names (the tests' run-wide one) is used as it is; else a
+    fresh one, removed when this process ends. Must run before the first compile.
+
+    Returns:
+      The cache's folder, also in os.environ[CACHE_VARIABLE] for the processes this
+      one starts.
+    """
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    folder = os.environ.get(CACHE_VARIABLE)
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="spmd-bench-xla-")
+        os.environ[CACHE_VARIABLE] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    # every program, however small or quick to compile (no minimum compile time or size)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+    )
+    jax.config.update(
+        "jax_persistent_cache_min_entry_size_bytes",
+        int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
+    )
+    return folder
+
+
+def without_shared_compilations(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a process that must compile everything itself (one whose first call's
+    time, compiles included, is the figure): no persistent compilation cache."""
+    return {key: value for key, value in env.items() if key != CACHE_VARIABLE}
 
 
 def timeit(runners: dict[str, Callable[[int], Any]], steps: int, repeats: int) -> dict[str, dict]:
@@ -70,6 +120,20 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def write_leaves(tree: Any, path: str | Path) -> None:
+    """`tree`'s leaves as numpy arrays in an .npz file, in flattening order: how the bench
+    hands a state to the processes it starts (`read_leaves` there)."""
+    np.savez(path, *[np.asarray(leaf) for leaf in jax.tree.leaves(tree)])
+
+
+def read_leaves(path: str | Path, like: Any) -> Any:
+    """The tree `write_leaves` wrote to `path`, in the structure of `like` (e.g. the
+    `jax.eval_shape` of the function that made it)."""
+    with np.load(path) as saved:
+        leaves = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
 # -- models: the seeds' tutorial CNN (compute-bound) and a tiny dense model (dispatch-bound)

@@ -1,6 +1,9 @@
 """One process of the multi-process benchmark: the CNN for a few steps, timings as JSON.
 
-Usage: python bench/mp_worker.py STEPS OUT.json (under spmd.testing.run_processes)
+Usage: python bench/mp_worker.py STEPS OUT.json STATE.npz (under spmd.testing.run_processes)
+
+STATE.npz holds the CNN's initial state (common.write_leaves): every run starts from
+the same values without compiling the CNN's init in each of its processes.
 """
 
 import json
@@ -18,10 +21,10 @@ import jax  # noqa: E402
 
 from bench import common  # noqa: E402
 
-steps, out = int(sys.argv[1]), sys.argv[2]
+steps, out, initial = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 strategy = spmd.MultiWorkerMirroredStrategy()
 init, apply, _, _ = common.MODELS["cnn"]
-state = strategy.init(init, jax.random.key(0))
+state = strategy.put(common.read_leaves(initial, jax.eval_shape(init, jax.random.key(0))))
 step = strategy.step(common.make_train_step(apply))
 batches = [strategy.distribute_batch(common.batch("cnn", 64, seed=i)) for i in range(steps)]
 losses = []
