@@ -24,7 +24,7 @@ MODELS = {"tiny": "one 16x16 dense layer (all dispatch)", "cnn": "the CNN"}
 
 def main(quick: bool = False) -> list[dict]:
     """Seconds per step of each schedule, as ratios to the step that compares nothing."""
-    from bench.bench_step import _initial_state
+    from bench.bench_step import initial_state
     from spmd._src.strategy.step_checks import COMPARE_BATCH_EVERY
     from spmd.testing import run_processes
 
@@ -32,7 +32,7 @@ def main(quick: bool = False) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         for model in MODELS:
-            common.write_leaves(_initial_state(model), Path(tmp) / f"{model}.npz")
+            common.write_leaves(initial_state(model), Path(tmp) / f"{model}.npz")
         run_processes(
             [sys.executable, str(WORKER), str(steps), str(repeats), str(out), tmp],
             2,

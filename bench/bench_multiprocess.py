@@ -29,12 +29,12 @@ SAVE_WORKER = Path(__file__).with_name("save_worker.py")
 
 
 def _run(processes: int, devices: int, steps: int) -> dict:
-    from bench.bench_step import _initial_state
+    from bench.bench_step import initial_state
     from spmd.testing import run_processes
 
     with tempfile.TemporaryDirectory() as tmp:
         out, initial = Path(tmp) / "result.json", Path(tmp) / "state.npz"
-        common.write_leaves(_initial_state("cnn"), initial)
+        common.write_leaves(initial_state("cnn"), initial)
         run_processes(
             [sys.executable, str(WORKER), str(steps), str(out), str(initial)],
             processes,

@@ -25,7 +25,7 @@ def _init_apply(model: str):
 
 
 @functools.cache
-def _initial_state(model: str):
+def initial_state(model: str):
     """The model's state from key 0, as numpy: made once (one create program compiled) and
     placed by each runner, the floor's and spmd's alike."""
     import jax
@@ -46,7 +46,7 @@ def _floor_runner(model: str, x, y, devices=None):
         (len(devices),), ("replica",), axis_types=(AxisType.Auto,), devices=devices
     )
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
-    state = jax.device_put(_initial_state(model), replicated)
+    state = jax.device_put(initial_state(model), replicated)
     step = jax.jit(
         common.make_train_step(apply),
         in_shardings=(replicated, split, split),
@@ -73,7 +73,7 @@ def _floor_runner(model: str, x, y, devices=None):
 def _spmd_runner(strategy, model: str, x, y):
     import jax
 
-    state = strategy.put(_initial_state(model))
+    state = strategy.put(initial_state(model))
     step = strategy.step(common.make_train_step(_init_apply(model)[1]))
     x, y = strategy.distribute_batch((x, y))
     box = [state]

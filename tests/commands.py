@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# How the run compiles (tests/conftest.py sets it in XLA_FLAGS): XLA's CPU backend at
+# optimization level 0, passed on to every program the tests start.
+OPTIMIZATION_FLAG = "--xla_backend_optimization_level"
 
 
 def child_env(*without: str) -> dict[str, str]:
@@ -30,7 +33,7 @@ def program_env() -> dict[str, str]:
     kept = [
         flag
         for flag in os.environ.get("XLA_FLAGS", "").split()
-        if flag.startswith("--xla_backend_optimization_level=")
+        if flag.startswith(f"{OPTIMIZATION_FLAG}=")
     ]
     if kept:
         env["XLA_FLAGS"] = " ".join(kept)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from bounds import bound, headroom
+from commands import OPTIMIZATION_FLAG
 
 STARTED = time.perf_counter()  # before JAX is imported: the run's wall time counts its import
 
@@ -79,8 +80,8 @@ def _compile_unoptimized() -> None:
     if os.environ.get("SPMD_TEST_XLA_OPTIMIZE") == "1":
         return
     flags = os.environ.get("XLA_FLAGS", "")
-    if "--xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+    if OPTIMIZATION_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {OPTIMIZATION_FLAG}=0".strip()
 
 
 _compile_unoptimized()
