@@ -36,6 +36,8 @@ from bounds import bound, headroom
 from commands import OPTIMIZATION_FLAG
 
 STARTED = time.perf_counter()  # before JAX is imported: the run's wall time counts its import
+# When the run started, the same clock in every worker (to place each test's end in the run).
+RUN_STARTED = float(os.environ.setdefault("SPMD_TEST_RUN_STARTED", str(time.time())))
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # also what child processes inherit
 
@@ -254,8 +256,10 @@ class _Recorder:
     and the whole run's.
 
     The record is `{"run": {"cpu_s", "wall_s", "workers"}, "tests": {nodeid: {"ran",
-    "cpu_s", "wall_s", "slow"}}}`; the run's CPU time counts everything since the
-    process started (importing JAX, collecting), which no test's does. Under xdist
+    "cpu_s", "wall_s", "slow", "worker", "end_s"}}}` (`end_s`: when the test ended, in
+    seconds since the run started; `worker`: xdist's name of the worker that ran it);
+    the run's CPU time counts everything since the process started (importing JAX,
+    collecting), which no test's does. Under xdist
     each worker writes its own part beside `path` and the controller merges them:
     the run's CPU is the workers' and the controller's, its wall the controller's.
     """
@@ -279,6 +283,7 @@ class _Recorder:
         ran = sorted({f[len(SPMD) :] for f in self.seen if f.startswith(SPMD)})
         slow = item.get_closest_marker("slow") is not None
         entry = {"ran": ran, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "slow": slow}
+        entry["worker"], entry["end_s"] = self.worker, round(time.time() - RUN_STARTED, 3)
         self.tests[item.nodeid.split("@", 1)[0]] = entry  # without xdist's group suffix
 
     @pytest.hookimpl(trylast=True)  # after xdist has waited for its workers
