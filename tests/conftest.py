@@ -259,9 +259,9 @@ class _Recorder:
     "cpu_s", "wall_s", "slow", "worker", "end_s"}}}` (`end_s`: when the test ended, in
     seconds since the run started; `worker`: xdist's name of the worker that ran it);
     the run's CPU time counts everything since the process started (importing JAX,
-    collecting), which no test's does. Under xdist
-    each worker writes its own part beside `path` and the controller merges them:
-    the run's CPU is the workers' and the controller's, its wall the controller's.
+    collecting), which no test's does. Under xdist each worker writes its own part
+    beside `path` and the controller merges them: the run's CPU is the workers' and the
+    controller's, its wall the controller's.
     """
 
     def __init__(self, path: str, worker: str | None = None):

@@ -15,7 +15,7 @@ def run_bench(args, timeout, **env):
     """Runs `python *args` in the repository, compiling as the run does (`program_env`: its
     optimization level, no other XLA flag; a smoke run asserts no timing, and each ratio's
     floor compiles the same way, at about 30% less CPU); fails if it fails."""
-    env = {**program_env(), "PYTHONPATH": str(ROOT), **env}
+    env = {**program_env(), **env}  # spmd and bench/ importable from the repository
     result = subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
