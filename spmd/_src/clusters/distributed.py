@@ -143,7 +143,7 @@ def _check_port_free(coordinator: str, bind: str | None, count: int) -> None:
         except OSError as e:
             if e.errno != errno.EADDRINUSE:
                 return  # not ours to judge: JAX reports it
-            verdict = roll_call.probe(coordinator, count)
+            verdict = roll_call.ask(coordinator, count)
             if verdict is not None and not verdict.ok:
                 raise InitializationError(
                     roll_call.explain(verdict, coordinator, (0, count), 0)
@@ -372,13 +372,8 @@ def _roll_call(coordinator: str, bind: str | None, where: tuple[int, int], timeo
     if index == 0:
         port = coordinator.rpartition(":")[2]
         bind = bind or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")  # where JAX will listen
-        verdict = None
-        for listen in [bind] if bind else [f"[::]:{port}", f"0.0.0.0:{port}"]:  # no IPv6: v4
-            with contextlib.suppress(OSError):
-                verdict = roll_call.answer(listen, count, timeout, coordinator)
-                break
-        if verdict is None and (doubled := roll_call.probe(coordinator, count)) is not None:
-            verdict = doubled  # another process 0 listens there first
+        binds = [bind] if bind else [f"[::]:{port}", f"0.0.0.0:{port}"]  # no IPv6: v4
+        verdict = roll_call.hold(binds, count, timeout, coordinator)
         if verdict is None:
             raise InitializationError(
                 message(

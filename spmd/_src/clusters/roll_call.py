@@ -12,6 +12,11 @@ Process 0 answers each of them, once all came or `initialization_timeout`
 passed: "ok", or which processes disagree on the count, or which id came
 twice and from where, or which ids are missing. Then it closes the port, and
 the service starts on it.
+
+Two processes given process_id 0 that start together can both be refused the
+port at the same instant (the kernel marks each one listening before it checks
+the other), and then neither has anyone to ask. `hold` retries after a random
+pause, for a few seconds, until one listens and the other asks it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import socket
 import time
 from typing import Any
@@ -26,13 +32,14 @@ from typing import Any
 from spmd._src.clusters.launch_results import not_arrived
 from spmd._src.errors import message, received
 
-__all__ = ["Verdict", "answer", "call", "explain", "probe"]
+__all__ = ["Verdict", "answer", "ask", "call", "explain", "hold", "probe"]
 
 _RETRY = 0.2  # seconds between a process's tries to reach process 0's roll call
 _LINE = 512  # bytes of the longest line either side sends
 _DRAIN = 5.0  # seconds process 0 waits for a peer to read its answer and hang up
 _SETTINGS = 4  # the type of an HTTP/2 SETTINGS frame, a gRPC server's first frame
 _KINDS = (b"ok", b"missing", b"twice", b"counts")  # how a verdict's line starts
+_CONTEST = 3.0  # seconds a process 0 refused the port keeps asking, or trying to listen
 _AFTER_TWICE = 2.0  # seconds the others still have to come once an id came twice (or a count
 # disagreed): the verdict is known, and they hear it too if they come by then
 
@@ -114,9 +121,13 @@ def _listen(bind: str) -> socket.socket:
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     server = socket.socket(family, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((host if host != "localhost" else "127.0.0.1", int(port)))
-    server.listen(128)
+    try:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host if host != "localhost" else "127.0.0.1", int(port)))
+        server.listen(128)
+    except OSError:
+        server.close()  # a refused socket keeps no claim on the port
+        raise
     return server
 
 
@@ -235,6 +246,34 @@ def call(address: str, index: int, timeout: float, count: int = 0) -> Verdict:
             return Verdict.parse(line, index)
         time.sleep(_RETRY)  # process 0 hung up without a word: it may be a stale listener
     return Verdict(unreachable=True)
+
+
+def hold(binds: list[str], count: int, timeout: float, coordinator: str) -> Verdict | None:
+    """On process 0: holds the roll call at the first of `binds` it can listen on (see
+    `answer`), or, where another process holds the port, asks it (see `ask`).
+
+    Returns:
+      The verdict; None where the port stays taken by something that does not answer
+      (another program), `_CONTEST` seconds after the first try.
+    """
+    deadline = time.monotonic() + _CONTEST
+    while True:
+        for bind in binds:
+            with contextlib.suppress(OSError):
+                return answer(bind, count, timeout, coordinator)
+        verdict = probe(coordinator, count)
+        if verdict is not None or time.monotonic() >= deadline:
+            return verdict
+        time.sleep(random.uniform(_RETRY / 4, _RETRY))  # apart: one of two refused wins next
+
+
+def ask(address: str, count: int) -> Verdict | None:
+    """`probe`, tried again for `_CONTEST` seconds while nothing answers: a process 0 that
+    was refused the port at the same instant as this one listens a moment later."""
+    deadline = time.monotonic() + _CONTEST
+    while (verdict := probe(address, count)) is None and time.monotonic() < deadline:
+        time.sleep(random.uniform(_RETRY / 4, _RETRY))
+    return verdict
 
 
 def probe(address: str, count: int) -> Verdict | None:
