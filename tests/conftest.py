@@ -193,7 +193,10 @@ def pytest_configure(config):
         config.pluginmanager.register(_LeaveOutCpuMesh())
     if os.environ.get("SPMD_TEST_RECORD"):
         worker = getattr(config, "workerinput", {}).get("workerid")  # set on xdist's workers
-        config.pluginmanager.register(_Recorder(os.environ["SPMD_TEST_RECORD"], worker))
+        recorder = _Recorder(os.environ["SPMD_TEST_RECORD"], worker)
+        if worker is None:  # before xdist starts its workers: on a machine this run leaves idle
+            recorder.measure_the_machine()
+        config.pluginmanager.register(recorder)
 
 
 @pytest.fixture(
@@ -255,20 +258,46 @@ class _Recorder:
     CPU and wall seconds it took (setup and teardown included) and whether it is slow,
     and the whole run's.
 
-    The record is `{"run": {"cpu_s", "wall_s", "workers"}, "tests": {nodeid: {"ran",
-    "cpu_s", "wall_s", "slow", "worker", "end_s"}}}` (`end_s`: when the test ended, in
-    seconds since the run started; `worker`: xdist's name of the worker that ran it);
-    the run's CPU time counts everything since the process started (importing JAX,
-    collecting), which no test's does. Under xdist each worker writes its own part
-    beside `path` and the controller merges them: the run's CPU is the workers' and the
-    controller's, its wall the controller's.
+    The record is `{"run": {"cpu_s", "wall_s", "workers", "reference_cpu_s"}, "tests":
+    {nodeid: {"ran", "cpu_s", "wall_s", "slow", "worker", "end_s"}}}` (`end_s`: when the
+    test ended, in seconds since the run started; `worker`: xdist's name of the worker
+    that ran it); the run's CPU time counts everything since the process started
+    (importing JAX, collecting), which no test's does. Under xdist each worker writes its
+    own part beside `path` and the controller merges them: the run's CPU is the workers'
+    and the controller's, its wall the controller's. `reference_cpu_s` is the machine's
+    speed: the CPU seconds of tests/reference_workload.py, measured before the tests
+    start (not counted in the run's CPU), or SPMD_TEST_REFERENCE_S where that is set
+    (a figure measured before on this machine).
     """
 
     def __init__(self, path: str, worker: str | None = None):
         self.worker = worker
         self.path, self.seen, self.tests = Path(path), set(), {}
+        self.reference: float | None = None
+        self.reference_cost = 0.0  # the CPU seconds measuring it took (the run's CPU leaves out)
         sys.setprofile(self._profile)
         threading.setprofile(self._profile)
+
+    def measure_the_machine(self) -> None:
+        """Times the reference workload (tests/reference_workload.py), or takes
+        SPMD_TEST_REFERENCE_S."""
+        given = os.environ.get("SPMD_TEST_REFERENCE_S")
+        if given:
+            try:
+                self.reference = float(given)
+            except ValueError:
+                raise pytest.UsageError(
+                    "SPMD_TEST_REFERENCE_S is the reference workload's CPU seconds on this "
+                    f"machine, a number.\nReceived: SPMD_TEST_REFERENCE_S={given!r}\nTo fix: "
+                    "unset it (the recorder measures it) or give the figure of "
+                    "`python tests/reference_workload.py`."
+                ) from None
+            return
+        from reference_workload import cpu_seconds as reference_seconds
+
+        before = cpu_seconds()
+        self.reference = reference_seconds()
+        self.reference_cost = cpu_seconds() - before
 
     def _profile(self, frame, event, arg):
         if event == "call":
@@ -296,6 +325,7 @@ class _Recorder:
             part.write_text(json.dumps({"run": run, "tests": self.tests}))
             return
         parts = sorted(self.path.parent.glob(f"{self.path.name}.gw*"))
+        run["cpu_s"] -= self.reference_cost
         if parts:  # the workers, reaped, are the controller's children: counted once
             run["cpu_s"] = time.process_time()
         for part in parts:
@@ -304,5 +334,6 @@ class _Recorder:
             run["cpu_s"] += record["run"]["cpu_s"]
             part.unlink()
         run["cpu_s"], run["workers"] = round(run["cpu_s"], 3), len(parts)
+        run["reference_cpu_s"] = self.reference
         record = {"run": run, "tests": self.tests}
         self.path.write_text(json.dumps(record, indent=0, sort_keys=True))

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import conftest  # tests/conftest.py, as pytest imports it
@@ -164,6 +165,50 @@ def test_a_whole_suite_is_judged_on_its_wall_time_and_its_fast_tests_cpu(tmp_pat
     )
 
 
+def test_a_record_with_the_machines_speed_states_the_run_in_reference_workloads(tmp_path, capsys):
+    tiers = _tiers()
+    tests = {"fast": (tiers.runnable(), 40.0), "mp": (["mesh.py"], 2000.0)}
+    record = _record(tests, 3000.0, slow=("mp",))
+    record["run"]["reference_cpu_s"] = 4.0
+    _, lines = _main(tiers, tmp_path, record, capsys)
+    assert (
+        "the machine: the reference workload took 4.00 s of CPU; the run's CPU is 750 "
+        "workloads, its fast tier's 10 (compare runs on other machines by these)"
+    ) in lines
+    del record["run"]["reference_cpu_s"]  # a record of before: no such line
+    _, lines = _main(tiers, tmp_path, record, capsys)
+    assert not any(line.startswith("the machine:") for line in lines)
+
+
+def test_the_recorder_measures_the_machine_or_takes_the_figure_given(monkeypatch):
+    import reference_workload
+
+    monkeypatch.setattr(reference_workload, "cpu_seconds", lambda: 2.25)
+    monkeypatch.delenv("SPMD_TEST_REFERENCE_S", raising=False)
+    recorder = types.SimpleNamespace(reference=None, reference_cost=0.0)
+    conftest._Recorder.measure_the_machine(recorder)
+    assert recorder.reference == 2.25
+    monkeypatch.setenv("SPMD_TEST_REFERENCE_S", "3.5")
+    conftest._Recorder.measure_the_machine(recorder)
+    assert recorder.reference == 3.5
+    monkeypatch.setenv("SPMD_TEST_REFERENCE_S", "fast")
+    with pytest.raises(pytest.UsageError) as raised:
+        conftest._Recorder.measure_the_machine(recorder)
+    assert "Received: SPMD_TEST_REFERENCE_S='fast'" in str(raised.value)
+    assert "python tests/reference_workload.py" in str(raised.value)
+
+
+@pytest.mark.slow  # 4 s of CPU: it starts JAX and compiles, as its figure must
+def test_the_reference_workload_trains_in_a_fresh_process_and_is_timed():
+    spec = importlib.util.spec_from_file_location(
+        "reference_workload", ROOT / "tests" / "reference_workload.py"
+    )
+    workload = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workload)
+    seconds = workload.cpu_seconds(tries=1)  # check=True: the script's own assertion held
+    assert 0.5 < seconds < 120, seconds
+
+
 def test_every_fault_is_in_one_verdict():
     line = _tiers().verdict(["rules.py"], 241.0, costly=["t"], wall_s=901.0)
     assert line == (
@@ -239,6 +284,7 @@ def test_the_recorder_writes_each_tests_modules_cpu_wall_and_tier(tmp_path, work
     )
     record_path = tmp_path / "ran.json"
     env = {**os.environ, "SPMD_TEST_RECORD": str(record_path), "PYTHONPATH": str(ROOT)}
+    env["SPMD_TEST_REFERENCE_S"] = "3.5"  # the machine's speed, given: not measured again
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     command += ["--rootdir", str(tmp_path), "--confcutdir", str(tmp_path), "-c", os.devnull]
     command += ["-p", "conftest", "-n", str(workers), "--dist", "load", str(probe)]
@@ -253,4 +299,5 @@ def test_the_recorder_writes_each_tests_modules_cpu_wall_and_tier(tmp_path, work
     assert (spins["slow"], idles["slow"]) == (False, True)
     assert record["run"]["cpu_s"] > spins["cpu_s"] and record["run"]["wall_s"] > idles["wall_s"]
     assert record["run"]["workers"] == workers
+    assert record["run"]["reference_cpu_s"] == 3.5
     assert [path.name for path in tmp_path.glob("ran.json*")] == ["ran.json"]

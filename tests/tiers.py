@@ -23,8 +23,11 @@ what counts on a shared machine), no test of it over TEST_CPU_BUDGET_S; and no
 module that defines a function or a method left unrun by the fast tier (modules
 that only re-export names, `spmd/callbacks.py`, ... need no test). The
 recorder's profile hook adds about a tenth to the CPU time, so a recorded run
-within the budgets is within them unrecorded too. The last line is the verdict;
-the exit status is 1 when it is FAIL.
+within the budgets is within them unrecorded too. The record also holds the
+machine's speed (tests/reference_workload.py, timed before the tests start), and the
+report states the run's CPU time in reference workloads: the figure to compare runs
+on different machines by (the budgets stay in seconds). The last line is the
+verdict; the exit status is 1 when it is FAIL.
 """
 
 from __future__ import annotations
@@ -137,6 +140,7 @@ def report(record: dict, modules: list[str]) -> tuple[list[str], bool]:
     ]
     lines += [f"not run by any test of the fast tier: spmd/{name}" for name in missing]
     tier_cpu = sum(t["cpu_s"] for t in tier.values())
+    lines += _machine(run, tier_cpu if whole else None)
     lines.append(
         f"the fast tier's tests: {tier_cpu:.1f} s CPU, "
         f"{sum(t['wall_s'] for t in tier.values()):.1f} s wall"
@@ -151,6 +155,21 @@ def report(record: dict, modules: list[str]) -> tuple[list[str], bool]:
     cpu_s = tier_cpu if whole else run["cpu_s"]
     line = verdict(missing, cpu_s, costly=costly, wall_s=run["wall_s"] if whole else None)
     return lines + [line], line.startswith("verdict: OK")
+
+
+def _machine(run: dict, tier_cpu: float | None) -> list[str]:
+    """The line on the machine's speed, where the record has it: the run's CPU (and the
+    fast tier's, for a whole suite) in reference workloads (tests/reference_workload.py),
+    which compare between machines, where seconds do not."""
+    reference = run.get("reference_cpu_s")
+    if not reference:
+        return []
+    tier = "" if tier_cpu is None else f", its fast tier's {tier_cpu / reference:.0f}"
+    return [
+        f"the machine: the reference workload took {reference:.2f} s of CPU; the run's CPU "
+        f"is {run['cpu_s'] / reference:.0f} workloads{tier} (compare runs on other machines "
+        "by these)"
+    ]
 
 
 def read(path: Path) -> dict | None:
