@@ -8,7 +8,9 @@ test, which a worker does not start before it knows the next one. The run then w
 until CI's limit, every worker idle. Here a crash costs the test it happened in (xdist
 reports it failed, with the worker's last words) and nothing else: the dead worker's
 unfinished tests go first in line, the one it died in is not run again, and a worker
-always holds two tests or knows that no more are coming.
+always holds two tests or knows that no more are coming. Work sent to a worker that
+died while the run was still reading its last reports (its channel closed) stays
+assigned to it, and goes back in line when the run learns of the death.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ __all__ = ["CrashSafeLoadGroupScheduling"]
 class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
     """`--dist loadgroup` that survives a worker's crash (see the module's docstring)."""
 
+    def __init__(self, config, log=None) -> None:
+        super().__init__(config, log)
+        self._gone: set = set()  # workers found dead when work was sent, not yet removed
+
     def remove_node(self, node) -> str | None:
+        self._gone.discard(node)
         workload = self.assigned_work.pop(node)
         unfinished = {scope: unit for scope, unit in workload.items() if not all(unit.values())}
         if not unfinished:
@@ -40,16 +47,25 @@ class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
         while self.workqueue:
             scope, unit = next(iter(self.workqueue.items()))
             if not all(unit.values()):
-                super()._assign_work_unit(node)
+                try:
+                    super()._assign_work_unit(node)
+                except OSError:  # it died: the unit, assigned, goes back in `remove_node`
+                    self._gone.add(node)
                 return
             del self.workqueue[scope]  # nothing left to run in it
 
     def _reschedule(self, node) -> None:
-        if node.shutting_down:
+        if node.shutting_down or node in self._gone:
             return
         if self.workqueue and self._pending_of(self.assigned_work[node]) <= 2:
             self._assign_work_unit(node)
-        while self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+        while (
+            self.workqueue
+            and node not in self._gone
+            and self._pending_of(self.assigned_work[node]) < 2
+        ):
             self._assign_work_unit(node)  # a worker starts a test once it knows the next
+        if node in self._gone:
+            return
         if not self.workqueue:
             node.shutdown()  # it runs what it holds, the last with no next test

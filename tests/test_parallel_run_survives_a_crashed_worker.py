@@ -8,6 +8,7 @@ scheduler; here it runs small suites in which a worker dies.
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -61,3 +62,51 @@ def test_the_run_ends_with_the_dead_workers_test_failed_and_every_other_run(tmp_
     assert "1 failed, 7 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
     assert "FAILED test_a.py::test_dies" in done.stdout
     assert "node down: Not properly terminated" in done.stdout  # a real crash, not a failure
+
+
+class _Worker:
+    """What the scheduler uses of xdist's WorkerController: sends that fail once it died."""
+
+    def __init__(self, name: str):
+        self.gateway = types.SimpleNamespace(id=name)
+        self.dead, self.shutting_down, self.got = False, False, []
+
+    def send_runtest_some(self, indices):
+        if self.dead:
+            raise OSError("cannot send (already closed?)")  # execnet's words
+        self.got += indices
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def test_work_sent_to_a_worker_that_died_unnoticed_goes_to_the_others():
+    """The run reads a dead worker's last report before its death: the work it then sends
+    fails (its channel is closed). That is no internal error of the run: the work stays the
+    dead worker's until the run learns of the death, then goes to the others, and only the
+    test it died in is lost."""
+    from scheduling import CrashSafeLoadGroupScheduling
+
+    config = types.SimpleNamespace(
+        getvalue=lambda name: ["2*popen"], option=types.SimpleNamespace(loadscopereorder=False)
+    )
+    sched = CrashSafeLoadGroupScheduling(config)
+    tests = [f"test_a.py::test_{i}" for i in range(8)]
+    a, b = _Worker("a"), _Worker("b")
+    for worker in (a, b):
+        sched.add_node(worker)
+        sched.add_node_collection(worker, tests)
+    sched.schedule()
+    assert a.got and b.got
+    a.dead = True  # it ran its first test, reported it, and died in its second
+    sched.mark_test_complete(a, a.got[0])  # the report read after the death: a send fails
+    crashed = sched.remove_node(a)  # the run learns of the death
+    assert crashed == tests[a.got[1]]
+    while not b.shutting_down:
+        sched.mark_test_complete(b, next(i for i in b.got if not _done(sched, b, tests[i])))
+    ran = {tests[i] for i in a.got[:1] + b.got}
+    assert ran | {crashed} == set(tests) and crashed not in {tests[i] for i in b.got}
+
+
+def _done(sched, worker, nodeid: str) -> bool:
+    return any(unit.get(nodeid) for unit in sched.assigned_work[worker].values())
