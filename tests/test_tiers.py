@@ -191,11 +191,13 @@ def test_the_recorder_measures_the_machine_or_takes_the_figure_given(monkeypatch
     monkeypatch.setenv("SPMD_TEST_REFERENCE_S", "3.5")
     conftest._Recorder.measure_the_machine(recorder)
     assert recorder.reference == 3.5
-    monkeypatch.setenv("SPMD_TEST_REFERENCE_S", "fast")
-    with pytest.raises(pytest.UsageError) as raised:
-        conftest._Recorder.measure_the_machine(recorder)
-    assert "Received: SPMD_TEST_REFERENCE_S='fast'" in str(raised.value)
-    assert "python tests/reference_workload.py" in str(raised.value)
+    for bad in ("fast", "0", "-4.8", "nan", "inf"):
+        monkeypatch.setenv("SPMD_TEST_REFERENCE_S", bad)
+        with pytest.raises(pytest.UsageError) as raised:
+            conftest._Recorder.measure_the_machine(recorder)
+        assert f"Received: SPMD_TEST_REFERENCE_S={bad!r}" in str(raised.value)
+        assert "a number above 0" in str(raised.value)
+        assert "python tests/reference_workload.py" in str(raised.value)
 
 
 @pytest.mark.slow  # 4 s of CPU: it starts JAX and compiles, as its figure must
