@@ -7,9 +7,10 @@ mostly two things, and the workload does each once in a fresh process, as a proc
 test starts does: it starts (imports JAX, flax.nnx, optax and orbax) and compiles and
 runs a small program (a flax.nnx MLP's AdamW train step, 20 steps), with the run's XLA
 flags and without its compilation cache. `cpu_seconds()` is its CPU time, the least of
-three tries (one try took 4.8 to 6.0 s on one quiet machine of 2026-12-03); a recorded
-run keeps it (tests/conftest.py) and `python tests/tiers.py` states the run's CPU time
-in workloads, a figure of the tests rather than of the machine.
+three tries (it took 4.8 to 6.5 s on one machine of 2026-12-03 within an hour: figures
+in workloads compare to about 20%); a recorded run keeps it (tests/conftest.py) and
+`python tests/tiers.py` states the run's CPU time in workloads, a figure of the tests
+rather than of the machine.
 """
 
 from __future__ import annotations
