@@ -65,7 +65,5 @@ class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
             and self._pending_of(self.assigned_work[node]) < 2
         ):
             self._assign_work_unit(node)  # a worker starts a test once it knows the next
-        if node in self._gone:
-            return
-        if not self.workqueue:
+        if not self.workqueue and node not in self._gone:
             node.shutdown()  # it runs what it holds, the last with no next test

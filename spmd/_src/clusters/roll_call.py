@@ -270,10 +270,7 @@ def hold(binds: list[str], count: int, timeout: float, coordinator: str) -> Verd
 def ask(address: str, count: int) -> Verdict | None:
     """`probe`, tried again for `_CONTEST` seconds while nothing answers: a process 0 that
     was refused the port at the same instant as this one listens a moment later."""
-    deadline = time.monotonic() + _CONTEST
-    while (verdict := probe(address, count)) is None and time.monotonic() < deadline:
-        time.sleep(random.uniform(_RETRY / 4, _RETRY))
-    return verdict
+    return hold([], count, 0.0, address)  # nowhere to listen: only the asking, retried
 
 
 def probe(address: str, count: int) -> Verdict | None:
