@@ -254,9 +254,9 @@ def cpu_seconds() -> float:
 
 
 class _Recorder:
-    """Records, per test, which spmd/ files had a function called (a profile hook), the
-    CPU and wall seconds it took (setup and teardown included) and whether it is slow,
-    and the whole run's.
+    """Records, per test, the CPU and wall seconds it took (setup and teardown included),
+    whether it is slow, which spmd/ files had a function called (the fast tier's tests
+    only: what tests/tiers.py checks), and the whole run's.
 
     The record is `{"run": {"cpu_s", "wall_s", "workers", "reference_cpu_s"}, "tests":
     {nodeid: {"ran", "cpu_s", "wall_s", "slow", "worker", "end_s"}}}` (`end_s`: when the
@@ -275,8 +275,7 @@ class _Recorder:
         self.path, self.seen, self.tests = Path(path), set(), {}
         self.reference: float | None = None
         self.reference_cost = 0.0  # the CPU seconds measuring it took (the run's CPU leaves out)
-        sys.setprofile(self._profile)
-        threading.setprofile(self._profile)
+        self.watching = False  # whether the test running is watched: a fast one
 
     def measure_the_machine(self) -> None:
         """Times the reference workload (tests/reference_workload.py), or takes
@@ -301,26 +300,38 @@ class _Recorder:
         self.reference = reference_seconds()
         self.reference_cost = cpu_seconds() - before
 
+    def _watch(self, on: bool) -> None:
+        """Which files a test runs is watched in the fast tier only (what tests/tiers.py
+        checks): a profile hook on every call makes a test cost about an eighth more CPU,
+        so a slow test, unwatched, costs what it does unrecorded (its "ran" is empty). The
+        hook is in the test's thread and the threads it starts; a thread started before
+        keeps its hook, idle while no fast test runs."""
+        self.watching = on
+        sys.setprofile(self._profile if on else None)
+        threading.setprofile(self._profile if on else None)
+
     def _profile(self, frame, event, arg):
-        if event == "call":
+        if self.watching and event == "call":
             self.seen.add(frame.f_code.co_filename)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
+        slow = item.get_closest_marker("slow") is not None
         self.seen.clear()
         cpu, wall = cpu_seconds(), time.perf_counter()
-        yield
+        self._watch(not slow)
+        try:
+            yield
+        finally:
+            self._watch(False)
         cpu, wall = cpu_seconds() - cpu, time.perf_counter() - wall
         ran = sorted({f[len(SPMD) :] for f in self.seen if f.startswith(SPMD)})
-        slow = item.get_closest_marker("slow") is not None
         entry = {"ran": ran, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3), "slow": slow}
         entry["worker"], entry["end_s"] = self.worker, round(time.time() - RUN_STARTED, 3)
         self.tests[item.nodeid.split("@", 1)[0]] = entry  # without xdist's group suffix
 
     @pytest.hookimpl(trylast=True)  # after xdist has waited for its workers
     def pytest_sessionfinish(self, session):
-        sys.setprofile(None)
-        threading.setprofile(None)
         run = {"cpu_s": cpu_seconds(), "wall_s": round(time.perf_counter() - STARTED, 3)}
         if self.worker:
             part = self.path.with_name(f"{self.path.name}.{self.worker}")

@@ -272,16 +272,23 @@ def test_a_path_holding_no_record_is_a_usage_error(text, tmp_path, capsys):
 @pytest.mark.slow  # 3 s of CPU (6 s with two workers): over the fast tier's share
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_recorder_writes_each_tests_modules_cpu_wall_and_tier(tmp_path, workers):
-    """A pytest run under SPMD_TEST_RECORD writes a record tiers.py reads; under xdist the
-    workers' parts are merged into it by the controller and removed."""
+    """A pytest run under SPMD_TEST_RECORD writes a record tiers.py reads (the files a fast
+    test runs, in its thread and the threads it starts; none for a slow test, which is not
+    watched); under xdist the workers' parts are merged into it by the controller and
+    removed."""
     probe = tmp_path / "test_probe.py"
     probe.write_text(
         "import pytest\n"
         "import spmd._src.errors\n\n"
         "def test_spins():\n"
         "    spmd._src.errors.received(x=sum(i * i for i in range(3_000_000)))\n\n"
+        "def test_threads():\n"
+        "    t = __import__('threading').Thread(target=spmd._src.errors.received, kwargs={'x': 1})\n"
+        "    t.start()\n"
+        "    t.join()\n\n"
         "@pytest.mark.slow\n"
         "def test_idles():\n"
+        "    spmd._src.errors.received(x=1)  # a slow test is not watched: its 'ran' stays empty\n"
         "    __import__('time').sleep(0.3)\n"
     )
     record_path = tmp_path / "ran.json"
@@ -293,10 +300,11 @@ def test_the_recorder_writes_each_tests_modules_cpu_wall_and_tier(tmp_path, work
     env["PYTHONPATH"] += os.pathsep + str(ROOT / "tests")
     subprocess.run(command, env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300)
     record = json.loads(record_path.read_text())
-    spins, idles = (
-        record["tests"][f"test_probe.py::{name}"] for name in ("test_spins", "test_idles")
+    spins, threads, idles = (
+        record["tests"][f"test_probe.py::{name}"]
+        for name in ("test_spins", "test_threads", "test_idles")
     )
-    assert spins["ran"] == ["_src/errors.py"] and idles["ran"] == []
+    assert spins["ran"] == threads["ran"] == ["_src/errors.py"] and idles["ran"] == []
     assert spins["cpu_s"] > 0.1 and idles["cpu_s"] < 0.2 and idles["wall_s"] >= 0.3
     assert (spins["slow"], idles["slow"]) == (False, True)
     assert record["run"]["cpu_s"] > spins["cpu_s"] and record["run"]["wall_s"] > idles["wall_s"]
