@@ -150,13 +150,26 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects and xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Marks `slow` every test marked `multiprocess`, `engines` or `bench`; puts the
-    `engines` tests in one xdist group; gives each test's time limit the run's headroom
-    (tests/bounds.py); orders whole modules, long poles first."""
+    `engines` tests in one xdist group and each module that starts no process in a group
+    of its own; gives each test's time limit the run's headroom (tests/bounds.py); orders
+    whole modules, long poles first."""
+    starts_processes = {
+        item.nodeid.split("::", 1)[0]
+        for item in items
+        if any(item.get_closest_marker(name) for name in SLOW_TOO)
+    }
     for item in items:
+        module = item.nodeid.split("::", 1)[0]
         if any(item.get_closest_marker(name) for name in SLOW_TOO):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("engines"):
             item.add_marker(pytest.mark.xdist_group("engines"))
+        elif module not in starts_processes:
+            # One worker runs the whole module: its module-scoped fixtures (oracles, saved
+            # checkpoints, the docs' programs) are computed once, not once per worker
+            # (the fast tier alone: a quarter less CPU). A module that starts processes
+            # spends its time waiting for them: its tests are spread over the workers.
+            item.add_marker(pytest.mark.xdist_group(module))
         limit = item.get_closest_marker("timeout")
         if limit is not None and limit.args and headroom() > 1:
             item.add_marker(pytest.mark.timeout(bound(limit.args[0])), append=False)
