@@ -210,6 +210,11 @@ def pytest_configure(config):
         if worker is None:  # before xdist starts its workers: on a machine this run leaves idle
             recorder.measure_the_machine()
         config.pluginmanager.register(recorder)
+        if worker is not None or getattr(config.option, "dist", "no") == "no":
+            # Where tests run, the processes they start (a pytest run of their own, too)
+            # are not recorded: they would time the reference workload again and write
+            # their record where this run writes its own.
+            del os.environ["SPMD_TEST_RECORD"]
 
 
 @pytest.fixture(

@@ -274,14 +274,16 @@ def test_a_path_holding_no_record_is_a_usage_error(text, tmp_path, capsys):
 def test_the_recorder_writes_each_tests_modules_cpu_wall_and_tier(tmp_path, workers):
     """A pytest run under SPMD_TEST_RECORD writes a record tiers.py reads (the files a fast
     test runs, in its thread and the threads it starts; none for a slow test, which is not
-    watched); under xdist the workers' parts are merged into it by the controller and
-    removed."""
+    watched; none for the processes a test starts); under xdist the workers' parts are
+    merged into it by the controller and removed."""
     probe = tmp_path / "test_probe.py"
     probe.write_text(
         "import pytest\n"
         "import spmd._src.errors\n\n"
         "def test_spins():\n"
         "    spmd._src.errors.received(x=sum(i * i for i in range(3_000_000)))\n\n"
+        "def test_what_a_test_starts_is_not_recorded():\n"
+        "    assert 'SPMD_TEST_RECORD' not in __import__('os').environ\n\n"
         "def test_threads():\n"
         "    t = __import__('threading').Thread(target=spmd._src.errors.received, kwargs={'x': 1})\n"
         "    t.start()\n"
