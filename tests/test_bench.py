@@ -207,3 +207,45 @@ def test_bench_output_in_a_missing_folder_is_refused_before_any_benchmark(capsys
     with pytest.raises(SystemExit):
         main(["--quick", "--only", "step", "--output", str(page)])
     assert f"Received: --output {page}" in capsys.readouterr().err
+
+
+def test_the_quick_runs_lanes_hold_every_module_once_with_peers_beside_step():
+    # bench_peers' quick rows read bench_step's figures of the same process: one lane.
+    from bench.__main__ import LANES, MODULES, lanes
+
+    assert sorted(name for lane in LANES for name in lane) == sorted(MODULES)
+    [with_peers] = [lane for lane in LANES if "bench_peers" in lane]
+    assert "bench_step" in with_peers
+    assert lanes(list(MODULES), 1) == [list(MODULES)]
+    two = lanes(list(MODULES), 2)
+    assert len(two) == 2 and sorted(n for lane in two for n in lane) == sorted(MODULES)
+    assert all(lane == sorted(lane, key=MODULES.index) for lane in two)  # the page's order
+    assert lanes(["plan_maxtext", "bench_step"], 2) == [["bench_step"], ["plan_maxtext"]]
+    assert lanes(["plan_maxtext"], 2) == [["plan_maxtext"]]
+
+
+def test_a_lane_that_fails_is_named_with_its_exit_status(tmp_path):
+    from bench.__main__ import _lane_result
+
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match=r"failed \(exit 3\); its output is above"):
+        _lane_result(child, tmp_path / "lane.json")
+
+
+def test_jobs_below_one_is_refused(capsys):
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--quick", "--jobs", "0"])
+    error = capsys.readouterr().err
+    assert "--jobs is how many lanes of modules run at once, 1 or more" in error
+    assert "Received: --jobs 0" in error
+
+
+def test_the_total_of_lanes_run_at_once_is_the_runs_wall_time():
+    from bench.__main__ import QUICK_BUDGET_S, summary
+
+    spent = {"bench_a": (70.0, 80.0), "bench_b": (60.0, 70.0)}
+    assert summary(spent, quick=True, wall=75.0) == [
+        f"total: 75 s wall (budget {QUICK_BUDGET_S} s on an idle 2-core machine), 150 s CPU"
+    ]
