@@ -88,8 +88,11 @@ def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
     # every table with its ratios computed; its time is printed against its budget, never
     # asserted. It needs the TPU compiler (the tpu-compile extra: plan_maxtext, attention's
     # memory) and TensorFlow (the test extra: the peers' TensorFlow rows).
+    # One lane (--jobs 1): in the suite every core is busy already, and two lanes cost a
+    # quarter more CPU; test_the_quick_runs_lanes_merge_into_one_page runs two.
     out = tmp_path / "performance.md"
-    printed = run_bench(["-m", "bench", "--quick", "--output", str(out)], timeout=1800).stdout
+    args = ["-m", "bench", "--quick", "--jobs", "1", "--output", str(out)]
+    printed = run_bench(args, timeout=1800).stdout
     print("\n".join(line for line in printed.splitlines() if re.search(r" s CPU\)?\.?$", line)))
     text = out.read_text()
     assert re.search(r"--quick` in \d+ s \(the smoke run; its budget: \d+ s", text)
@@ -249,3 +252,21 @@ def test_the_total_of_lanes_run_at_once_is_the_runs_wall_time():
     assert summary(spent, quick=True, wall=75.0) == [
         f"total: 75 s wall (budget {QUICK_BUDGET_S} s on an idle 2-core machine), 150 s CPU"
     ]
+
+
+@pytest.mark.bench
+def test_the_quick_runs_lanes_merge_into_one_page(tmp_path):
+    # Two cheap modules of different lanes, each run by its own process: one page, the
+    # tables in MODULES' order, each module's time printed once, one total.
+    from bench.__main__ import LANES
+
+    assert "bench_pipeline" in LANES[1] and "bench_plan" in LANES[0]
+    out = tmp_path / "performance.md"
+    args = ["-m", "bench", "--quick", "--only", "pipeline", "plan", "--output", str(out)]
+    printed = run_bench(args, timeout=600).stdout
+    text = out.read_text()
+    headings = [line for line in text.splitlines() if line.startswith("## ")]
+    assert headings[0] == "## pipeline" and headings[1].startswith("## auto_strategy's estimate")
+    for name in ("bench_pipeline", "bench_plan"):
+        assert len(re.findall(rf"^{name}: [\d.]+ s wall, [\d.]+ s CPU$", printed, re.M)) == 1
+    assert len(re.findall(r"^total: ", printed, re.M)) == 1
