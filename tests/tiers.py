@@ -22,8 +22,8 @@ the fast tier in TIER_CPU_BUDGET_S of CPU time (all threads, children too:
 what counts on a shared machine), no test of it over TEST_CPU_BUDGET_S; and no
 module that defines a function or a method left unrun by the fast tier (modules
 that only re-export names, `spmd/callbacks.py`, ... need no test). The
-recorder's profile hook adds about a tenth to the CPU time, so a recorded run
-within the budgets is within them unrecorded too. The record also holds the
+recorder's profile hook, on the fast tier's tests only, adds about an eighth to
+their CPU time, so a recorded run within the budgets is within them unrecorded too. The record also holds the
 machine's speed (tests/reference_workload.py, timed before the tests start), and the
 report states the run's CPU time in reference workloads: the figure to compare runs
 on different machines by (the budgets stay in seconds). The last line is the
