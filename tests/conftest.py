@@ -15,7 +15,8 @@ whether it is slow, and the whole run's (see tests/tiers.py).
 
 And the parallel run (pytest-xdist, `-n auto` in pyproject.toml): one worker per
 core and one more, at most eight; the `engines` tests run one after another on one worker
-(they share daemons' ports and the 10.200.0.x namespaces); the modules that
+(they share daemons' ports and the 10.200.0.x namespaces); each module that starts
+no process runs whole on one worker; the benchmarks' smoke runs and the modules that
 start processes are handed out first, the long poles before the short tests.
 """
 
@@ -129,7 +130,7 @@ SLOW_TOO = ("multiprocess", "engines", "bench")
 SPMD = str(Path(__file__).resolve().parent.parent / "spmd") + os.sep
 MAX_WORKERS = 8  # each worker holds JAX with eight simulated devices (about 1 GiB)
 # The order modules are handed to the workers in: those that start processes first.
-FIRST = ("engines", "multiprocess", "bench", "slow")
+FIRST = ("bench", "engines", "multiprocess", "slow")
 
 
 def pytest_xdist_auto_num_workers(config):

@@ -27,6 +27,15 @@ class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
         super().__init__(config, log)
         self._gone: set = set()  # workers found dead when work was sent, not yet removed
 
+    def schedule(self) -> None:
+        """xdist's first distribution, in the collection's order (tests/conftest.py puts the
+        long poles first). xdist would hand out the units with the most tests first
+        (`loadscopereorder`, on by default): a module run whole on one worker before the
+        single tests that start processes, the benchmarks' minutes-long smoke runs then
+        last, alone at the run's end."""
+        self.config.option.loadscopereorder = False
+        super().schedule()
+
     def remove_node(self, node) -> str | None:
         self._gone.discard(node)
         workload = self.assigned_work.pop(node)

@@ -110,3 +110,24 @@ def test_work_sent_to_a_worker_that_died_unnoticed_goes_to_the_others():
 
 def _done(sched, worker, nodeid: str) -> bool:
     return any(unit.get(nodeid) for unit in sched.assigned_work[worker].values())
+
+
+def test_units_go_out_in_the_runs_order_not_largest_first():
+    """The run orders its tests long poles first (tests/conftest.py); xdist would hand out
+    the units with the most tests first (a module grouped whole before the single tests
+    that start processes, which then end the run alone). The scheduler keeps the order,
+    whatever xdist's reorder option says."""
+    from scheduling import CrashSafeLoadGroupScheduling
+
+    config = types.SimpleNamespace(
+        getvalue=lambda name: ["2*popen"], option=types.SimpleNamespace(loadscopereorder=True)
+    )
+    sched = CrashSafeLoadGroupScheduling(config)
+    tests = ["test_a.py::test_long", "test_a.py::test_longer"]
+    tests += [f"test_b.py::test_{i}@test_b.py" for i in range(4)]  # one module, one group
+    a, b = _Worker("a"), _Worker("b")
+    for worker in (a, b):
+        sched.add_node(worker)
+        sched.add_node_collection(worker, tests)
+    sched.schedule()
+    assert [tests[a.got[0]], tests[b.got[0]]] == tests[:2]
