@@ -14,7 +14,8 @@ for one lane), which keeps both cores busy while a module waits for the
 processes it starts. It prints each module's wall and CPU seconds and, at the
 end, its total against the budget; over budget, a WARNING naming the slowest
 modules (timing is reported, never a failure). The full run takes one module at
-a time (`--jobs 1`): each figure is measured on a machine it has to itself.
+a time (more lanes are refused without --quick): each figure is measured on a
+machine it has to itself.
 """
 
 from __future__ import annotations
@@ -156,7 +157,6 @@ def lanes(names: list[str], jobs: int) -> list[list[str]]:
     if jobs == 1:
         return [names]
     split = [[n for n in names if n in lane] for lane in LANES[:jobs]]
-    split[0] += [n for n in names if not any(n in lane for lane in LANES)]
     return [lane for lane in split if lane]
 
 
@@ -183,6 +183,7 @@ def _start_lane(names: list[str], quick: bool, folder: str) -> tuple[subprocess.
 
 
 def _lane_result(child: subprocess.Popen, out: Path) -> tuple[dict, dict]:
+    """The rows and seconds a lane's process wrote, once it has ended; its failure named."""
     if child.wait() != 0 or not out.exists():
         raise RuntimeError(
             f"the lane `{' '.join(child.args[2:])}` failed (exit {child.returncode}); "
@@ -223,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--jobs is how many lanes of modules run at once, 1 or more. "
             f"Received: --jobs {args.jobs}"
+        )
+    if jobs > 1 and not args.quick:  # the page's figures would be taken beside another lane
+        parser.error(
+            "--jobs above 1 is for the smoke run (--quick): the full run measures each "
+            f"module on a machine it has to itself. Received: --jobs {args.jobs} without "
+            "--quick. To fix: leave --jobs out, or add --quick."
         )
     common.set_cpu_devices(8)
     if args.quick:

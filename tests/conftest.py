@@ -154,15 +154,12 @@ def pytest_collection_modifyitems(config, items):
     `engines` tests in one xdist group and each module that starts no process in a group
     of its own; gives each test's time limit the run's headroom (tests/bounds.py); orders
     whole modules, long poles first."""
-    starts_processes = {
-        item.nodeid.split("::", 1)[0]
-        for item in items
-        if any(item.get_closest_marker(name) for name in SLOW_TOO)
-    }
+    slow_too = [item for item in items if any(item.get_closest_marker(n) for n in SLOW_TOO)]
+    starts_processes = {item.nodeid.split("::", 1)[0] for item in slow_too}
+    for item in slow_too:
+        item.add_marker(pytest.mark.slow)
     for item in items:
         module = item.nodeid.split("::", 1)[0]
-        if any(item.get_closest_marker(name) for name in SLOW_TOO):
-            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("engines"):
             item.add_marker(pytest.mark.xdist_group("engines"))
         elif module not in starts_processes:

@@ -245,6 +245,17 @@ def test_jobs_below_one_is_refused(capsys):
     assert "Received: --jobs 0" in error
 
 
+def test_lanes_without_quick_are_refused(capsys):
+    # The full run's figures are each taken on a machine the module has to itself.
+    from bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["--jobs", "2", "--only", "step"])
+    error = capsys.readouterr().err
+    assert "--jobs above 1 is for the smoke run (--quick)" in error
+    assert "Received: --jobs 2 without --quick" in error
+
+
 def test_the_total_of_lanes_run_at_once_is_the_runs_wall_time():
     from bench.__main__ import QUICK_BUDGET_S, summary
 
