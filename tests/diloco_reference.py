@@ -36,6 +36,15 @@ def create(key, inner="adamw"):
     return {"params": params, "opt": INNER[inner].init(params)}
 
 
+def initial(key, inner="adamw"):
+    """`create` as one compiled program: the reference's start, the values `create` makes
+    (op by op, each of its operations would be compiled on its own)."""
+    return _initial(key, inner=inner)
+
+
+_initial = jax.jit(create, static_argnames="inner")
+
+
 def logits(p, x):
     h = jnp.tanh(x @ p["dense"]["kernel"] + p["dense"]["bias"])
     return h @ p["out"]["kernel"] + p["out"]["bias"]
@@ -66,15 +75,40 @@ def batches(steps, batch=32, seed=0):
     return out
 
 
+def _sync(outer, fragment, treedef, islands):
+    """Fragment `fragment`'s outer step as one program: (global leaves, each island's
+    leaves, outer state) -> (global leaves with the fragment's stepped, outer state)."""
+
+    def sync(global_leaves, island_leaves, outer_state):
+        current = jax.tree.unflatten(treedef, global_leaves)
+        deltas = jax.tree.unflatten(
+            treedef,
+            [
+                sum(global_leaves[j] - island_leaves[i][j] for i in range(islands)) / islands
+                for j in range(len(global_leaves))
+            ],
+        )
+        updates, outer_state = outer.update(deltas, outer_state, current)
+        new = jax.tree.leaves(optax.apply_updates(current, updates))
+        stepped = [new[j] if j in fragment else global_leaves[j] for j in range(len(new))]
+        return stepped, outer_state
+
+    return jax.jit(sync)
+
+
 def reference(state, train_step, data, islands, sync_every, fragments=1, outer=OUTER):
-    """Runs DiLoCo on one device; returns (global params, [island states], [losses per step])."""
+    """Runs DiLoCo on one device; returns (global params, [island states], [losses per step]).
+
+    The inner step and each fragment's outer step are each one jitted program (the
+    algorithm as written, compiled once rather than dispatched op by op)."""
     step = jax.jit(train_step)
     leaves, treedef = jax.tree.flatten(state["params"])
     frags = [list(f) for f in np.array_split(np.arange(len(leaves)), fragments)]
     masks = [jax.tree.unflatten(treedef, [j in f for j in range(len(leaves))]) for f in frags]
     outers = [optax.masked(outer, mask) for mask in masks]
+    syncs = [_sync(o, set(f), treedef, islands) for o, f in zip(outers, frags, strict=True)]
     global_leaves = list(leaves)
-    outer_states = [o.init(state["params"]) for o in outers]
+    outer_states = [jax.jit(o.init)(state["params"]) for o in outers]
     isl = [state] * islands
     losses = []
     for t, (x, y) in enumerate(data, 1):
@@ -88,19 +122,8 @@ def reference(state, train_step, data, islands, sync_every, fragments=1, outer=O
         for f, frag in enumerate(frags):
             if t % sync_every != f * sync_every // fragments:
                 continue
-            current = jax.tree.unflatten(treedef, global_leaves)
             island_leaves = [jax.tree.leaves(s["params"]) for s in isl]
-            deltas = jax.tree.unflatten(
-                treedef,
-                [
-                    sum(global_leaves[j] - island_leaves[i][j] for i in range(islands)) / islands
-                    for j in range(len(leaves))
-                ],
-            )
-            updates, outer_states[f] = outers[f].update(deltas, outer_states[f], current)
-            new = jax.tree.leaves(optax.apply_updates(current, updates))
-            for j in frag:
-                global_leaves[j] = new[j]
+            global_leaves, outer_states[f] = syncs[f](global_leaves, island_leaves, outer_states[f])
             for i in range(islands):
                 own = jax.tree.leaves(isl[i]["params"])
                 for j in frag:

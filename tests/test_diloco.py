@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from diloco_reference import INNER, batches, create, logits, make_step, reference
+from diloco_reference import INNER, batches, create, initial, logits, make_step, reference
 from jax.sharding import PartitionSpec as P
 
 import spmd
@@ -65,7 +65,7 @@ _SLOW = pytest.mark.slow
 def test_equals_the_paper_on_one_device(islands, inner):
     strategy = spmd.DiLoCo(islands=islands, sync_every=3)
     state, losses = _train(strategy, inner, 7)
-    want = reference(create(jax.random.key(0), inner), make_step(inner), batches(7), islands, 3)
+    want = reference(initial(jax.random.key(0), inner), make_step(inner), batches(7), islands, 3)
     _check(state, want[0], want[1], losses, want[2])
     assert int(state.step) == 7
 
@@ -107,7 +107,7 @@ def test_islands_run_the_step_unchanged_bit_for_bit(inner):
 def test_streaming_fragments_sync_on_a_staggered_schedule():
     strategy = spmd.DiLoCo(islands=2, sync_every=4, fragments=2)
     state, losses = _train(strategy, "adamw", 9)
-    want = reference(create(jax.random.key(0)), make_step(), batches(9), 2, 4, fragments=2)
+    want = reference(initial(jax.random.key(0)), make_step(), batches(9), 2, 4, fragments=2)
     _check(state, want[0], want[1], losses, want[2])
 
 
@@ -164,7 +164,7 @@ def test_inner_tensor_parallel_and_inner_strategy_layouts():
     state, losses = _train(tp, "adamw", 4)
     assert state.islands["params"]["dense"]["kernel"].sharding.spec == P("island", None, "model")
     assert state.params["dense"]["kernel"].sharding.spec == P(None, "model")
-    want = reference(create(jax.random.key(0)), make_step(), batches(4), 2, 3)
+    want = reference(initial(jax.random.key(0)), make_step(), batches(4), 2, 3)
     _check(state, want[0], want[1], losses, want[2])
     fsdp = spmd.DiLoCo(
         spmd.ParameterServerStrategy(spmd.partitioners.FixedShardsPartitioner(2)),
@@ -386,7 +386,7 @@ def test_outer_optimizer_lr_one_plain_sgd_is_averaging():
     before = jax.tree.map(np.asarray, state.islands["params"])
     x, y = data[1]
     state, _ = step(state, x, y)
-    want = reference(create(jax.random.key(0), "sgd"), make_step("sgd"), data, 2, 10)[1]
+    want = reference(initial(jax.random.key(0), "sgd"), make_step("sgd"), data, 2, 10)[1]
     average = jax.tree.map(lambda a, b: (a + b) / 2, want[0]["params"], want[1]["params"])
     assert_trees_allclose(spmd_params(state), average, **TOL)
     assert not np.allclose(before["out"]["kernel"][0], before["out"]["kernel"][1])
@@ -589,7 +589,7 @@ def per_replica_step(strategy, seen):
 
 
 def _paper(steps, islands=2):
-    return reference(create(jax.random.key(0)), make_step(), batches(steps), islands, 3)
+    return reference(initial(jax.random.key(0)), make_step(), batches(steps), islands, 3)
 
 
 @pytest.mark.slow  # 8 s of CPU: over the fast tier's share (tests/tiers.py)

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from diloco_reference import batches, create, make_step, reference  # noqa: E402
+from diloco_reference import batches, create, initial, make_step, reference  # noqa: E402
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}  # float32 rounding, as tests/test_diloco.py
 
@@ -32,7 +32,7 @@ def run(strategy, islands, steps=7, sync_every=3):
     for x, y in batches(steps):
         state, metrics = step(state, x, y)
         losses.append(multihost_utils.process_allgather(metrics["loss"], tiled=True))
-    want = reference(create(jax.random.key(0)), make_step(), batches(steps), islands, sync_every)
+    want = reference(initial(jax.random.key(0)), make_step(), batches(steps), islands, sync_every)
     island_ok = all(
         close(strategy.global_state(state, island=i)["opt"], want[1][i]["opt"])
         for i in range(islands)
@@ -62,7 +62,7 @@ def coordinated(strategy, steps=7):
         coordinator.schedule(step_fn, args=(iterator,))
     coordinator.join()
     loss = coordinator.fetch(coordinator.schedule(step_fn, args=(iterator,)))
-    want = reference(create(jax.random.key(0)), make_step(), batches(steps - 1), 2, 3)
+    want = reference(initial(jax.random.key(0)), make_step(), batches(steps - 1), 2, 3)
     return {
         "global": close(state.params, want[0]),
         "loss": bool(np.allclose(loss, want[2][-1], **TOL)),
