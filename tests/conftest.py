@@ -158,6 +158,7 @@ def pytest_collection_modifyitems(config, items):
     starts_processes = {item.nodeid.split("::", 1)[0] for item in slow_too}
     for item in slow_too:
         item.add_marker(pytest.mark.slow)
+    sharing = _sharing_groups([i for i in items if i.nodeid.split("::")[0] in starts_processes])
     for item in items:
         module = item.nodeid.split("::", 1)[0]
         if item.get_closest_marker("engines"):
@@ -166,12 +167,40 @@ def pytest_collection_modifyitems(config, items):
             # One worker runs the whole module: its module-scoped fixtures (oracles, saved
             # checkpoints, the docs' programs) are computed once, not once per worker
             # (the fast tier alone: a quarter less CPU). A module that starts processes
-            # spends its time waiting for them: its tests are spread over the workers.
+            # spends its time waiting for them: its tests are spread over the workers,
+            # but for those sharing a module-scoped fixture (`_sharing_groups`).
             item.add_marker(pytest.mark.xdist_group(module))
+        elif item.nodeid in sharing:
+            item.add_marker(pytest.mark.xdist_group(sharing[item.nodeid]))
         limit = item.get_closest_marker("timeout")
         if limit is not None and limit.args and headroom() > 1:
             item.add_marker(pytest.mark.timeout(bound(limit.args[0])), append=False)
     items[:] = _long_poles_first(items)
+
+
+def _sharing_groups(items: list) -> dict[str, str]:
+    """Node id -> xdist group, for the tests of `items` that use a module-scoped fixture:
+    one group per set of tests linked by such fixtures (a test using two links theirs),
+    named after one of them. Spread over the workers, each worker that ran one of
+    them would start the fixture's processes again (a crashed and resumed pair of
+    processes, an oracle's fit: 40 s of CPU each, three times in a run of three)."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    uses: dict[str, list[str]] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        names = [f"{module}::{n}" for n, d in defs.items() if d and d[-1].scope == "module"]
+        if names:
+            uses[item.nodeid] = names
+            for name in names[1:]:
+                parent[root(name)] = root(names[0])
+    return {nodeid: root(names[0]) for nodeid, names in uses.items()}
 
 
 def _long_poles_first(items: list) -> list:

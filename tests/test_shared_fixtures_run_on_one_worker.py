@@ -1,0 +1,66 @@
+"""The parallel run's groups: a module-scoped fixture is computed once per run, not once per
+worker that gets one of its tests (tests/conftest.py, `_sharing_groups`).
+
+A module that starts no process runs whole on one worker. In a module that starts
+processes, the tests are spread over the workers, but those sharing a module-scoped
+fixture (a crashed-and-resumed pair of processes, an oracle's fit) go to one worker
+together: spread, each worker started the fixture's processes again.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+PLUGIN = """
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = item.get_closest_marker("xdist_group")
+        print("GROUP", item.nodeid, group.args[0] if group else "-")
+"""
+
+MODULES = (
+    "multiprocess/test_loader_resume_mid_epoch.py",
+    "multiprocess/test_elastic.py",
+    "test_diloco_nnx_state.py",
+)
+
+
+@pytest.mark.slow  # a collection of its own: JAX's import and the modules'
+def test_tests_sharing_a_module_fixture_are_one_group_and_the_others_spread(tmp_path):
+    (tmp_path / "groups_plugin.py").write_text(PLUGIN)
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    command += ["-p", "groups_plugin", *(str(TESTS / m) for m in MODULES)]
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(
+        command, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    groups = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("GROUP "):
+            _, nodeid, group = line.split(" ")
+            groups[nodeid.split("/", 1)[1]] = group
+    assert groups, result.stdout[-3000:]
+
+    # Every test reads the processes of one fixture: one group, named after it.
+    resumed = {n: g for n, g in groups.items() if n.startswith(MODULES[0])}
+    assert len(resumed) == 5
+    assert set(resumed.values()) == {f"tests/{MODULES[0]}::runs"}
+
+    # The fits share their one-device oracle; the tests without it stay spread.
+    elastic = {n.split("::")[1]: g for n, g in groups.items() if n.startswith(MODULES[1])}
+    oracle = f"tests/{MODULES[1]}::one_device_fit"
+    fits = {n for n in elastic if n.startswith("test_fit_")}
+    assert len(fits) == 3 and {elastic[n] for n in fits} == {oracle}
+    assert {g for n, g in elastic.items() if n not in fits} == {"-"}
+
+    # A module that starts no process: one group, the module.
+    whole = {g for n, g in groups.items() if n.startswith(MODULES[2])}
+    assert whole == {f"tests/{MODULES[2]}"}
