@@ -6,18 +6,30 @@ import sys
 from pathlib import Path
 
 import pytest
+from bounds import bound
 from commands import program_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(args, timeout, **env):
+def run_bench(args, seconds, **env):
     """Runs `python *args` in the repository, compiling as the run does (`program_env`: its
     optimization level, no other XLA flag; a smoke run asserts no timing, and each ratio's
-    floor compiles the same way, at about 30% less CPU); fails if it fails."""
+    floor compiles the same way, at about 30% less CPU); fails if it fails.
+
+    `seconds` bounds it on an idle machine, and is given the run's headroom
+    (tests/bounds.py): in a parallel run the benchmarks start first, beside the
+    multi-process tests, and get a share of the cores. Each test's own time limit
+    (its timeout marker, given the same headroom) is a minute more on an idle
+    machine, so that this bound, which names the command, ends a run that hangs."""
     env = {**program_env(), **env}  # spmd and bench/ importable from the repository
     result = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=bound(seconds),
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
@@ -83,6 +95,7 @@ def seconds(cell: str) -> tuple[float, float, float]:
 
 
 @pytest.mark.bench
+@pytest.mark.timeout(660)
 def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
     # The smoke run of the benchmarks, once: every module of bench/__main__.py's MODULES,
     # every table with its ratios computed; its time is printed against its budget, never
@@ -92,7 +105,7 @@ def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
     # quarter more CPU; test_the_quick_runs_lanes_merge_into_one_page runs two.
     out = tmp_path / "performance.md"
     args = ["-m", "bench", "--quick", "--jobs", "1", "--output", str(out)]
-    printed = run_bench(args, timeout=1800).stdout
+    printed = run_bench(args, 600).stdout
     print("\n".join(line for line in printed.splitlines() if re.search(r" s CPU\)?\.?$", line)))
     text = out.read_text()
     assert re.search(r"--quick` in \d+ s \(the smoke run; its budget: \d+ s", text)
@@ -138,11 +151,12 @@ def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
 
 
 @pytest.mark.bench
+@pytest.mark.timeout(360)
 def test_bench_gpu_quick_runs_every_section_on_cpu(tmp_path):
     # The one-accelerator benchmarks (issue 15) as a CPU smoke run: every section gives rows.
     out = tmp_path / "performance-gpu.md"
     args = ["-m", "bench.bench_gpu", "--quick", "--output", str(out)]
-    run_bench(args, timeout=600, JAX_PLATFORMS="cpu")
+    run_bench(args, 300, JAX_PLATFORMS="cpu")
     text = out.read_text()
     assert "FAILED" not in text
     for section in (
@@ -158,13 +172,14 @@ def test_bench_gpu_quick_runs_every_section_on_cpu(tmp_path):
 
 
 @pytest.mark.bench
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("task", ["digits", "lm"])
 def test_bench_diloco_quick_writes_its_table(tmp_path, task):
     # DiLoCo against synchronous training (docs/diloco.md's tables) as a smoke run.
     page = tmp_path / "diloco.md"
     page.write_text((ROOT / "docs" / "diloco.md").read_text())
     args = ["bench/bench_diloco.py", "--task", task, "--quick", "--output", str(page)]
-    run_bench(args, timeout=600, JAX_PLATFORMS="cpu")
+    run_bench(args, 300, JAX_PLATFORMS="cpu")
     table = page.read_text().split(f"<!-- bench_diloco {task} table: begin -->", 1)[1]
     table = table.split(f"<!-- bench_diloco {task} table: end -->", 1)[0]
     assert "| synchronous (MirroredStrategy) | - | - |" in table
@@ -266,6 +281,7 @@ def test_the_total_of_lanes_run_at_once_is_the_runs_wall_time():
 
 
 @pytest.mark.bench
+@pytest.mark.timeout(360)
 def test_the_quick_runs_lanes_merge_into_one_page(tmp_path):
     # Two cheap modules of different lanes, each run by its own process: one page, the
     # tables in MODULES' order, each module's time printed once, one total.
@@ -274,7 +290,7 @@ def test_the_quick_runs_lanes_merge_into_one_page(tmp_path):
     assert "bench_pipeline" in LANES[1] and "bench_plan" in LANES[0]
     out = tmp_path / "performance.md"
     args = ["-m", "bench", "--quick", "--only", "pipeline", "plan", "--output", str(out)]
-    printed = run_bench(args, timeout=600).stdout
+    printed = run_bench(args, 300).stdout
     text = out.read_text()
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings[0] == "## pipeline" and headings[1].startswith("## auto_strategy's estimate")
