@@ -16,8 +16,9 @@ whether it is slow, and the whole run's (see tests/tiers.py).
 And the parallel run (pytest-xdist, `-n auto` in pyproject.toml): one worker per
 core and one more, at most eight; the `engines` tests run one after another on one worker
 (they share daemons' ports and the 10.200.0.x namespaces); each module that starts
-no process runs whole on one worker; the benchmarks' smoke runs and the modules that
-start processes are handed out first, the long poles before the short tests.
+no process runs whole on one worker, and so do the tests that share a module-scoped
+fixture; the benchmarks' smoke runs are handed out first, then the tests that start
+processes with the slow modules that compute spread among them, the fast tier last.
 """
 
 import atexit
@@ -152,8 +153,8 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """Marks `slow` every test marked `multiprocess`, `engines` or `bench`; puts the
     `engines` tests in one xdist group and each module that starts no process in a group
-    of its own; gives each test's time limit the run's headroom (tests/bounds.py); orders
-    whole modules, long poles first."""
+    of its own, and so the tests sharing a module-scoped fixture; gives each test's time
+    limit the run's headroom (tests/bounds.py); orders the run (`_run_order`)."""
     slow_too = [item for item in items if any(item.get_closest_marker(n) for n in SLOW_TOO)]
     starts_processes = {item.nodeid.split("::", 1)[0] for item in slow_too}
     for item in slow_too:
@@ -175,7 +176,7 @@ def pytest_collection_modifyitems(config, items):
         limit = item.get_closest_marker("timeout")
         if limit is not None and limit.args and headroom() > 1:
             item.add_marker(pytest.mark.timeout(bound(limit.args[0])), append=False)
-    items[:] = _long_poles_first(items)
+    items[:] = _run_order(items)
 
 
 def _sharing_groups(items: list) -> dict[str, str]:
@@ -203,17 +204,44 @@ def _sharing_groups(items: list) -> dict[str, str]:
     return {nodeid: root(names[0]) for nodeid, names in uses.items()}
 
 
-def _long_poles_first(items: list) -> list:
-    """`items` with whole modules reordered by their costliest kind of test (FIRST), each
-    module's tests kept together and in order; the same order on every worker."""
+def _run_order(items: list) -> list:
+    """`items` in the order the workers are handed them, the same on every worker.
+
+    Each module is ranked by its costliest kind of test (FIRST): the benchmarks'
+    smoke runs go first (the longest poles); then the units (a test, or a group) of
+    the modules that start processes, with the slow modules that compute in the
+    worker spread evenly among them, so that a worker waiting for its processes
+    leaves its core to one that computes (the processes' tests alone left a third of
+    the cores idle for the run's first ten minutes); the fast tier's modules last,
+    short units that even out the end. Each module's tests stay in their order.
+    """
     rank: dict[str, int] = {}
+    by_module: dict[str, list] = {}
     for item in items:
         module = item.nodeid.split("::", 1)[0]
         kinds = [i for i, name in enumerate(FIRST) if item.get_closest_marker(name)]
         rank[module] = min([rank.get(module, len(FIRST)), *kinds])
-    order = {module: i for i, module in enumerate(rank)}
-    key = lambda item: (rank[m := item.nodeid.split("::", 1)[0]], order[m])  # noqa: E731
-    return sorted(items, key=key)
+        by_module.setdefault(module, []).append(item)
+
+    def units(kinds: set[str]) -> list[list]:
+        found: dict[str, list] = {}
+        for module in sorted(by_module, key=rank.__getitem__):  # stable: in collection order
+            if (FIRST[rank[module]] if rank[module] < len(FIRST) else "fast") in kinds:
+                for item in by_module[module]:
+                    group = item.get_closest_marker("xdist_group")
+                    found.setdefault(group.args[0] if group else item.nodeid, []).append(item)
+        return list(found.values())
+
+    waiting, computing = units({"engines", "multiprocess"}), units({"slow"})
+    spread, taken = [], 0
+    for i, unit in enumerate(waiting, 1):
+        spread.append(unit)
+        while taken < len(computing) and (taken + 1) * len(waiting) <= i * len(computing):
+            spread.append(computing[taken])
+            taken += 1
+    spread += computing[taken:]
+    ordered = units({"bench"}) + spread + units({"fast"})
+    return [item for unit in ordered for item in unit]
 
 
 def pytest_collection_finish(session):

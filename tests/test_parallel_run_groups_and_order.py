@@ -1,10 +1,11 @@
-"""The parallel run's groups: a module-scoped fixture is computed once per run, not once per
-worker that gets one of its tests (tests/conftest.py, `_sharing_groups`).
+"""The parallel run's groups and order (tests/conftest.py).
 
-A module that starts no process runs whole on one worker. In a module that starts
-processes, the tests are spread over the workers, but those sharing a module-scoped
-fixture (a crashed-and-resumed pair of processes, an oracle's fit) go to one worker
-together: spread, each worker started the fixture's processes again.
+A module-scoped fixture is computed once per run, not once per worker that gets one
+of its tests: a module that starts no process runs whole on one worker, and in a
+module that starts processes the tests sharing such a fixture (a crashed-and-resumed
+pair of processes, an oracle's fit) go to one worker together (`_sharing_groups`).
+The workers are handed the benchmarks first, then the tests that start processes with
+the slow modules that compute spread among them, the fast tier last (`_run_order`).
 """
 
 import subprocess
@@ -64,3 +65,40 @@ def test_tests_sharing_a_module_fixture_are_one_group_and_the_others_spread(tmp_
     # A module that starts no process: one group, the module.
     whole = {g for n, g in groups.items() if n.startswith(MODULES[2])}
     assert whole == {f"tests/{MODULES[2]}"}
+
+
+class _Item:
+    """A collected test as the run's order reads it: its node id and markers."""
+
+    def __init__(self, nodeid: str, *marks: str, group: str | None = None):
+        self.nodeid, self.marks = nodeid, {name: pytest.Mark(name, (), {}) for name in marks}
+        if group:
+            self.marks["xdist_group"] = pytest.Mark("xdist_group", (group,), {})
+
+    def get_closest_marker(self, name):
+        return self.marks.get(name)
+
+
+def test_the_slow_modules_that_compute_are_spread_among_the_tests_that_start_processes():
+    """The benchmarks first; each test that starts processes (or its group), with the
+    modules computing in the worker spread evenly among them; the fast tier last."""
+    from conftest import _run_order
+
+    fast = [_Item("test_f.py::test_1", group="test_f.py")]
+    computing = [
+        _Item(f"test_{m}.py::test_{i}", "slow", group=f"test_{m}.py") for m in "bc" for i in (1, 2)
+    ]
+    waiting = [_Item(f"test_p.py::test_{i}", "multiprocess", "slow") for i in (1, 2, 3)]
+    bench = [_Item("test_bench.py::test_quick", "bench", "slow")]
+    ordered = [item.nodeid for item in _run_order(fast + computing + waiting + bench)]
+    assert ordered == [
+        "test_bench.py::test_quick",
+        "test_p.py::test_1",
+        "test_p.py::test_2",
+        "test_b.py::test_1",
+        "test_b.py::test_2",  # a module stays whole and in order
+        "test_p.py::test_3",
+        "test_c.py::test_1",
+        "test_c.py::test_2",
+        "test_f.py::test_1",
+    ]
