@@ -28,13 +28,14 @@ class _Item:
     """What the collection hook reads and writes of a test item."""
 
     def __init__(self, *marks: str):
-        self.marks, self.nodeid = set(marks), "tests/test_x.py::test_x"
+        self.marks = {name: getattr(pytest.mark, name).mark for name in marks}
+        self.nodeid = "tests/test_x.py::test_x"
 
     def get_closest_marker(self, name):
-        return getattr(pytest.mark, name).mark if name in self.marks else None
+        return self.marks.get(name)
 
-    def add_marker(self, mark):
-        self.marks.add(mark.name)
+    def add_marker(self, mark, append=True):
+        self.marks[mark.name] = getattr(mark, "mark", mark)
 
 
 @pytest.mark.parametrize("kind", ["multiprocess", "engines", "bench", "slow"])
