@@ -156,12 +156,12 @@ def pytest_collection_modifyitems(config, items):
     of its own, and so the tests sharing a module-scoped fixture; gives each test's time
     limit the run's headroom (tests/bounds.py); orders the run (`_run_order`)."""
     slow_too = [item for item in items if any(item.get_closest_marker(n) for n in SLOW_TOO)]
-    starts_processes = {item.nodeid.split("::", 1)[0] for item in slow_too}
+    starts_processes = {_module(item) for item in slow_too}
     for item in slow_too:
         item.add_marker(pytest.mark.slow)
-    sharing = _sharing_groups([i for i in items if i.nodeid.split("::")[0] in starts_processes])
+    sharing = _sharing_groups([i for i in items if _module(i) in starts_processes])
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
+        module = _module(item)
         if item.get_closest_marker("engines"):
             item.add_marker(pytest.mark.xdist_group("engines"))
         elif module not in starts_processes:
@@ -179,6 +179,11 @@ def pytest_collection_modifyitems(config, items):
     items[:] = _run_order(items)
 
 
+def _module(item) -> str:
+    """The path of the module a test is in (its node id up to the first `::`)."""
+    return item.nodeid.split("::", 1)[0]
+
+
 def _sharing_groups(items: list) -> dict[str, str]:
     """Node id -> xdist group, for the tests of `items` that use a module-scoped fixture:
     one group per set of tests linked by such fixtures (a test using two links theirs),
@@ -194,7 +199,7 @@ def _sharing_groups(items: list) -> dict[str, str]:
 
     uses: dict[str, list[str]] = {}
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
+        module = _module(item)
         defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
         names = [f"{module}::{n}" for n, d in defs.items() if d and d[-1].scope == "module"]
         if names:
@@ -215,10 +220,10 @@ def _run_order(items: list) -> list:
     the cores idle for the run's first ten minutes); the fast tier's modules last,
     short units that even out the end. Each module's tests stay in their order.
     """
-    rank: dict[str, int] = {}
+    rank: dict[str, int] = {}  # index in (*FIRST, "fast") of the module's costliest kind
     by_module: dict[str, list] = {}
     for item in items:
-        module = item.nodeid.split("::", 1)[0]
+        module = _module(item)
         kinds = [i for i, name in enumerate(FIRST) if item.get_closest_marker(name)]
         rank[module] = min([rank.get(module, len(FIRST)), *kinds])
         by_module.setdefault(module, []).append(item)
@@ -226,7 +231,7 @@ def _run_order(items: list) -> list:
     def units(kinds: set[str]) -> list[list]:
         found: dict[str, list] = {}
         for module in sorted(by_module, key=rank.__getitem__):  # stable: in collection order
-            if (FIRST[rank[module]] if rank[module] < len(FIRST) else "fast") in kinds:
+            if (*FIRST, "fast")[rank[module]] in kinds:
                 for item in by_module[module]:
                     group = item.get_closest_marker("xdist_group")
                     found.setdefault(group.args[0] if group else item.nodeid, []).append(item)

@@ -36,13 +36,9 @@ def create(key, inner="adamw"):
     return {"params": params, "opt": INNER[inner].init(params)}
 
 
-def initial(key, inner="adamw"):
-    """`create` as one compiled program: the reference's start, the values `create` makes
-    (op by op, each of its operations would be compiled on its own)."""
-    return _initial(key, inner=inner)
-
-
-_initial = jax.jit(create, static_argnames="inner")
+# `create` as one compiled program: the reference's start, the values `create` makes
+# (op by op, each of its operations would be compiled on its own).
+initial = jax.jit(create, static_argnames="inner")
 
 
 def logits(p, x):

@@ -10,6 +10,8 @@ from bounds import bound
 from commands import program_env
 
 ROOT = Path(__file__).resolve().parents[1]
+# Idle-machine bounds of the smoke runs (`run_bench`): the whole quick run, and the others.
+QUICK_S, SMOKE_S = 600, 300
 
 
 def run_bench(args, seconds, **env):
@@ -95,7 +97,7 @@ def seconds(cell: str) -> tuple[float, float, float]:
 
 
 @pytest.mark.bench
-@pytest.mark.timeout(660)
+@pytest.mark.timeout(QUICK_S + 60)
 def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
     # The smoke run of the benchmarks, once: every module of bench/__main__.py's MODULES,
     # every table with its ratios computed; its time is printed against its budget, never
@@ -105,7 +107,7 @@ def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
     # quarter more CPU; test_the_quick_runs_lanes_merge_into_one_page runs two.
     out = tmp_path / "performance.md"
     args = ["-m", "bench", "--quick", "--jobs", "1", "--output", str(out)]
-    printed = run_bench(args, 600).stdout
+    printed = run_bench(args, QUICK_S).stdout
     print("\n".join(line for line in printed.splitlines() if re.search(r" s CPU\)?\.?$", line)))
     text = out.read_text()
     assert re.search(r"--quick` in \d+ s \(the smoke run; its budget: \d+ s", text)
@@ -151,12 +153,12 @@ def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
 
 
 @pytest.mark.bench
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(SMOKE_S + 60)
 def test_bench_gpu_quick_runs_every_section_on_cpu(tmp_path):
     # The one-accelerator benchmarks (issue 15) as a CPU smoke run: every section gives rows.
     out = tmp_path / "performance-gpu.md"
     args = ["-m", "bench.bench_gpu", "--quick", "--output", str(out)]
-    run_bench(args, 300, JAX_PLATFORMS="cpu")
+    run_bench(args, SMOKE_S, JAX_PLATFORMS="cpu")
     text = out.read_text()
     assert "FAILED" not in text
     for section in (
@@ -172,14 +174,14 @@ def test_bench_gpu_quick_runs_every_section_on_cpu(tmp_path):
 
 
 @pytest.mark.bench
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(SMOKE_S + 60)
 @pytest.mark.parametrize("task", ["digits", "lm"])
 def test_bench_diloco_quick_writes_its_table(tmp_path, task):
     # DiLoCo against synchronous training (docs/diloco.md's tables) as a smoke run.
     page = tmp_path / "diloco.md"
     page.write_text((ROOT / "docs" / "diloco.md").read_text())
     args = ["bench/bench_diloco.py", "--task", task, "--quick", "--output", str(page)]
-    run_bench(args, 300, JAX_PLATFORMS="cpu")
+    run_bench(args, SMOKE_S, JAX_PLATFORMS="cpu")
     table = page.read_text().split(f"<!-- bench_diloco {task} table: begin -->", 1)[1]
     table = table.split(f"<!-- bench_diloco {task} table: end -->", 1)[0]
     assert "| synchronous (MirroredStrategy) | - | - |" in table
@@ -281,7 +283,7 @@ def test_the_total_of_lanes_run_at_once_is_the_runs_wall_time():
 
 
 @pytest.mark.bench
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(SMOKE_S + 60)
 def test_the_quick_runs_lanes_merge_into_one_page(tmp_path):
     # Two cheap modules of different lanes, each run by its own process: one page, the
     # tables in MODULES' order, each module's time printed once, one total.
@@ -290,7 +292,7 @@ def test_the_quick_runs_lanes_merge_into_one_page(tmp_path):
     assert "bench_pipeline" in LANES[1] and "bench_plan" in LANES[0]
     out = tmp_path / "performance.md"
     args = ["-m", "bench", "--quick", "--only", "pipeline", "plan", "--output", str(out)]
-    printed = run_bench(args, 300).stdout
+    printed = run_bench(args, SMOKE_S).stdout
     text = out.read_text()
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings[0] == "## pipeline" and headings[1].startswith("## auto_strategy's estimate")
