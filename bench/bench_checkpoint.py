@@ -3,7 +3,7 @@
 Run: python bench/bench_checkpoint.py [--quick]
 Two states on 8 simulated CPU devices: ~100 MB of float32 in 4 leaves, sharded
 (ParameterServerStrategy; 16 MB with --quick), and 10,000 small leaves of a deep
-model's ten shapes, replicated (MirroredStrategy; 100 leaves with --quick). Each is saved by plain
+model's ten shapes, replicated (MirroredStrategy; 40 leaves with --quick). Each is saved by plain
 Orbax (`orbax.checkpoint.CheckpointManager` with the PyTree handler spmd writes
 its arrays with) and by `spmd.CheckpointManager`, each synchronously and with
 async_save, in turns. "Blocked" is the time `save` takes to return; every save
@@ -36,7 +36,7 @@ else:
     from bench import common
 
 STATE_MB, QUICK_STATE_MB = 100, 16
-LEAVES, QUICK_LEAVES = 10_000, 100
+LEAVES, QUICK_LEAVES = 10_000, 40
 TARGET = 0.05  # blocked time of an async save, as a fraction of a synchronous save (100 MB)
 CHECKSUM_TARGET = 0.05  # the checksums' blocking time, as a fraction of a synchronous save
 FIRST_TARGET = 2.0  # the first async save of many leaves, against plain Orbax's first

