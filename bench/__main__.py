@@ -8,7 +8,8 @@ hand-written jax.jit floor measured in the same run. Absolute times on a shared
 `--quick` is the smoke run (tests/test_bench.py runs it): every module, every
 table with its ratios, few steps and repeats, within QUICK_BUDGET_S of wall time
 on an idle 2-core machine; its processes share one persistent compilation cache
-(common.share_compilations), so that a program is compiled once per run, and its
+(common.share_compilations), so that a program is compiled once per run, and
+compile at XLA's optimization level 0 (common.compile_unoptimized), and its
 modules run in two lanes at once (LANES: this process and one more, `--jobs 1`
 for one lane), which keeps both cores busy while a module waits for the
 processes it starts. It prints each module's wall and CPU seconds and, at the
@@ -84,7 +85,10 @@ def render(rows: list[dict], seconds: float, quick: bool) -> str:
     import jax
 
     command = "python -m bench --quick" if quick else "python -m bench"
-    budget = f" (the smoke run; its budget: {QUICK_BUDGET_S} s on an idle 2-core machine)"
+    budget = (
+        " (the smoke run, compiled at XLA's optimization level 0; its budget: "
+        f"{QUICK_BUDGET_S} s on an idle 2-core machine)"
+    )
     budget = budget if quick else ""
     lines = [
         "# Performance",
@@ -234,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
             "--quick. To fix: leave --jobs out, or add --quick."
         )
     common.set_cpu_devices(8)
-    if args.quick:
-        common.share_compilations()  # before the lanes start: they share the cache
+    if args.quick:  # before the lanes start: they share the cache and the level
+        common.share_compilations()
+        common.compile_unoptimized()
     start = time.perf_counter()
     chosen = names or list(MODULES)
     own, *others = lanes(chosen, jobs)

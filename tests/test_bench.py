@@ -1,5 +1,6 @@
 """The benchmark command runs (a smoke run: few steps, no timing asserted) and writes its page."""
 
+import os
 import re
 import subprocess
 import sys
@@ -245,6 +246,25 @@ def test_the_quick_runs_lanes_hold_every_module_once_with_peers_beside_step():
     assert all(lane == sorted(lane, key=MODULES.index) for lane in two)  # the page's order
     assert lanes(["plan_maxtext", "bench_step"], 2) == [["bench_step"], ["plan_maxtext"]]
     assert lanes(["plan_maxtext"], 2) == [["plan_maxtext"]]
+
+
+@pytest.mark.parametrize(
+    "flags, want",
+    [
+        (None, "--xla_backend_optimization_level=0"),
+        ("--xla_dump_to=/tmp/d", "--xla_dump_to=/tmp/d --xla_backend_optimization_level=0"),
+        ("--xla_backend_optimization_level=2", "--xla_backend_optimization_level=2"),
+    ],
+)
+def test_the_smoke_run_compiles_at_level_0_unless_the_flags_set_a_level(monkeypatch, flags, want):
+    from bench import common
+
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+    common.compile_unoptimized()
+    assert os.environ["XLA_FLAGS"] == want
 
 
 def test_a_lane_that_fails_is_named_with_its_exit_status(tmp_path):
