@@ -111,7 +111,11 @@ def test_bench_quick_runs_every_module_and_writes_every_table(tmp_path):
     printed = run_bench(args, QUICK_S).stdout
     print("\n".join(line for line in printed.splitlines() if re.search(r" s CPU\)?\.?$", line)))
     text = out.read_text()
-    assert re.search(r"--quick` in \d+ s \(the smoke run; its budget: \d+ s", text)
+    assert re.search(
+        r"--quick` in \d+ s \(the smoke run, compiled at XLA's optimization level 0; "
+        r"its budget: \d+ s",
+        text,
+    )
     assert re.search(r"total: \d+ s wall \(budget \d+ s[^)]*\), \d+ s CPU", printed)
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     for heading in SECTIONS:  # some headings end with a figure: "(rank correlation 1.0)"

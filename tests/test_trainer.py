@@ -15,7 +15,7 @@ N, FEATURES, CLASSES, BATCH = 1001, 6, 3, 64
 
 
 @nnx.jit(static_argnums=0)
-def _mlp(seed=0):
+def _mlp(seed):
     """The MLP, its initializers compiled as one program (not one per operation, ~0.6 s
     of CPU less the first time); the same weights, bit for bit, as built eagerly."""
     return MLP(nnx.Rngs(seed), features=FEATURES, hidden=32, outputs=CLASSES)
@@ -37,7 +37,7 @@ def data():
 def plain_loop(x, y, epochs, tx):
     """The oracle: one device, plain nnx.jit, batches in order, the last partial one trained
     on (its loss a mean over its rows); an epoch's loss the mean over its examples (Keras')."""
-    model = _mlp()
+    model = _mlp(0)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     @nnx.jit
@@ -153,15 +153,15 @@ def test_early_stopping_stops_and_restores_best(data):
     "make, fragment",
     [
         (
-            lambda x, y: spmd.Trainer(_mlp(), optax.sgd(0.1), "cross_entropy"),
+            lambda x, y: spmd.Trainer(_mlp(0), optax.sgd(0.1), "cross_entropy"),
             "loss='cross_entropy'",
         ),
         (
-            lambda x, y: spmd.Trainer(_mlp(), optax.sgd(0.1), "mse", metrics=("f1",)),
+            lambda x, y: spmd.Trainer(_mlp(0), optax.sgd(0.1), "mse", metrics=("f1",)),
             "metric='f1'",
         ),
         (
-            lambda x, y: spmd.Trainer(_mlp(), optax.sgd(0.1), "mse", steps_per_execution=0),
+            lambda x, y: spmd.Trainer(_mlp(0), optax.sgd(0.1), "mse", steps_per_execution=0),
             "steps_per_execution=0",
         ),
         (lambda x, y: spmd.Trainer(object(), optax.sgd(0.1), "mse"), "model='object'"),
