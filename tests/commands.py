@@ -14,12 +14,15 @@ OPTIMIZATION_FLAG = "--xla_backend_optimization_level"
 
 
 def child_env(*without: str) -> dict[str, str]:
-    """This environment without any cluster description (TF_CONFIG, SPMD_*) nor the
-    variables named in `without`, with spmd importable."""
+    """This environment without any cluster description (TF_CONFIG, SPMD_*, but for
+    SPMD_LAUNCH_PRELOAD: how the run starts workers) nor the variables named in
+    `without`, with spmd importable."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if k != "TF_CONFIG" and not k.startswith("SPMD_") and k not in without
+        if k != "TF_CONFIG"
+        and (not k.startswith("SPMD_") or k == "SPMD_LAUNCH_PRELOAD")
+        and k not in without
     }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env

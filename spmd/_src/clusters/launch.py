@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
+from spmd._src.clusters import preload
 from spmd._src.clusters.hang_watch import check_hang_timeout
 from spmd._src.clusters.launch_keeper import Keeper, group_alive, signal_groups
 from spmd._src.clusters.launch_results import (
@@ -32,6 +33,7 @@ from spmd._src.clusters.launch_results import (
     signal_name,
     summary,
 )
+from spmd._src.clusters.preload import ForkedProcess
 from spmd._src.clusters.spec import (
     ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,
@@ -389,8 +391,13 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Starts one process of the group, in a process group of its own, dying with us."""
+def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProcess:
+    """Starts one process of the group, in a process group of its own, dying with us:
+    forked from a warm interpreter where SPMD_LAUNCH_PRELOAD asks for one and the
+    command is a Python program it can run (spmd._src.clusters.preload), else fresh."""
+    forked = preload.start(command, env)
+    if forked is not None:
+        return forked
     try:
         return subprocess.Popen(
             list(command),

@@ -1,0 +1,276 @@
+"""A worker forked from a preload server (SPMD_LAUNCH_PRELOAD) runs its program as a fresh
+interpreter runs it: the same program, started both ways, reports the same (the fresh
+start is the oracle); a command the server cannot run so starts fresh; a program that
+changes JAX's configuration variables before importing JAX gets them applied, or a clear
+error; and the server's workers end with the launcher's handle on them."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+from commands import child_env
+from multiprocess.procs import alive, wait_gone
+
+from spmd._src.clusters import preload
+from spmd.testing import run_processes
+
+PY = sys.executable
+
+# What a program can see of how it was started, as JSON on stdout.
+PROBE = r"""
+import json, os, sys
+import numpy
+report = {
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "path_head": sys.path[1:3],
+    "file": globals().get("__file__"),
+    "name": __name__,
+    "main_is_this": sys.modules["__main__"].__dict__ is globals(),
+    "cwd": os.getcwd(),
+    "probe_var": os.environ.get("PROBE_VAR"),
+    "umask": os.umask(0o022),
+    "own_group": os.getpgid(0) == os.getpid(),
+    "own_session": os.getsid(0) == os.getpid(),
+    "stdin": sys.stdin.read(),
+    "stdout_line_buffered": sys.stdout.line_buffering,
+    "stderr_line_buffered": sys.stderr.line_buffering,
+    "stdout_write_through": sys.stdout.write_through,
+    "stdout_encoding": sys.stdout.encoding,
+    "jax_imported_before": "jax" in sys.modules,
+    "orig_argv_tail": sys.orig_argv[1:],
+}
+import jax
+report["x64"] = bool(jax.config.jax_enable_x64)
+report["platforms"] = jax.config.jax_platforms
+print(json.dumps(report))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**child_env(), "PYTHONUNBUFFERED": "1", "PROBE_VAR": "seen", **extra}
+
+
+def _fresh(command: list[str], env: dict[str, str], cwd) -> tuple[int, str, str]:
+    done = subprocess.run(
+        command,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=120,
+        start_new_session=True,  # as spmd launch starts a worker
+    )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+def _forked(command: list[str], env: dict[str, str], cwd, monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(cwd)
+    proc = preload.start(command, env)
+    assert isinstance(proc, preload.ForkedProcess), f"not forked: {command}"
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    return proc.wait(timeout=120), out, err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["script", "code", "module"])
+def test_a_forked_worker_sees_what_a_fresh_one_sees(how, tmp_path, monkeypatch):
+    """argv, sys.path's head, __file__ and __main__, the working directory, the environment,
+    the umask, a session and process group of its own, /dev/null as stdin, the streams'
+    buffering and the exit status: the same started fresh and forked. JAX is not
+    imported before the program imports it."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    command = {
+        "script": [PY, "probe.py", "a", "b"],
+        "code": [PY, "-c", PROBE, "a", "b"],
+        "module": [PY, "-m", "probe", "a", "b"],
+    }[how]
+    env = _env(PROBE_EXIT="3")
+    fresh = _fresh(command, env, tmp_path)
+    forked = _forked(command, env, tmp_path, monkeypatch)
+    assert fresh[0] == forked[0] == 3, (fresh, forked)
+    assert json.loads(forked[1]) == json.loads(fresh[1])
+    assert json.loads(forked[1])["jax_imported_before"] is False
+    assert forked[2] == fresh[2] == "to stderr\n"
+
+
+@pytest.mark.multiprocess
+def test_an_uncaught_error_prints_and_exits_as_in_a_fresh_interpreter(tmp_path, monkeypatch):
+    """The traceback names the program's own frames only, and the status is 1."""
+    (tmp_path / "fails.py").write_text("def f():\n    return 1 / 0\n\nf()\n")
+    command = [PY, "fails.py"]
+    fresh = _fresh(command, _env(), tmp_path)
+    forked = _forked(command, _env(), tmp_path, monkeypatch)
+    assert forked == fresh
+    assert forked[0] == 1 and "ZeroDivisionError" in forked[2], forked
+
+
+@pytest.mark.multiprocess
+def test_a_jax_variable_the_program_sets_before_importing_jax_applies(tmp_path, monkeypatch):
+    """JAX_ENABLE_X64 and JAX_PLATFORMS set by the program before `import jax` take
+    effect as at a fresh import (JAX was imported in the server with neither)."""
+    code = (
+        "import os, json\n"
+        "os.environ['JAX_ENABLE_X64'] = 'true'\n"
+        "os.environ['JAX_PLATFORMS'] = 'cpu'\n"
+        "import jax, jax.numpy as jnp\n"
+        "print(json.dumps([str(jnp.ones(2).dtype), jax.config.jax_platforms]))\n"
+    )
+    env = _env()
+    env.pop("JAX_ENABLE_X64", None)
+    fresh = _fresh([PY, "-c", code], env, tmp_path)
+    forked = _forked([PY, "-c", code], env, tmp_path, monkeypatch)
+    assert forked == fresh
+    assert json.loads(forked[1]) == ["float64", "cpu"]
+
+
+@pytest.mark.multiprocess
+def test_unsetting_a_jax_variable_before_importing_jax_is_an_error(tmp_path, monkeypatch):
+    """The server imported JAX with JAX_PLATFORMS set; a program that unsets it first
+    would get JAX's default platforms from a fresh import, which a forked worker cannot
+    give: an ImportError says so, and how to fix it."""
+    code = "import os\ndel os.environ['JAX_PLATFORMS']\nimport jax\n"
+    status, _, err = _forked([PY, "-c", code], _env(JAX_PLATFORMS="cpu"), tmp_path, monkeypatch)
+    assert status == 1
+    assert "ImportError: JAX_PLATFORMS was unset by the program" in err, err
+    assert "launch without SPMD_LAUNCH_PRELOAD" in err, err
+
+
+@pytest.mark.multiprocess
+def test_numpy_and_random_are_seeded_anew_in_each_worker(tmp_path, monkeypatch):
+    code = "import random, numpy\nprint(numpy.random.rand(), random.random())\n"
+    draws = {_forked([PY, "-c", code], _env(), tmp_path, monkeypatch)[1] for _ in range(3)}
+    assert len(draws) == 3, draws
+
+
+@pytest.mark.multiprocess
+def test_a_module_the_program_would_find_elsewhere_starts_it_fresh(tmp_path, monkeypatch):
+    """A script whose folder holds an `optax.py` would import that one when started
+    fresh; the server, which imported the installed optax, refuses it and it starts
+    fresh, finding its own."""
+    (tmp_path / "optax.py").write_text("MINE = True\n")
+    (tmp_path / "main.py").write_text("import optax\nprint(optax.MINE)\n")
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    assert preload.start([PY, "main.py"], _env()) is None
+    results = run_processes([PY, str(tmp_path / "main.py")], 1, env=_env())
+    assert results[0].stdout.strip() == "True"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [PY, "-u", "-c", "print(1)"],  # an option of the interpreter's own
+        ["bash", "-c", "true"],  # another program
+        [PY, "missing.py"],  # a fresh interpreter reports the missing file itself
+        [PY],  # no program
+    ],
+)
+def test_a_command_a_warm_interpreter_cannot_run_starts_fresh(command, tmp_path, monkeypatch):
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    assert preload.start(command, _env()) is None
+
+
+def test_without_the_variable_nothing_is_forked(monkeypatch):
+    monkeypatch.setenv(preload.ENV_PRELOAD, "0")
+    assert preload.start([PY, "-c", "pass"], _env()) is None
+
+
+@pytest.mark.multiprocess
+def test_another_import_time_environment_gets_a_server_of_its_own(tmp_path, monkeypatch):
+    """JAX reads JAX_ENABLE_X64 when imported: a worker whose launch environment sets it
+    is forked from a server that imported JAX so."""
+    code = "import jax.numpy as jnp\nprint(jnp.ones(1).dtype)\n"
+    plain = _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)
+    wide = _forked([PY, "-c", code], _env(JAX_ENABLE_X64="1"), tmp_path, monkeypatch)
+    assert (plain[1].strip(), wide[1].strip()) == ("float32", "float64")
+
+
+@pytest.mark.multiprocess
+def test_a_worker_let_go_by_the_launcher_is_killed_with_its_group(tmp_path, monkeypatch):
+    """Closing the launcher's handle (as a dead launcher does) kills the worker's whole
+    process group, a child of the worker's too."""
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    proc = preload.start([PY, "-c", code], _env())
+    grandchild = int(proc.stdout.readline())
+    assert alive(proc.pid) and alive(grandchild)
+    proc._conn.close()  # the launcher's end of the worker's socket, as when it dies
+    assert wait_gone([proc.pid, grandchild], 10) == []
+
+
+@pytest.mark.multiprocess
+def test_signals_and_exit_statuses_reach_the_launcher(tmp_path, monkeypatch):
+    """terminate() ends a worker with -SIGTERM; wait() times out as Popen's does."""
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    proc = preload.start([PY, "-c", "import time; time.sleep(60)"], _env())
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    assert proc.poll() is None
+    proc.terminate()
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert proc.returncode == -signal.SIGTERM
+
+
+@pytest.mark.multiprocess
+def test_the_workers_cpu_time_is_counted(tmp_path, monkeypatch):
+    """A forked worker is the server's child, not the launcher's: its CPU time counts in
+    preload.cpu_seconds() once it ended (the test recorder adds it)."""
+    before = preload.cpu_seconds()
+    code = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n"
+    assert _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)[0] == 0
+    assert preload.cpu_seconds() - before >= 0.5
+
+
+@pytest.mark.multiprocess
+def test_a_cluster_of_forked_workers_computes_as_fresh_ones(monkeypatch):
+    """Two processes of one cluster, forked, and the same two started fresh, gather each
+    other's values (a collective across the processes) to the same sum."""
+    code = (
+        "import jax, jax.numpy as jnp, spmd\n"
+        "from jax.experimental import multihost_utils\n"
+        "spmd.initialize()\n"
+        "x = jnp.arange(8.0) * (jax.process_index() + 1)\n"
+        "print(float(multihost_utils.process_allgather(x).sum()), jax.device_count())\n"
+    )
+    outputs = {}
+    for value in ("0", "1"):
+        monkeypatch.setenv(preload.ENV_PRELOAD, value)
+        got = run_processes([PY, "-c", code], 2, devices_per_process=2, env=child_env())
+        outputs[value] = [r.stdout.splitlines()[-1] for r in got]  # after gloo's lines
+    assert outputs["0"] == outputs["1"] == ["84.0 4", "84.0 4"]
+
+
+@pytest.mark.multiprocess
+def test_what_importing_did_to_the_interpreter_waits_for_the_programs_import(tmp_path, monkeypatch):
+    """Importing orbax adds a handler to the root logger (absl's first log calls
+    logging.basicConfig()); flax raises the recursion limit; numpy and IPython add warnings
+    filters. A program's own logging.basicConfig(level=INFO) before `import orbax` then
+    configures logging, as in a fresh interpreter; and after the import the interpreter is
+    as a fresh one's."""
+    code = (
+        "import json, logging, sys, warnings\n"
+        "before = [len(logging.root.handlers), sys.getrecursionlimit(), len(warnings.filters)]\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
+        "import orbax.checkpoint, flax.nnx\n"
+        "logging.getLogger('probe').info('info shows')\n"
+        "after = [len(logging.root.handlers), sys.getrecursionlimit(), len(warnings.filters)]\n"
+        "print(json.dumps([before, after, logging.root.level]))\n"
+    )
+    fresh = _fresh([PY, "-c", code], _env(), tmp_path)
+    forked = _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)
+    assert forked[:2] == fresh[:2]
+    assert "probe: info shows" in forked[2] and "probe: info shows" in fresh[2], forked[2]
