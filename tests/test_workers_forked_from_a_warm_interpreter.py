@@ -274,3 +274,25 @@ def test_what_importing_did_to_the_interpreter_waits_for_the_programs_import(tmp
     forked = _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)
     assert forked[:2] == fresh[:2]
     assert "probe: info shows" in forked[2] and "probe: info shows" in fresh[2], forked[2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("flag, variable, forked", [([], "0", False), (["--preload"], "0", True)])
+def test_spmd_launch_preload_forks_the_workers(flag, variable, forked, tmp_path):
+    """`spmd launch --preload` forks each worker from a server (its parent is not the
+    launcher); without it, and with SPMD_LAUNCH_PRELOAD=0, each is the launcher's child."""
+    code = "import os\nprint('parent', os.getppid())\n"
+    env = {**child_env(), preload.ENV_PRELOAD: variable}
+    launcher = subprocess.Popen(
+        [PY, "-m", "spmd", "launch", "-n", "2", *flag, "--", PY, "-c", code],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, out
+    parents = {int(line.split()[-1]) for line in out.splitlines() if " parent " in line}
+    assert len(parents) == 1, out
+    assert (launcher.pid not in parents) == forked, (launcher.pid, out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -81,6 +82,13 @@ def _add_launch(subparsers: Subparsers) -> None:
     p.add_argument(
         "--verbose", action="store_true", help='show gloo\'s "[Gloo] Rank N is connected" lines'
     )
+    p.add_argument(
+        "--preload",
+        action="store_true",
+        help="fork each Python worker from an interpreter that imported JAX, flax, optax and "
+        "orbax once, rather than importing them again in each (SPMD_LAUNCH_PRELOAD=1; "
+        "docs/multihost.md)",
+    )
     p.add_argument("program", nargs=argparse.REMAINDER, help="-- the program and its arguments")
     p.set_defaults(run=_run_launch, parser=p)
 
@@ -97,6 +105,10 @@ def _run_launch(args: argparse.Namespace) -> int:
             f"argument --min-processes: must be at most -n/--num-processes "
             f"({args.num_processes}); received {args.min_processes}"
         )
+    if args.preload:
+        from spmd._src.clusters.preload import ENV_PRELOAD
+
+        os.environ[ENV_PRELOAD] = "1"
     try:
         return launch(
             program,
