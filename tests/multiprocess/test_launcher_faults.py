@@ -22,6 +22,7 @@ from bounds import bound
 from spmd._src.cli import main as cli
 from spmd._src.clusters.launch import launch
 from spmd._src.clusters.launch_results import CONFIGURATION_EXIT_CODE
+from spmd._src.clusters.preload import ENV_PRELOAD
 
 from .procs import alive, child_env, wait_gone
 
@@ -87,15 +88,20 @@ def _signal_state() -> str:
 class Launcher:
     """`spmd launch -n N [extra] -- python -c CODE` as a child, output read by a thread."""
 
-    def __init__(self, code: str, n: int = 2, *extra: str, program=None) -> None:
+    def __init__(
+        self, code: str, n: int = 2, *extra: str, program=None, preload: str | None = None
+    ) -> None:
         program = program or [PY, "-c", code]
         argv = [PY, "-c", AS_FROM_A_TERMINAL, "-m", "spmd", "launch", "-n", str(n), *extra]
         argv += ["--", *program]
         self.signals = _signal_state()
         self.start = time.monotonic()
+        env = child_env()
+        if preload is not None:  # how the workers start: fresh ("0") or forked ("1")
+            env[ENV_PRELOAD] = preload
         self.proc = subprocess.Popen(
             argv,
-            env=child_env(),
+            env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -149,9 +155,11 @@ class Launcher:
 
 
 @pytest.mark.parametrize("signals", [["SIGKILL"], ["SIGHUP"], ["SIGINT", "SIGINT"]])
-def test_workers_die_with_their_launcher(signals):
-    """SIGKILL (PR_SET_PDEATHSIG), a closed terminal, and a second Ctrl-C in the grace period."""
-    launcher = Launcher(STUBBORN_WORKER)
+@pytest.mark.parametrize("start", ["fresh", "forked"])
+def test_workers_die_with_their_launcher(signals, start):
+    """SIGKILL (PR_SET_PDEATHSIG), a closed terminal, and a second Ctrl-C in the grace period;
+    workers started fresh, and forked from a preload server (which dies with the launcher)."""
+    launcher = Launcher(STUBBORN_WORKER, preload="1" if start == "forked" else "0")
     try:
         pids = launcher.collect("PID", 2, seconds=30)
         for name in signals:
@@ -195,9 +203,12 @@ def test_children_of_workers_that_already_exited_are_stopped(fate):
 
 
 @WAITS_LONGER
-def test_sigkill_of_the_launcher_takes_the_workers_children_too():
-    """The keeper stops every worker's group when the launcher dies: its children go too."""
-    launcher = Launcher(FORKING_WORKER.replace("FATE", "time.sleep(60)"), 2)
+@pytest.mark.parametrize("start", ["fresh", "forked"])
+def test_sigkill_of_the_launcher_takes_the_workers_children_too(start):
+    """The keeper stops every worker's group when the launcher dies: its children go too,
+    the workers started fresh or forked from a preload server."""
+    code = FORKING_WORKER.replace("FATE", "time.sleep(60)")
+    launcher = Launcher(code, 2, preload="1" if start == "forked" else "0")
     try:
         workers = launcher.collect("PID", 2)
         grandchildren = launcher.collect("GRANDCHILD", 2)
