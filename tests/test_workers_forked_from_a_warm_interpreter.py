@@ -5,6 +5,7 @@ changes JAX's configuration variables before importing JAX gets them applied, or
 error; and the server's workers end with the launcher's handle on them."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -41,6 +42,9 @@ report = {
     "stdout_encoding": sys.stdout.encoding,
     "jax_imported_before": "jax" in sys.modules,
     "orig_argv_tail": sys.orig_argv[1:],
+    "globals": sorted(globals()),
+    "stdio": [(s.name, s.mode, s.encoding, s.errors) for s in (sys.stdin, sys.stdout, sys.stderr)],
+    "numpy_spec_origin": __import__("importlib.util").util.find_spec("optax").origin,
 }
 import jax
 report["x64"] = bool(jax.config.jax_enable_x64)
@@ -296,3 +300,119 @@ def test_spmd_launch_preload_forks_the_workers(flag, variable, forked, tmp_path)
     parents = {int(line.split()[-1]) for line in out.splitlines() if " parent " in line}
     assert len(parents) == 1, out
     assert (launcher.pid not in parents) == forked, (launcher.pid, out)
+
+
+def _same_both_ways(command, tmp_path, monkeypatch, **env) -> tuple[int, str, str]:
+    """The program's (status, stdout, stderr), the same started fresh and forked."""
+    fresh = _fresh(command, _env(**env), tmp_path)
+    forked = _forked(command, _env(**env), tmp_path, monkeypatch)
+    assert forked == fresh
+    return forked
+
+
+@pytest.mark.multiprocess
+def test_interrupts_syntax_errors_and_unnormalized_paths_end_as_in_a_fresh_interpreter(
+    tmp_path, monkeypatch
+):
+    """An uncaught KeyboardInterrupt ends the worker by SIGINT after the same traceback; a
+    syntax error prints no traceback header; a script given as sub/../prog.py has that
+    path as its __file__."""
+    status, _, err = _same_both_ways([PY, "-c", "raise KeyboardInterrupt"], tmp_path, monkeypatch)
+    assert status == -signal.SIGINT and "KeyboardInterrupt" in err
+    status, _, err = _same_both_ways([PY, "-c", "x = ("], tmp_path, monkeypatch)
+    assert status == 1 and "SyntaxError" in err and "Traceback" not in err
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "prog.py").write_text("print(__file__)\n")
+    _, out, _ = _same_both_ways([PY, "sub/../prog.py"], tmp_path, monkeypatch)
+    assert out.strip().endswith("sub/../prog.py")
+
+
+@pytest.mark.multiprocess
+def test_the_time_zone_is_the_workers_own(tmp_path, monkeypatch):
+    """`time` reads TZ when imported: a launch environment with another TZ gets a server
+    of its own, and the program the zone it was given."""
+    code = "import time\nprint(time.tzname, time.timezone)\n"
+    _same_both_ways([PY, "-c", code], tmp_path, monkeypatch)
+    _, out, _ = _same_both_ways([PY, "-c", code], tmp_path, monkeypatch, TZ="Asia/Tokyo")
+    assert "-32400" in out
+
+
+@pytest.mark.multiprocess
+def test_a_package_the_program_puts_on_sys_path_itself_is_an_import_error(tmp_path, monkeypatch):
+    """A program that puts its own typing_extensions first on sys.path, then imports it,
+    gets its own from a fresh start; a forked worker, which has the server's already,
+    says so (an ImportError naming both and the fix), and again on a second try: never
+    the server's in silence."""
+    vendor = tmp_path / "vendor"
+    vendor.mkdir()
+    (vendor / "typing_extensions.py").write_text("WHO = 'vendored'\n")
+    code = (
+        f"import sys\nsys.path.insert(0, {str(vendor)!r})\n"
+        "for attempt in range(2):\n"
+        "    try:\n"
+        "        import typing_extensions\n"
+        "        print(typing_extensions.WHO)\n"
+        "    except ImportError as e:\n"
+        "        print('ImportError', e)\n"
+    )
+    assert _fresh([PY, "-c", code], _env(), tmp_path)[1].split() == ["vendored", "vendored"]
+    _, out, _ = _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)
+    lines = out.splitlines()
+    assert len(lines) == 2 and all(line.startswith("ImportError") for line in lines), out
+    assert str(vendor) in lines[0] and "PYTHONPATH" in lines[0], out
+
+
+@pytest.mark.multiprocess
+def test_a_namespace_package_beside_the_script_starts_it_fresh(tmp_path, monkeypatch):
+    """`google` is a namespace package (no __file__) in the server; a google.py beside
+    the script is what a fresh start imports: the script starts fresh."""
+    (tmp_path / "google.py").write_text("WHO = 'mine'\n")
+    (tmp_path / "main.py").write_text("import google\nprint(google.WHO)\n")
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    assert preload.start([PY, "main.py"], _env()) is None
+
+
+@pytest.mark.multiprocess
+def test_a_sitecustomize_on_the_pythonpath_starts_the_worker_fresh(tmp_path, monkeypatch):
+    """site imports sitecustomize from PYTHONPATH when a fresh interpreter starts; the
+    server started long before: such a worker starts fresh."""
+    (tmp_path / "pp").mkdir()
+    (tmp_path / "pp" / "sitecustomize.py").write_text("import os\nos.environ['RAN'] = '1'\n")
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    env = _env(PYTHONPATH=os.pathsep.join([str(tmp_path / "pp"), _env()["PYTHONPATH"]]))
+    assert preload.start([PY, "-c", "pass"], env) is None
+
+
+@pytest.mark.multiprocess
+def test_a_zip_application_starts_fresh(tmp_path, monkeypatch):
+    import zipapp
+
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("print('zipped')\n")
+    zipapp.create_archive(tmp_path / "app", tmp_path / "app.pyz")
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    assert preload.start([PY, "app.pyz"], _env()) is None
+
+
+@pytest.mark.multiprocess
+def test_the_server_outlives_the_thread_that_started_it(tmp_path, monkeypatch):
+    """A server started from a thread that then ends keeps serving (no PR_SET_PDEATHSIG
+    on it: that signal comes when the starting thread ends, not the process)."""
+    import threading
+
+    preload.close_servers()
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    first: list = []
+    thread = threading.Thread(
+        target=lambda: first.append(preload.start([PY, "-c", "pass"], _env()))
+    )
+    thread.start()
+    thread.join()
+    assert first[0].wait(timeout=60) == 0
+    later = preload.start([PY, "-c", "print('still')"], _env())
+    assert isinstance(later, preload.ForkedProcess)
+    assert later.stdout.read() == b"still\n" and later.wait(timeout=60) == 0
