@@ -416,3 +416,47 @@ def test_the_server_outlives_the_thread_that_started_it(tmp_path, monkeypatch):
     later = preload.start([PY, "-c", "print('still')"], _env())
     assert isinstance(later, preload.ForkedProcess)
     assert later.stdout.read() == b"still\n" and later.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("mode", ["script", "code", "module"])
+def test_the_path_a_worker_gets_first_is_a_fresh_interpreters(mode, tmp_path):
+    """The entries a fresh interpreter puts before the installed ones (the script's folder,
+    or the working directory; then PYTHONPATH, relative entries made absolute, duplicates
+    dropped) are those a forked worker gets: a fresh `python` (no JAX: milliseconds) is
+    the oracle."""
+    from spmd._src.clusters import preload_server
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "show.py").write_text("import json, sys\nprint(json.dumps(sys.path))\n")
+    pythonpath = os.pathsep.join(["lib", str(tmp_path / "lib"), "lib"])
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": pythonpath}
+    command, target = {
+        "script": ([PY, "show.py"], "show.py"),
+        "code": ([PY, "-c", (tmp_path / "show.py").read_text()], "<code>"),
+        "module": ([PY, "-m", "show"], "show"),
+    }[mode]
+    fresh = json.loads(subprocess.run(command, env=env, cwd=tmp_path, capture_output=True).stdout)
+    request = {"mode": mode, "target": target, "env": env, "cwd": str(tmp_path)}
+    own = preload_server._own_path(request)
+    expected = fresh[: len(own)]
+    if mode == "code":
+        own[0] = ""  # python -c puts '' (the working directory as it changes)
+    assert own == expected
+
+
+def test_configuration_variables_read_as_jax_reads_them():
+    """JAX's truth values (y, yes, t, true, on, 1 and their negatives, any case), integers
+    and text; anything else for a truth value is an ImportError naming the variable."""
+    from spmd._src.clusters.preload_server import _parse
+
+    assert [_parse("V", v, False) for v in ("Yes", "ON", "1", "f", "off", "0")] == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert _parse("V", "7", 3) == 7 and _parse("V", "cpu", "gpu") == "cpu"
+    with pytest.raises(ImportError, match="'maybe' for environment 'V'"):
+        _parse("V", "maybe", True)
