@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bounds import bound
 
 from spmd.testing import run_processes
 
@@ -64,12 +65,18 @@ def test_an_island_killed_before_the_first_sync_is_named_by_its_peer(tmp_path, s
             )
             for i, f in enumerate((out, victim_out))
         ]
-        try:
-            codes = [p.wait(timeout=300) for p in procs]
+        try:  # ~15 s alone: the heartbeat (10 s) names the victim
+            codes = [p.wait(timeout=bound(90)) for p in procs]
+        except subprocess.TimeoutExpired:
+            codes = [p.poll() for p in procs]
         finally:
             for p in procs:
                 p.kill()
     text = log.read_text()
+    assert None not in codes, (
+        f"still running after {bound(90):g} s: {codes}\n--- survivor:\n{text[-3000:]}"
+        f"\n--- victim:\n{(tmp_path / 'victim.log').read_text()[-1500:]}"
+    )
     assert codes == [HANG_EXIT_CODE, -9], (codes, text[-3000:])
     assert "process 0: READY" in text and "synced without its peer" not in text, text[-3000:]
     assert "spmd: ending: process 1 failed (gone: " in text, text[-3000:]
