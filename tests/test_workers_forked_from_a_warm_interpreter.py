@@ -272,11 +272,13 @@ def test_what_importing_did_to_the_interpreter_waits_for_the_programs_import(tmp
         "import orbax.checkpoint, flax.nnx\n"
         "logging.getLogger('probe').info('info shows')\n"
         "after = [len(logging.root.handlers), sys.getrecursionlimit(), len(warnings.filters)]\n"
-        "print(json.dumps([before, after, logging.root.level]))\n"
+        "one = sys.modules['logging'] is logging\n"  # not a second logging beside the held one
+        "print(json.dumps([before, after, logging.root.level, one]))\n"
     )
     fresh = _fresh([PY, "-c", code], _env(), tmp_path)
     forked = _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)
     assert forked[:2] == fresh[:2]
+    assert json.loads(forked[1])[-1] is True
     assert "probe: info shows" in forked[2] and "probe: info shows" in fresh[2], forked[2]
 
 

@@ -297,6 +297,9 @@ class _Effects:
         import logging
         import warnings
 
+        # The server's logging and warnings modules: a worker holds `logging` back, and
+        # an `import logging` here then would load a second one.
+        self.logging, self.warnings = logging, warnings
         root = logging.getLogger()
         self.filters, self.handlers = list(warnings.filters), list(root.handlers)
         self.level, self.recursion = root.level, sys.getrecursionlimit()
@@ -312,9 +315,7 @@ class _Effects:
 
     def undo(self) -> None:
         """Takes this import's effects back (a worker starts without them)."""
-        import logging
-        import warnings
-
+        logging, warnings = self.logging, self.warnings
         warnings.filters[:] = [f for f in warnings.filters if f not in self.filters]
         warnings._filters_mutated()
         root = logging.getLogger()
@@ -325,14 +326,12 @@ class _Effects:
 
     def redo(self) -> None:
         """Does them again, as importing the module in a fresh interpreter would now."""
-        import logging
-        import warnings
-
+        logging, warnings = self.logging, self.warnings
         warnings.filters[:0] = self.filters
         warnings._filters_mutated()
         root = logging.getLogger()
         if self.handlers and not root.handlers:
-            if all(_is_basic(h) for h in self.handlers):
+            if all(_is_basic(h, logging) for h in self.handlers):
                 logging.basicConfig()  # on this worker's sys.stderr, as the import did
             else:
                 for handler in self.handlers:
@@ -343,10 +342,8 @@ class _Effects:
             sys.setrecursionlimit(self.recursion)
 
 
-def _is_basic(handler: Any) -> bool:
+def _is_basic(handler: Any, logging: Any) -> bool:
     """Whether `handler` is the one logging.basicConfig() adds (stderr, BASIC_FORMAT)."""
-    import logging
-
     fmt = getattr(handler.formatter, "_fmt", None)
     return type(handler) is logging.StreamHandler and fmt == logging.BASIC_FORMAT
 
@@ -482,7 +479,8 @@ class _HeldBack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             self._check_found_here(name)
         config = _changed_config(self.server_env, self._module) if whole else []
         for name in roots:
-            sys.modules.update(self.hidden.pop(name))
+            for key, held in self.hidden.pop(name).items():
+                sys.modules.setdefault(key, held)
         for step in steps:
             step.done = True
             for effects in step.effects:
@@ -594,7 +592,6 @@ def _parse(variable: str, value: str, current: Any) -> Any:
 def _run(request: dict[str, Any]) -> int:
     """Runs the worker's program as `__main__`; its exit status as python's."""
     import builtins
-    import runpy
 
     mode, target, args = request["mode"], request["target"], request["args"]
     flag = {"code": ["-c"], "module": ["-m"]}.get(mode, [])
@@ -605,6 +602,8 @@ def _run(request: dict[str, Any]) -> int:
     sys.modules["__main__"] = main
     try:
         if mode == "module":
+            import runpy  # as python -m does
+
             sys.argv = ["-m", *args]
             runpy._run_module_as_main(target, alter_argv=True)
             return 0
