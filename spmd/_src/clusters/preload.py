@@ -266,8 +266,8 @@ def start(command: Sequence[str], env: Mapping[str, str]) -> ForkedProcess | Non
     with _servers_lock:
         server = _servers.get(key)
         if server is not None and server.proc.poll() is not None:  # it died: a new one
-            server.close()
-            server = _servers.pop(key) and None
+            _servers.pop(key).close()
+            server = None
         if server is None:
             if len(_servers) >= _MAX_SERVERS:
                 return None
