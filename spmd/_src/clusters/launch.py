@@ -33,7 +33,6 @@ from spmd._src.clusters.launch_results import (
     signal_name,
     summary,
 )
-from spmd._src.clusters.preload import ForkedProcess
 from spmd._src.clusters.spec import (
     ENV_COORDINATOR_ADDRESS,
     ENV_DEVICES_PER_PROCESS,
@@ -391,7 +390,9 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def _start(command: Sequence[str], env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProcess:
+def _start(
+    command: Sequence[str], env: dict[str, str]
+) -> subprocess.Popen[bytes] | preload.ForkedProcess:
     """Starts one process of the group, in a process group of its own, dying with us:
     forked from a warm interpreter where SPMD_LAUNCH_PRELOAD asks for one and the
     command is a Python program it can run (spmd._src.clusters.preload), else fresh."""

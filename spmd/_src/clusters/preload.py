@@ -144,7 +144,7 @@ class ForkedProcess:
         with self._lock:
             if self.returncode is not None:
                 return
-            ready, _, _ = _select([self._conn], timeout)
+            ready, _, _ = select.select([self._conn], [], [], timeout)
             if not ready:
                 return
             data = self._conn.recv(4096)
@@ -159,10 +159,6 @@ class ForkedProcess:
                 self.returncode = -signal.SIGKILL
             if self.returncode is not None:
                 self._conn.close()
-
-
-def _select(socks: list[socket.socket], timeout: float | None) -> tuple[list, list, list]:
-    return select.select(socks, [], [], timeout)
 
 
 class _Server:
@@ -192,8 +188,8 @@ class _Server:
         self.control = ours
         self.lock = threading.Lock()
         self.cpu_s = 0.0  # its CPU and its ended workers', as it said last
-        self.failure = _read_line(ours, _READY_TIMEOUT)
-        self.ready = self.failure == "ready"
+        # "ready", or "failed: ..." (an import failed): the launcher then starts fresh
+        self.ready = _read_line(ours, _READY_TIMEOUT) == "ready"
 
     def fork(self, command: list[str], request: dict[str, Any]) -> ForkedProcess | None:
         """The worker forked for `request`, or None where the server refuses it."""
@@ -237,7 +233,7 @@ def _read_line(sock: socket.socket, timeout: float) -> str:
     data = b""
     deadline = time.monotonic() + timeout
     while not data.endswith(b"\n"):
-        ready, _, _ = _select([sock], max(0.0, deadline - time.monotonic()))
+        ready, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
         if not ready:
             return ""
         chunk = sock.recv(1)

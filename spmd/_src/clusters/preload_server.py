@@ -65,7 +65,7 @@ _POLL = 0.05  # seconds between looks at the workers without pidfds
 _CUSTOMIZE = ("sitecustomize", "usercustomize")  # what site imports from sys.path at start
 
 
-def die_with(parent: int) -> None:
+def _die_with(parent: int) -> None:
     """Makes this process get SIGKILL when its parent dies (Linux), exiting at once if
     `parent` is already gone. (The signal comes when the thread that forked this one
     ends: only a process that forks from one long-lived thread may rely on it.)"""
@@ -77,7 +77,7 @@ def die_with(parent: int) -> None:
         os._exit(1)
 
 
-def tell(conn: socket.socket, line: str) -> None:
+def _tell(conn: socket.socket, line: str) -> None:
     """Sends one line; a launcher that is gone is no error."""
     with contextlib.suppress(OSError):
         conn.sendall(f"{line}\n".encode())
@@ -129,7 +129,7 @@ class _Workers:
         conn = socket.socket(fileno=fds[0])
         refusal = _refusal(request)
         if refusal:
-            tell(conn, f"fallback: {refusal}")
+            _tell(conn, f"fallback: {refusal}")
             conn.close()
             for fd in fds[1:]:
                 os.close(fd)
@@ -140,7 +140,7 @@ class _Workers:
         pid = os.fork()
         if pid == 0:
             os.setsid()  # its own session and process group, as a launched worker
-            die_with(server)
+            _die_with(server)
             os.write(settle, b"1")
             self._close_all(settled, settle, conn)
             return request, fds[1:]
@@ -150,7 +150,7 @@ class _Workers:
             os.close(fd)
         pidfd = os.pidfd_open(pid) if _PIDFDS else None
         self.running[pid] = (conn, pidfd)
-        tell(conn, f"pid {pid}")
+        _tell(conn, f"pid {pid}")
         self.selector.register(conn, selectors.EVENT_READ, ("conn", pid))
         if pidfd is not None:
             self.selector.register(pidfd, selectors.EVENT_READ, ("exit", pid))
@@ -166,7 +166,7 @@ class _Workers:
         mine = resource.getrusage(resource.RUSAGE_SELF)
         theirs = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = mine.ru_utime + mine.ru_stime + theirs.ru_utime + theirs.ru_stime
-        tell(conn, f"exit {os.waitstatus_to_exitcode(status)} {cpu!r}")
+        _tell(conn, f"exit {os.waitstatus_to_exitcode(status)} {cpu!r}")
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn)
         conn.close()
@@ -658,10 +658,10 @@ def main(argv: list[str]) -> int:
     try:
         steps, tempdir = _preload(argv[1].split(","))
     except BaseException as e:  # noqa: BLE001 (reported to the launcher, which starts fresh)
-        tell(control, f"failed: {type(e).__name__}: {e}".replace("\n", " "))
+        _tell(control, f"failed: {type(e).__name__}: {e}".replace("\n", " "))
         return 1
     server_env = dict(os.environ)
-    tell(control, "ready")
+    _tell(control, "ready")
     job = _serve(control)
     if job is None:
         return 0
