@@ -1,4 +1,5 @@
-"""Running spmd's command line as a user would: `python -m spmd ...` in a child process."""
+"""Running spmd's command line and Python programs as a user would, in child processes:
+`python -m spmd ...`, `python SCRIPT ...`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from spmd._src.clusters import preload
 
 ROOT = Path(__file__).resolve().parents[1]
 # How the run compiles (tests/conftest.py sets it in XLA_FLAGS): XLA's CPU backend at
@@ -47,10 +51,54 @@ def run_spmd(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     """`python -m spmd ARGS` run to its end, in `env` (`child_env()` if not given)."""
-    return subprocess.run(
-        [sys.executable, "-m", "spmd", *args],
-        env=child_env() if env is None else env,
-        capture_output=True,
+    command = [sys.executable, "-m", "spmd", *args]
+    return run_program(command, child_env() if env is None else env, timeout)
+
+
+def start_program(
+    command: list[str],
+    env: dict[str, str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+) -> subprocess.Popen[str] | preload.ForkedProcess:
+    """`command` started as subprocess.Popen(..., text=True) starts it, its stdin
+    /dev/null. A Python program (`python SCRIPT|-c|-m ...` by this interpreter) is forked
+    from the run's warm interpreter where SPMD_LAUNCH_PRELOAD says so (tests/conftest.py)
+    and it can run there as a fresh interpreter would (what
+    tests/test_workers_forked_from_a_warm_interpreter.py checks against fresh starts):
+    the seconds of CPU of importing JAX, flax, optax and orbax again are saved. A test of
+    the fresh start itself calls subprocess."""
+    forked = preload.start(command, env, cwd=cwd, stdout=stdout, stderr=stderr, text=True)
+    if forked is not None:
+        return forked
+    return subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
         text=True,
-        timeout=timeout,
     )
+
+
+def run_program(
+    command: list[str],
+    env: dict[str, str],
+    timeout: float,
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`command` run to its end as subprocess.run(..., capture_output=True, text=True,
+    timeout=timeout) runs it (started by start_program): killed and
+    subprocess.TimeoutExpired past `timeout` s."""
+    process = start_program(command, env, cwd=cwd)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)

@@ -1,7 +1,7 @@
 """Callbacks: TensorBoard event files parse, ModelCheckpoint saves, BackupAndRestore resumes exactly."""
 
+import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +10,7 @@ import models
 import numpy as np
 import optax
 import pytest
+from commands import run_program
 from flax import nnx
 from models import labelled
 
@@ -166,11 +167,10 @@ def test_backup_and_restore_resumes_to_the_same_weights(tmp_path):
     script.write_text(WORKER.format(tests=str(ROOT / "tests")))
 
     def run(backup, out, kill_at):
-        return subprocess.run(
+        return run_program(
             [sys.executable, str(script), str(backup), str(out), str(kill_at)],
-            capture_output=True,
-            text=True,
-            timeout=300,
+            dict(os.environ),
+            300,
             cwd=ROOT,
         )
 

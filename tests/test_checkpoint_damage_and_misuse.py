@@ -9,7 +9,6 @@ never damage; nothing is wrong silently. Every wait is bounded; loopback only.
 import errno
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import run_program
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -177,7 +177,7 @@ def test_permission_denied_is_an_error_not_a_fresh_start(tmp_path):
             if os.geteuid() == 0:
                 os.chown(p, 65534, 65534)  # nobody
     command = without_dac_override(command)  # root reads anything: not without them
-    run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
+    run = run_program(command, _child_env(), 90)
     output = run.stdout + run.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["1", "2"]
     assert "RESUMED 0" not in output
@@ -210,7 +210,7 @@ def test_a_step_folder_that_cannot_be_read_is_named_never_called_damaged(tmp_pat
     (tmp_path / "ckpt" / "2" / "state").chmod(0)
     command = without_dac_override([sys.executable, "-c", _LIST, str(tmp_path / "ckpt"), who])
     try:
-        run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
+        run = run_program(command, _child_env(), 90)
     finally:
         (tmp_path / "ckpt" / "2" / "state").chmod(0o755)
     output = run.stdout + run.stderr
@@ -245,7 +245,7 @@ def test_a_directory_made_read_only_after_a_run_is_refused_at_open_pointing_at_r
     folder.chmod(0o555)
     command = without_dac_override([sys.executable, "-c", _SAVE_MORE, str(folder)])
     try:
-        run = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=90)
+        run = run_program(command, _child_env(), 90)
     finally:
         folder.chmod(0o755)
     output = run.stdout + run.stderr
@@ -284,12 +284,8 @@ def test_a_checkpoint_manager_without_initialize_under_launch_names_initialize(t
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(_NO_INITIALIZE))
     launch = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--devices-per-process", "2"]
-    run = subprocess.run(
-        [*launch, "--", sys.executable, str(script), str(tmp_path / "ckpt")],
-        env=_child_env(),
-        capture_output=True,
-        text=True,
-        timeout=90,
+    run = run_program(
+        [*launch, "--", sys.executable, str(script), str(tmp_path / "ckpt")], _child_env(), 90
     )
     output = run.stdout + run.stderr
     assert run.returncode != 0

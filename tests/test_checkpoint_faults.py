@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import run_program
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -312,7 +313,7 @@ def test_a_full_disk_is_said_once_per_step_in_spmd_s_words_and_its_space_freed(s
     one CheckpointError; its temporary folder is removed, so it stops taking the space."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-c", FILLS_THE_DISK, str(small_disk / "ckpt")]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    done = run_program(argv, env, 300)
     assert done.returncode == 0, done.stderr[-3000:]
     errors = re.findall(r"steps=\[([\d, ]*)\]", done.stdout)
     named = [int(s) for group in errors for s in group.split(",")]
@@ -343,7 +344,7 @@ else:
 def _run_many(folder: Path, mode: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-c", MANY_ARRAYS, str(folder), mode]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    return run_program(argv, env, 300)
 
 
 @pytest.mark.slow

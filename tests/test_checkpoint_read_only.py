@@ -11,6 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import start_program
 
 import spmd
 from tests.gcs_emulator import GcsEmulator
@@ -227,10 +228,10 @@ def gcs():
 def _job(gcs, *args, wait=True):
     env = {**child_env(), **gcs.env(), "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, str(JOB), *args]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = start_program(command, env, stderr=subprocess.STDOUT)
     if not wait:
         return process
-    output = process.communicate(timeout=300)[0].decode()
+    output = process.communicate(timeout=300)[0]
     return process.returncode, output
 
 
@@ -263,7 +264,7 @@ def test_a_reader_in_another_process_follows_a_writer_on_an_object_store(gcs, tm
             if code != 0 and EMULATOR_RACE in output and attempt == 0:
                 continue
             assert code == 0, output[-3000:]
-            reader_output = reader.communicate(timeout=200)[0].decode()
+            reader_output = reader.communicate(timeout=200)[0]
             break
         finally:
             if reader.poll() is None:

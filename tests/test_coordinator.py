@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from commands import run_program
 
 import spmd
 
@@ -259,18 +260,11 @@ print("end of program", flush=True)
 def test_an_error_no_call_raised_is_raised_at_the_programs_end(ending):
     """A last schedule's error with no join: exit 1 and the traceback, not a silent 0."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run(
-        [sys.executable, "-c", LAST_SCHEDULE_FAILS, ending],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_program([sys.executable, "-c", LAST_SCHEDULE_FAILS, ending], env, 300)
     assert "end of program" in done.stdout, done.stderr[-3000:]
     if ending != "nothing":  # raised to the program, which handled it: nothing at exit
         assert (done.returncode, done.stderr) == (0, ""), done.stderr[-3000:]

@@ -5,12 +5,12 @@ import functools
 import inspect
 import os
 import re
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from commands import run_program
 
 import spmd
 import spmd.partitioners
@@ -129,12 +129,5 @@ def test_guide_examples_run(tmp_path):
     # One process, whatever cluster the test session itself runs in.
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG" and not k.startswith("SPMD_")}
     env["JAX_PLATFORMS"] = "cpu"
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_program([sys.executable, str(script)], env, 300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]

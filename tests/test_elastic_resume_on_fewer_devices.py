@@ -5,12 +5,13 @@ a job trained on 4 devices resumes on 2 (a host lost for good), and the result
 must equal the uninterrupted job on one device (the oracle).
 """
 
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from commands import run_program
 
 import spmd
 
@@ -21,7 +22,7 @@ FIT_WORKER = Path(__file__).with_name("elastic_fit_worker.py")
 def _fit(devices: int, backup: Path | str, out: Path, kill_at: int, per_execution: int):
     command = [sys.executable, str(FIT_WORKER), str(devices), str(backup), str(out)]
     command += [str(kill_at), str(per_execution)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return run_program(command, dict(os.environ), 300, cwd=ROOT)
 
 
 @pytest.mark.slow  # 21 s of CPU: over the fast tier's share (tests/tiers.py)

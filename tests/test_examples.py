@@ -5,11 +5,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from commands import program_env
+from commands import program_env, run_program
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-# Each example is a program of its own, run in a fresh process: slow, out of the fast tier.
+# Each example is a program of its own, run in a process of its own (forked from the run's
+# warm interpreter, tests/commands.start_program; quickstart.py also fresh, as a user types
+# it): slow, out of the fast tier.
 pytestmark = pytest.mark.slow
 # Arguments that keep each example short in CI; an example missing here runs as is.
 FAST_ARGS = {
@@ -30,10 +32,15 @@ FAST_ARGS = {
 MULTIPROCESS = {"03_multi_worker_tf_config.py", "11_sidecar_evaluator.py"}
 
 
-def _run(command, timeout=240):
-    result = subprocess.run(
-        command, cwd=ROOT, env=program_env(), capture_output=True, text=True, timeout=timeout
-    )
+def _run(command, timeout=240, fresh=False):
+    """`command` (python ARGS) run from the repository's root; `fresh`: by a fresh
+    interpreter, never forked."""
+    if fresh:
+        result = subprocess.run(
+            command, cwd=ROOT, env=program_env(), capture_output=True, text=True, timeout=timeout
+        )
+    else:
+        result = run_program(command, program_env(), timeout, cwd=ROOT)
     assert result.returncode == 0, (
         f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     )
@@ -57,6 +64,12 @@ def _launch(devices_per_process, example, *args, timeout=240):
 )
 def test_example_runs(example):
     _run([sys.executable, str(EXAMPLES / example), *FAST_ARGS.get(example, [])])
+
+
+def test_quickstart_runs_in_a_fresh_interpreter():
+    # As a user types it: `python examples/quickstart.py`, nothing forked.
+    out = _run([sys.executable, str(EXAMPLES / "quickstart.py"), "--steps", "5"], fresh=True)
+    assert "largest parameter difference from one device" in out
 
 
 @pytest.mark.parametrize("strategy", ["parameter_server", "central_storage"])

@@ -2,13 +2,12 @@
 
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from commands import child_env
+from commands import child_env, run_program
 
 from spmd._src.cli import main as cli
 from spmd._src.clusters.launch import PREEMPTED_EXIT_CODE, TIMEOUT_EXIT_CODE, launch, process_env
@@ -26,14 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.mark.multiprocess
 def test_cli_launch_two_processes_psum_and_prefixed_output():
     argv = ["-m", "spmd", "launch", "-n", "2", "--devices-per-process", "2", "--timeout", "90"]
-    proc = subprocess.run(
-        [PY, *argv, "--", PY, str(WORKER)],
-        env=child_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    proc = run_program([PY, *argv, "--", PY, str(WORKER)], child_env(), 100, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line]
     assert all(re.match(r"\[[01]\] ", line) for line in lines), lines

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from commands import run_program
 
 from spmd._src.clusters import lost_peer
 
@@ -139,7 +140,7 @@ def terminate(address: str, index: int, quiet: str, kind: str) -> subprocess.Com
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     argv = [sys.executable, "-c", TERMINATE, address, str(index), quiet, kind]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    return run_program(argv, env, 60)
 
 
 @linux

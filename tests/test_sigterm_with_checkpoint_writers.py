@@ -15,6 +15,7 @@ import threading
 
 import jax.numpy as jnp
 import pytest
+from commands import run_program
 
 import spmd
 from spmd._src.checkpoint import preemption
@@ -108,9 +109,7 @@ def test_a_sigterm_after_every_writer_was_dropped_unclosed_ends_the_process(tmp_
         print("still alive")
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=90
-    )
+    done = run_program([sys.executable, "-c", script], child_env(), 90)
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stdout, done.stderr[-2000:])
     assert "still alive" not in done.stdout
 
@@ -197,13 +196,7 @@ def test_a_flag_that_is_not_a_bool_is_refused_before_anything_is_opened(tmp_path
 
 
 def _run(script: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_program([sys.executable, "-c", textwrap.dedent(script)], child_env(), timeout)
 
 
 @pytest.mark.timeout(120)

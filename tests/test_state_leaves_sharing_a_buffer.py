@@ -4,7 +4,6 @@ the donating step runs, with the numbers of one device; a step given such a stat
 names the two paths."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from commands import run_program
 from flax import nnx
 from models import MLP, labelled, nnx_update, xent
 
@@ -75,9 +75,7 @@ def test_put_of_one_array_at_two_paths_runs_in_a_subprocess_without_a_crash():
         """
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
-    )
+    done = run_program([sys.executable, "-c", script], env, 240)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
     loss, ema_sum = map(float, line.split()[1:])

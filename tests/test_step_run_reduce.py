@@ -9,7 +9,6 @@ traceback from deep inside jax.
 
 import functools
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import run_program
 from flax import nnx
 
 import spmd
@@ -76,9 +76,7 @@ def test_state_with_one_array_twice_is_an_error_not_a_segfault():
         """
     )
     env = {**os.environ, "PYTHONPATH": ROOT}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
-    )
+    done = run_program([sys.executable, "-c", script], env, 240)
     assert done.returncode == 0, f"the process died (rc={done.returncode}): {done.stderr[-400:]}"
     assert "CLEAR" in done.stdout, done.stdout
 

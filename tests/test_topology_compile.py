@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from commands import run_program
 
 import spmd
 from spmd._src.explain import _human
@@ -152,16 +153,13 @@ def test_topology_on_a_host_without_chips_prints_nothing_of_libtpus():
     """libtpu's start on a host that is no TPU VM wrote five lines (unexpected worker
     hostname, host bounds, a source location trace) on every program's first topology."""
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     code = "import spmd; print(len(spmd.topology('v5e-4')), len(spmd.topology('v5p-8', 2)))"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_program([sys.executable, "-c", code], env, 300)
     assert done.returncode == 0 and done.stdout.split() == ["4", "8"], done.stderr[-3000:]
     assert done.stderr == "", done.stderr
 

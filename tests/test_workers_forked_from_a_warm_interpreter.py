@@ -188,6 +188,26 @@ def test_without_the_variable_nothing_is_forked(monkeypatch):
 
 
 @pytest.mark.multiprocess
+def test_the_variables_an_import_sets_are_set_when_the_program_imports_it(tmp_path, monkeypatch):
+    """JAX's import sets TPU_SKIP_MDS_QUERY (no TPU chips here: else libtpu, loaded to
+    compile for a topology, asks a cloud metadata server for minutes), TPU_LIBRARY_PATH
+    and TF_CPP_MIN_LOG_LEVEL: a forked worker has them once its program imports JAX,
+    not before, and keeps a value the program set first, as a fresh interpreter."""
+    code = (
+        "import os\n"
+        "names = ('TPU_SKIP_MDS_QUERY', 'TPU_LIBRARY_PATH', 'TF_CPP_MIN_LOG_LEVEL')\n"
+        "print([os.environ.get(n) for n in names])\n"
+        "os.environ['TF_CPP_MIN_LOG_LEVEL'] = '3'\n"
+        "import jax\n"
+        "print([os.environ.get(n) for n in names])\n"
+    )
+    command = [PY, "-c", code]
+    fresh = _fresh(command, _env(), tmp_path)
+    assert fresh[0] == 0 and "'1'" in fresh[1].splitlines()[1], fresh
+    assert _forked(command, _env(), tmp_path, monkeypatch) == fresh
+
+
+@pytest.mark.multiprocess
 def test_another_import_time_environment_gets_a_server_of_its_own(tmp_path, monkeypatch):
     """JAX reads JAX_ENABLE_X64 when imported: a worker whose launch environment sets it
     is forked from a server that imported JAX so."""
@@ -195,6 +215,64 @@ def test_another_import_time_environment_gets_a_server_of_its_own(tmp_path, monk
     plain = _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)
     wide = _forked([PY, "-c", code], _env(JAX_ENABLE_X64="1"), tmp_path, monkeypatch)
     assert (plain[1].strip(), wide[1].strip()) == ("float32", "float64")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("merged", [False, True], ids=["two_pipes", "stderr_to_stdout"])
+def test_communicate_reads_what_popen_reads(tmp_path, monkeypatch, merged):
+    """Popen's stdout/stderr arguments and communicate(): text with universal newlines,
+    stderr into stdout, a timeout that keeps what was read; as a fresh Popen of the same
+    program gives."""
+    code = (
+        "import sys, time\n"
+        "print('out\\r\\none', flush=True)\n"
+        "print('err', file=sys.stderr, flush=True)\n"
+        "time.sleep(float(sys.argv[1]))\n"
+        "print('late')\n"
+        "sys.exit(5)\n"
+    )
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    stderr = subprocess.STDOUT if merged else subprocess.PIPE
+    fresh = subprocess.Popen(
+        [PY, "-c", code, "0"], env=_env(), stdout=subprocess.PIPE, stderr=stderr, text=True
+    )
+    forked = preload.start([PY, "-c", code, "0"], _env(), cwd=tmp_path, stderr=stderr, text=True)
+    assert isinstance(forked, preload.ForkedProcess)
+    assert forked.communicate(timeout=60) == fresh.communicate(timeout=60)
+    assert forked.returncode == fresh.returncode == 5
+    slow = preload.start([PY, "-c", code, "3"], _env(), stderr=stderr, text=True)
+    with pytest.raises(subprocess.TimeoutExpired):
+        slow.communicate(timeout=1)
+    out, _ = slow.communicate(timeout=60)
+    assert out.startswith("out\none\n") and out.endswith("late\n"), out
+
+
+def test_an_output_a_forked_worker_cannot_take_is_refused_before_anything_starts():
+    with pytest.raises(ValueError, match=r"stderr is subprocess.PIPE.*Received: 'log.txt'"):
+        preload.start([PY, "-c", "pass"], _env(), stderr="log.txt")
+
+
+@pytest.mark.multiprocess
+def test_a_server_beyond_the_limit_replaces_an_idle_one_never_a_busy_one(tmp_path, monkeypatch):
+    """With room for one server: a second import-time environment replaces the first
+    server once its worker ended; while that worker runs, the second starts fresh."""
+    preload.close_servers()
+    monkeypatch.setattr(preload, "_MAX_SERVERS", 1)
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    monkeypatch.chdir(tmp_path)
+    code = "import jax.numpy as jnp\nprint(jnp.ones(1).dtype)\n"
+    try:
+        sleeper = preload.start([PY, "-c", "import time; time.sleep(60)"], _env())
+        assert isinstance(sleeper, preload.ForkedProcess)
+        assert preload.start([PY, "-c", code], _env(JAX_ENABLE_X64="1")) is None  # busy
+        sleeper.kill()
+        sleeper.wait(timeout=30)
+        wide = preload.start([PY, "-c", code], _env(JAX_ENABLE_X64="1"))
+        assert isinstance(wide, preload.ForkedProcess), "the idle server was not replaced"
+        assert wide.communicate(timeout=120)[0].decode().strip() == "float64"
+        assert len(preload._servers) == 1
+    finally:
+        preload.close_servers()
 
 
 @pytest.mark.multiprocess

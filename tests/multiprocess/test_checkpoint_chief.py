@@ -10,11 +10,11 @@ broadcast and never a step set aside.
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from commands import start_program
 
 from spmd._src.clusters.launch import free_port, process_env
 
@@ -32,14 +32,7 @@ def _job(phase: str, directory: Path, prefix: tuple[str, ...] = ()) -> dict[int,
     coordinator = f"127.0.0.1:{free_port()}"
     command = [*prefix, sys.executable, str(WORKER), phase, str(directory), str(TIMEOUT_S)]
     procs = [
-        subprocess.Popen(
-            command,
-            env=process_env(_env(), i, 2, coordinator, 2, 0),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
+        start_program(command, env=process_env(_env(), i, 2, coordinator, 2, 0)) for i in range(2)
     ]
     reports = {}
     try:

@@ -7,12 +7,12 @@ within the coordination timeout plus a few seconds.
 """
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from commands import start_program
 
 from spmd._src.clusters.launch import free_port, process_env
 
@@ -29,12 +29,9 @@ def _job(scenario: str, directory: Path) -> dict[int, dict]:
     """Runs both processes; each one's JSON report (process 1 of chief_only is killed)."""
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [
-        subprocess.Popen(
+        start_program(
             [sys.executable, str(WORKER), scenario, str(directory), str(TIMEOUT_S)],
             env=process_env(_env(), i, 2, coordinator, 2, 0),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         for i in range(2)
     ]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from bounds import bound
+from commands import start_program
 
 from spmd.testing import run_processes
 
@@ -57,7 +58,7 @@ def test_an_island_killed_before_the_first_sync_is_named_by_its_peer(tmp_path, s
     env = child_env()
     with open(log, "w") as out, open(tmp_path / "victim.log", "w") as victim_out:
         procs = [
-            subprocess.Popen(
+            start_program(
                 [sys.executable, str(worker), "1", "10", *([sync] if sync == "refused" else [])],
                 env=process_env(env, i, 2, coordinator, 1, 0),
                 stdout=f,

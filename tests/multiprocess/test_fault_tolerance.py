@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from commands import run_program, start_program
 
 import spmd
 from spmd._src.clusters.launch import free_port, launch, process_env, run_group
@@ -163,13 +164,7 @@ def test_sigterm_saves_one_agreed_step_then_resumes(tmp_path, capfd, uninterrupt
 def test_interrupted_save_is_ignored(tmp_path):
     directory = tmp_path / "ckpt"
     worker = HERE / "ckpt_interrupt_worker.py"
-    result = subprocess.run(
-        [sys.executable, str(worker), str(directory)],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_program([sys.executable, str(worker), str(directory)], _env(), 120)
     assert result.returncode == -9, result.stderr[-3000:]
     assert any(".orbax-checkpoint-tmp" in p.name for p in directory.iterdir())
     with spmd.CheckpointManager(directory) as ckpt:
@@ -197,7 +192,7 @@ def test_dead_worker_ends_the_others_within_the_heartbeat_timeout(tmp_path):
             logs[victim, i] = tmp_path / f"job{victim}-process{i}.log"
             with open(logs[victim, i], "w") as log:
                 jobs[victim].append(
-                    subprocess.Popen(
+                    start_program(
                         [sys.executable, str(worker), str(victim), str(heartbeat)],
                         env=process_env(_env(), i, 2, coordinator, 1, 0),
                         stdout=log,

@@ -7,12 +7,12 @@ HANG_EXIT_CODE. A slow process that still advances is not flagged.
 """
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from commands import run_program
 
 from spmd._src.clusters.launch_results import HANG_EXIT_CODE
 
@@ -32,9 +32,7 @@ def launch(
     argv += ["--hang-timeout", str(hang_timeout)] if hang_timeout is not None else []
     argv += ["--timeout", str(seconds), "--", sys.executable, str(WORKER), scenario, *args]
     start = time.monotonic()
-    done = subprocess.run(
-        argv, env=child_env(), capture_output=True, text=True, timeout=seconds + 30
-    )
+    done = run_program(argv, child_env(), seconds + 30)
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
 

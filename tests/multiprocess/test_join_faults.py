@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from commands import start_program
 
 from spmd._src.clusters.launch import free_port
 from spmd._src.clusters.launch_results import HANG_EXIT_CODE
@@ -87,12 +88,10 @@ class Group:
         self.address = address
         counts = count if isinstance(count, list) else [count] * len(indices)
         self.procs = [
-            subprocess.Popen(
+            start_program(
                 [sys.executable, str(WORKER), scenario],
-                env=env(i, n, address),
-                stdout=subprocess.PIPE,
+                env(i, n, address),
                 stderr=subprocess.STDOUT,
-                text=True,
             )
             for i, n in zip(indices, counts, strict=True)
         ]

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from commands import run_program, start_program
 
 import spmd
 from spmd.testing import run_processes
@@ -35,20 +36,14 @@ TF_CONFIG = {
 def _evaluator(ckpt: Path, out: Path, timeout: float) -> subprocess.Popen:
     env = {**child_env(), "TF_CONFIG": json.dumps(TF_CONFIG), "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, str(JOB), "evaluate", str(ckpt), str(out), "--timeout", str(timeout)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return start_program(command, env, stderr=subprocess.STDOUT)
 
 
 def _launch(ckpt: Path, oracle: Path, *extra: str) -> subprocess.CompletedProcess:
     """The training job as docs/multihost.md starts it: `spmd launch -n 2` of the script."""
     program = [sys.executable, str(JOB), "train", str(ckpt), str(oracle), *extra]
     command = [sys.executable, "-m", "spmd", "launch", "-n", "2", "--devices-per-process", "2"]
-    return subprocess.run(
-        [*command, "--timeout", "400", "--", *program],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=450,
-    )
+    return run_program([*command, "--timeout", "400", "--", *program], child_env(), 450)
 
 
 def _train(ckpt: Path, oracle: Path, *extra: str, check: bool = True):
@@ -94,7 +89,7 @@ def test_an_evaluator_follows_a_two_process_run_and_kill_9_of_another_costs_trai
         launched = _launch(ckpt, oracle, "--sleep", "0.2", "--wait-for", wait)
         assert launched.returncode == 0, (launched.stdout + launched.stderr)[-3000:]
         ended = float((oracle / "ended").read_text())
-        output = evaluator.communicate(timeout=300)[0].decode()
+        output = evaluator.communicate(timeout=300)[0]
     finally:
         killer.join(timeout=60)
         for process in (evaluator, victim):
@@ -146,7 +141,7 @@ def test_a_run_killed_mid_save_leaves_no_partial_step_to_evaluate(tmp_path):
     evaluator = _evaluator(ckpt, tmp_path / "eval.json", timeout=8)  # reads while it dies
     try:
         training.join(timeout=400)
-        output = evaluator.communicate(timeout=300)[0].decode()
+        output = evaluator.communicate(timeout=300)[0]
     finally:
         if evaluator.poll() is None:
             evaluator.kill()

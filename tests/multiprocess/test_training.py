@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from commands import start_program
 
 from spmd._src.clusters.launch import free_port
 from spmd.testing import run_processes
@@ -50,12 +51,10 @@ def test_tf_config_by_hand_matches_one_process(tmp_path):
     for index in range(2):
         config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
         procs.append(
-            subprocess.Popen(
+            start_program(
                 [sys.executable, str(WORKER), "multi_worker_mirrored", str(out), "--devices", "2"],
                 env={**env, "TF_CONFIG": json.dumps(config)},
-                stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                text=True,
             )
         )
     try:

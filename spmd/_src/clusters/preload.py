@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import json
+import locale
 import os
 import select
 import signal
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,7 +62,9 @@ _IMPORT_TIME_PREFIXES = (
 # XLA_FLAGS is read when a backend starts, which no server does.
 _PER_PROCESS = frozenset({"TF_CONFIG", "PYTHONPATH", "PYTHONUNBUFFERED", "XLA_FLAGS"})
 _READY_TIMEOUT = 300.0  # seconds the server may take to import its modules
-_MAX_SERVERS = 4  # servers one launcher keeps (one per import-time environment)
+# Servers one launcher keeps (one per import-time environment): a new one beyond them
+# replaces the least recently used that runs no worker.
+_MAX_SERVERS = 4
 # How the server runs preload_server.py: compiled under a name of its own (see there),
 # without the working directory in sys.path.
 _BOOT = (
@@ -111,6 +116,9 @@ class ForkedProcess:
         self._conn = conn
         self._pending = b""
         self._lock = threading.Lock()
+        # what communicate read from stdout and stderr, by their descriptors
+        self._output: dict[int, list[bytes]] = {}
+        self._fds = {name: f.fileno() for name, f in (("out", stdout), ("err", stderr)) if f}
 
     def poll(self) -> int | None:
         """The exit status if the worker ended (-N for signal N), else None."""
@@ -126,6 +134,40 @@ class ForkedProcess:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self._read(left)
         return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """(stdout, stderr) read to their ends, then the worker's exit awaited, as
+        subprocess.Popen.communicate (without input: stdin is /dev/null): None for a
+        stream that is not a pipe, text where the worker was started with `text`.
+        subprocess.TimeoutExpired after `timeout` s; what was read is kept for the next
+        call."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        streams = {f.fileno(): f for f in (self.stdout, self.stderr) if f and not f.closed}
+        for fd in streams:
+            self._output.setdefault(fd, [])
+        while streams:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            ready, _, _ = select.select(list(streams), [], [], left)
+            for fd in ready:
+                chunk = os.read(fd, 32768)
+                if chunk:
+                    self._output[fd].append(chunk)
+                else:
+                    streams.pop(fd).close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._collected(self.stdout, "out"), self._collected(self.stderr, "err")
+
+    def _collected(self, stream: Any, name: str) -> Any:
+        """What communicate read from `stream` (None if it is not a pipe)."""
+        if stream is None:
+            return None
+        data = b"".join(self._output.get(self._fds[name], []))
+        if isinstance(stream, io.TextIOWrapper):
+            text = data.decode(stream.encoding, stream.errors)
+            return text.replace("\r\n", "\n").replace("\r", "\n")
+        return data
 
     def send_signal(self, sig: int) -> None:
         """Sends `sig` to the worker unless it ended."""
@@ -188,15 +230,23 @@ class _Server:
         self.control = ours
         self.lock = threading.Lock()
         self.cpu_s = 0.0  # its CPU and its ended workers', as it said last
+        self.workers: weakref.WeakSet[ForkedProcess] = weakref.WeakSet()
         # "ready", or "failed: ..." (an import failed): the launcher then starts fresh
         self.ready = _read_line(ours, _READY_TIMEOUT) == "ready"
 
-    def fork(self, command: list[str], request: dict[str, Any]) -> ForkedProcess | None:
-        """The worker forked for `request`, or None where the server refuses it."""
+    def fork(
+        self, command: list[str], request: dict[str, Any], stdout: Any, stderr: Any, text: bool
+    ) -> ForkedProcess | None:
+        """The worker forked for `request`, or None where the server refuses it. `stdout`
+        and `stderr` as subprocess.Popen takes them (PIPE, DEVNULL, None, a descriptor or
+        a file; STDOUT for stderr, both checked by start); its stdin is /dev/null."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
+        out_r, out_w, out_closes = _stream(stdout, 1)
+        if stderr == subprocess.STDOUT:
+            err_r, err_w, err_closes = None, out_w, False
+        else:
+            err_r, err_w, err_closes = _stream(stderr, 2)
         try:
             payload = json.dumps(request).encode()
             with self.lock:
@@ -210,17 +260,26 @@ class _Server:
         except OSError:
             answer = "fallback: the server is gone"
         finally:
-            for fd in (null, out_w, err_w):
-                os.close(fd)
+            os.close(null)
+            for fd, closes in ((out_w, out_closes), (err_w, err_closes)):
+                if closes:
+                    os.close(fd)
             theirs.close()
         if not answer.startswith("pid "):
             ours.close()
-            os.close(out_r)
-            os.close(err_r)
+            for fd in (out_r, err_r):
+                if fd is not None:
+                    os.close(fd)
             return None
-        return ForkedProcess(
-            command, int(answer[4:]), self, ours, open(out_r, "rb"), open(err_r, "rb")
-        )
+        out, err = (_reader(fd, text) for fd in (out_r, err_r))
+        worker = ForkedProcess(command, int(answer[4:]), self, ours, out, err)
+        self.workers.add(worker)
+        return worker
+
+    def busy(self) -> bool:
+        """Whether a worker forked from it may still run (one this process let go of,
+        unwaited, counts as ended: the server killed it when its socket closed)."""
+        return any(worker.poll() is None for worker in list(self.workers))
 
     def close(self) -> None:
         self.control.close()  # the server kills what it forked and exits
@@ -243,16 +302,27 @@ def _read_line(sock: socket.socket, timeout: float) -> str:
     return data[:-1].decode()
 
 
-_servers: dict[tuple, _Server] = {}
+_servers: dict[tuple, _Server] = {}  # least recently used first
 _servers_lock = threading.Lock()
 
 
-def start(command: Sequence[str], env: Mapping[str, str]) -> ForkedProcess | None:
+def start(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    stdout: Any = subprocess.PIPE,
+    stderr: Any = subprocess.PIPE,
+    text: bool = False,
+) -> ForkedProcess | None:
     """`command` forked from a preload server, or None where it is to start as a fresh
     process: SPMD_LAUNCH_PRELOAD (in this process's environment) names no module, the
     command is not `python SCRIPT|-c CODE|-m MODULE ...` by this interpreter, or the
-    server refused it (see preload_server._refusal) or could not start. Its stdin is /dev/null, its stdout and stderr pipes, as `spmd launch` runs
-    a worker."""
+    server refused it (see preload_server._refusal) or could not start. Its stdin is
+    /dev/null; `cwd`, `stdout`, `stderr` and `text` as subprocess.Popen takes them (by
+    default pipes of bytes, as `spmd launch` runs a worker)."""
+    _check_stream(stdout, "stdout")
+    _check_stream(stderr, "stderr")
     modules = modules_from_env(os.environ.get(ENV_PRELOAD))
     command = list(command)
     program = _program(command, env)
@@ -265,15 +335,29 @@ def start(command: Sequence[str], env: Mapping[str, str]) -> ForkedProcess | Non
             _servers.pop(key).close()
             server = None
         if server is None:
-            if len(_servers) >= _MAX_SERVERS:
+            if len(_servers) >= _MAX_SERVERS and not _close_an_idle_server():
                 return None
             if not _servers:
                 atexit.register(close_servers)
             server = _servers[key] = _Server(modules, env)
+        _servers[key] = _servers.pop(key)  # the most recently used last
     if not server.ready:
         return None
-    request = {**program, "env": dict(env), "cwd": os.getcwd(), "umask": _umask()}
-    return server.fork(command, request)
+    where = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
+    request = {**program, "env": dict(env), "cwd": where, "umask": _umask()}
+    return server.fork(command, request, stdout, stderr, text)
+
+
+def _close_an_idle_server() -> bool:
+    """Closes the least recently used server that runs no worker (reaped: its CPU time
+    and its workers' then count in this process's RUSAGE_CHILDREN); False where every
+    server runs one."""
+    for key, server in _servers.items():
+        if not server.busy():
+            server.close()
+            del _servers[key]
+            return True
+    return False
 
 
 def close_servers() -> None:
@@ -290,6 +374,47 @@ def cpu_seconds() -> float:
     RUSAGE_CHILDREN leaves out until the servers end (`close_servers`)."""
     with _servers_lock:
         return sum(server.cpu_s for server in _servers.values())
+
+
+def _check_stream(spec: Any, name: str) -> None:
+    """Refuses a `spec` of stdout or stderr that subprocess.Popen takes and a forked
+    worker cannot (or nothing Popen takes), before anything is opened."""
+    known = (subprocess.PIPE, subprocess.DEVNULL) + (
+        (subprocess.STDOUT,) if name == "stderr" else ()
+    )
+    if spec is None or spec in known or (isinstance(spec, int) and spec >= 0):
+        return
+    if not isinstance(spec, int) and hasattr(spec, "fileno"):
+        return
+    raise ValueError(
+        f"A forked worker's {name} is subprocess.PIPE, DEVNULL, None, a file descriptor or "
+        f"a file{' (or STDOUT)' if name == 'stderr' else ''}. Received: {spec!r}."
+    )
+
+
+def _stream(spec: Any, inherited: int) -> tuple[int | None, int, bool]:
+    """(the end this process reads or None, the descriptor the worker writes to, whether
+    this process closes that one once sent) for a Popen-style `spec` of stdout or
+    stderr (checked by _check_stream): PIPE, DEVNULL, None (this process's own
+    `inherited`), a descriptor or a file."""
+    if spec == subprocess.PIPE:
+        read, write = os.pipe()
+        return read, write, True
+    if spec == subprocess.DEVNULL:
+        return None, os.open(os.devnull, os.O_WRONLY), True
+    if spec is None:
+        return None, inherited, False
+    if isinstance(spec, int):
+        return None, spec, False
+    return None, spec.fileno(), False
+
+
+def _reader(fd: int | None, text: bool) -> Any:
+    """The file this process reads a worker's pipe `fd` through, as Popen makes it."""
+    if fd is None:
+        return None
+    raw = open(fd, "rb")  # noqa: SIM115
+    return io.TextIOWrapper(raw, encoding=locale.getpreferredencoding(False)) if text else raw
 
 
 def _program(command: list[str], env: Mapping[str, str]) -> dict[str, Any] | None:

@@ -291,7 +291,9 @@ class _Effects:
     """What importing one module did to the interpreter beyond sys.modules: warnings
     filters added, root logger handlers added (absl's first log calls
     logging.basicConfig()), the root logger's level, the recursion limit, each as it
-    was before and after."""
+    was before and after, and the environment variables it set (JAX's import sets
+    TPU_SKIP_MDS_QUERY on a host without TPU chips: without it, libtpu asks a cloud
+    metadata server for minutes)."""
 
     def __init__(self) -> None:
         import logging
@@ -303,6 +305,7 @@ class _Effects:
         root = logging.getLogger()
         self.filters, self.handlers = list(warnings.filters), list(root.handlers)
         self.level, self.recursion = root.level, sys.getrecursionlimit()
+        self.env = dict(os.environ)
         self.before: _Effects | None = None
 
     def since(self) -> _Effects:
@@ -310,6 +313,7 @@ class _Effects:
         now = _Effects()
         now.filters = [f for f in now.filters if f not in self.filters]
         now.handlers = [h for h in now.handlers if h not in self.handlers]
+        now.env = {k: v for k, v in now.env.items() if self.env.get(k) != v}
         now.before = self
         return now
 
@@ -340,6 +344,8 @@ class _Effects:
             root.setLevel(self.level)
         if sys.getrecursionlimit() == self.before.recursion:
             sys.setrecursionlimit(self.recursion)
+        for name, value in self.env.items():  # where the program left them unset
+            os.environ.setdefault(name, value)
 
 
 def _is_basic(handler: Any, logging: Any) -> bool:
