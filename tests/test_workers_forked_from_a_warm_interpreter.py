@@ -10,6 +10,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from commands import child_env
@@ -245,6 +247,29 @@ def test_communicate_reads_what_popen_reads(tmp_path, monkeypatch, merged):
         slow.communicate(timeout=1)
     out, _ = slow.communicate(timeout=60)
     assert out.startswith("out\none\n") and out.endswith("late\n"), out
+
+
+@pytest.mark.multiprocess
+def test_waits_answer_as_popens_from_any_thread(monkeypatch):
+    """kill() from another thread ends a worker that a wait() without a timeout is
+    blocked on; wait(timeout=0) on an ended worker gives its status; a communicate()
+    timed out carries what was read."""
+    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+    code = "import sys, time\nprint('before', flush=True)\ntime.sleep(float(sys.argv[1]))\n"
+    sleeper = preload.start([PY, "-c", code, "60"], _env())
+    timer = threading.Timer(1.0, sleeper.kill)
+    timer.start()
+    started = time.monotonic()
+    assert sleeper.wait() == -signal.SIGKILL and time.monotonic() - started < 30
+    quick = preload.start([PY, "-c", code, "0"], _env())
+    quick.communicate(timeout=60)
+    assert quick.wait(timeout=0) == 0
+    slow = preload.start([PY, "-c", code, "60"], _env(), text=True)
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        slow.communicate(timeout=5)
+    assert timed_out.value.output == "before\n"
+    slow.kill()
+    slow.wait(timeout=30)
 
 
 def test_an_output_a_forked_worker_cannot_take_is_refused_before_anything_starts():
@@ -500,8 +525,9 @@ def test_the_server_outlives_the_thread_that_started_it(tmp_path, monkeypatch):
     assert later.stdout.read() == b"still\n" and later.wait(timeout=60) == 0
 
 
+@pytest.mark.parametrize("empty", [False, True], ids=["entries", "an_empty_entry"])
 @pytest.mark.parametrize("mode", ["script", "code", "module"])
-def test_the_path_a_worker_gets_first_is_a_fresh_interpreters(mode, tmp_path):
+def test_the_path_a_worker_gets_first_is_a_fresh_interpreters(mode, empty, tmp_path):
     """The entries a fresh interpreter puts before the installed ones (the script's folder,
     or the working directory; then PYTHONPATH, relative entries made absolute, duplicates
     dropped) are those a forked worker gets: a fresh `python` (no JAX: milliseconds) is
@@ -510,7 +536,8 @@ def test_the_path_a_worker_gets_first_is_a_fresh_interpreters(mode, tmp_path):
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "show.py").write_text("import json, sys\nprint(json.dumps(sys.path))\n")
-    pythonpath = os.pathsep.join(["lib", str(tmp_path / "lib"), "lib"])
+    # An empty entry (PYTHONPATH="/x:") is the working directory.
+    pythonpath = os.pathsep.join(["lib", str(tmp_path / "lib"), "lib", *([""] if empty else [])])
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": pythonpath}
     command, target = {
         "script": ([PY, "show.py"], "show.py"),

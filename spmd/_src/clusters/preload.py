@@ -23,6 +23,7 @@ import contextlib
 import io
 import json
 import locale
+import math
 import os
 import select
 import signal
@@ -129,18 +130,33 @@ class ForkedProcess:
         """Waits for the worker's end; subprocess.TimeoutExpired after `timeout` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._read(left)
+            if self.returncode is None and left == 0.0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
         return self.returncode
 
-    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
         """(stdout, stderr) read to their ends, then the worker's exit awaited, as
         subprocess.Popen.communicate (without input: stdin is /dev/null): None for a
         stream that is not a pipe, text where the worker was started with `text`.
         subprocess.TimeoutExpired after `timeout` s; what was read is kept for the next
-        call."""
+        call and given on the exception."""
+        if input:
+            raise ValueError(
+                "A forked worker's stdin is /dev/null: communicate() sends it no input. "
+                f"Received: input of {len(input)} items. Start the program fresh "
+                "(subprocess.Popen with stdin=PIPE) to write to it."
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         streams = {f.fileno(): f for f in (self.stdout, self.stderr) if f and not f.closed}
         for fd in streams:
@@ -148,9 +164,13 @@ class ForkedProcess:
         while streams:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            ready, _, _ = select.select(list(streams), [], [], left)
-            for fd in ready:
+                raise subprocess.TimeoutExpired(
+                    self.args,
+                    timeout,
+                    output=self._collected(self.stdout, "out"),
+                    stderr=self._collected(self.stderr, "err"),
+                )
+            for fd in _readable(list(streams), left):
                 chunk = os.read(fd, 32768)
                 if chunk:
                     self._output[fd].append(chunk)
@@ -182,14 +202,23 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
     def _read(self, timeout: float | None) -> None:
-        """Reads the server's word on the worker ("exit N"), waiting up to `timeout` s."""
+        """Reads the server's word on the worker ("exit N"), waiting up to `timeout` s
+        (not holding the lock while it waits: another thread's poll or kill goes on)."""
+        if self.returncode is not None:
+            return
+        try:
+            ready = _readable([self._conn.fileno()], timeout)
+        except (OSError, ValueError):  # closed by another thread that read the exit
+            ready = [-1]
+        if not ready:
+            return
         with self._lock:
             if self.returncode is not None:
                 return
-            ready, _, _ = select.select([self._conn], [], [], timeout)
-            if not ready:
+            try:
+                data = self._conn.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:  # another thread read it first
                 return
-            data = self._conn.recv(4096)
             self._pending += data
             *lines, self._pending = self._pending.split(b"\n")
             for line in lines:
@@ -231,6 +260,7 @@ class _Server:
         self.lock = threading.Lock()
         self.cpu_s = 0.0  # its CPU and its ended workers', as it said last
         self.workers: weakref.WeakSet[ForkedProcess] = weakref.WeakSet()
+        self.pending = 0  # forks under way (counted under _servers_lock)
         # "ready", or "failed: ..." (an import failed): the launcher then starts fresh
         self.ready = _read_line(ours, _READY_TIMEOUT) == "ready"
 
@@ -279,7 +309,7 @@ class _Server:
     def busy(self) -> bool:
         """Whether a worker forked from it may still run (one this process let go of,
         unwaited, counts as ended: the server killed it when its socket closed)."""
-        return any(worker.poll() is None for worker in list(self.workers))
+        return self.pending > 0 or any(worker.poll() is None for worker in list(self.workers))
 
     def close(self) -> None:
         self.control.close()  # the server kills what it forked and exits
@@ -287,13 +317,22 @@ class _Server:
             self.proc.wait(timeout=5.0)
 
 
+def _readable(fds: Sequence[int], timeout: float | None) -> list[int]:
+    """Those of `fds` ready to read within `timeout` s (None: no limit), by poll(2):
+    select(2) refuses descriptors above 1023."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+    wait = None if timeout is None else max(0, math.ceil(timeout * 1000))
+    return [fd for fd, _ in poller.poll(wait)]
+
+
 def _read_line(sock: socket.socket, timeout: float) -> str:
     """One line from `sock` (without its newline), "" on EOF or after `timeout` s."""
     data = b""
     deadline = time.monotonic() + timeout
     while not data.endswith(b"\n"):
-        ready, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+        if not _readable([sock.fileno()], deadline - time.monotonic()):
             return ""
         chunk = sock.recv(1)
         if not chunk:
@@ -324,7 +363,8 @@ def start(
     _check_stream(stdout, "stdout")
     _check_stream(stderr, "stderr")
     modules = modules_from_env(os.environ.get(ENV_PRELOAD))
-    command = list(command)
+    command = [os.fsdecode(part) for part in command]  # str, bytes or paths, as Popen's
+    env = {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}
     program = _program(command, env)
     if not modules or program is None:
         return None
@@ -341,11 +381,16 @@ def start(
                 atexit.register(close_servers)
             server = _servers[key] = _Server(modules, env)
         _servers[key] = _servers.pop(key)  # the most recently used last
-    if not server.ready:
-        return None
-    where = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
-    request = {**program, "env": dict(env), "cwd": where, "umask": _umask()}
-    return server.fork(command, request, stdout, stderr, text)
+        server.pending += 1  # busy from now: no other start() closes it under this fork
+    try:
+        if not server.ready:
+            return None
+        where = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
+        request = {**program, "env": env, "cwd": where, "umask": _umask()}
+        return server.fork(command, request, stdout, stderr, text)
+    finally:
+        with _servers_lock:
+            server.pending -= 1
 
 
 def _close_an_idle_server() -> bool:
@@ -385,6 +430,7 @@ def _check_stream(spec: Any, name: str) -> None:
     if spec is None or spec in known or (isinstance(spec, int) and spec >= 0):
         return
     if not isinstance(spec, int) and hasattr(spec, "fileno"):
+        spec.fileno()  # io.UnsupportedOperation for a file without one, as Popen raises
         return
     raise ValueError(
         f"A forked worker's {name} is subprocess.PIPE, DEVNULL, None, a file descriptor or "

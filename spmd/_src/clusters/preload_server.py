@@ -50,6 +50,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import types
 import zipfile
 from typing import Any
@@ -275,7 +276,9 @@ def _own_path(request: dict[str, Any]) -> list[str]:
             first = [os.path.dirname(os.path.realpath(target))]
         else:
             first = [cwd]
-    extra = [os.path.join(cwd, p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # An empty entry is the working directory; an empty PYTHONPATH, none.
+    pythonpath = env.get("PYTHONPATH", "")
+    extra = [os.path.join(cwd, p) for p in pythonpath.split(os.pathsep)] if pythonpath else []
     seen, out = set(), []
     for entry in first + [os.path.abspath(p) for p in extra]:
         if entry not in seen:
@@ -313,7 +316,12 @@ class _Effects:
         now = _Effects()
         now.filters = [f for f in now.filters if f not in self.filters]
         now.handlers = [h for h in now.handlers if h not in self.handlers]
-        now.env = {k: v for k, v in now.env.items() if self.env.get(k) != v}
+        # name -> (value before the import or None, value after or None)
+        now.env = {
+            k: (self.env.get(k), now.env.get(k))
+            for k in self.env.keys() | now.env.keys()
+            if self.env.get(k) != now.env.get(k)
+        }
         now.before = self
         return now
 
@@ -344,8 +352,12 @@ class _Effects:
             root.setLevel(self.level)
         if sys.getrecursionlimit() == self.before.recursion:
             sys.setrecursionlimit(self.recursion)
-        for name, value in self.env.items():  # where the program left them unset
-            os.environ.setdefault(name, value)
+        for name, (before, after) in self.env.items():  # where the program left them be
+            if os.environ.get(name) == before:
+                if after is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = after
 
 
 def _is_basic(handler: Any, logging: Any) -> bool:
@@ -397,7 +409,11 @@ def _become(request: dict[str, Any], fds: list[int], held: _HeldBack, tempdir: A
     if request.get("umask") is not None:
         os.umask(request["umask"])
     os.chdir(request["cwd"])
-    env = request["env"]
+    env = dict(request["env"])
+    if "LC_CTYPE" in os.environ and "LC_CTYPE" not in env:
+        # Python's own C locale coercion (PEP 538) in the server, started with the
+        # launch's locale variables: a fresh interpreter would set it too.
+        env["LC_CTYPE"] = os.environ["LC_CTYPE"]
     os.environ.clear()
     os.environ.update(env)
     own = _own_path(request)
@@ -444,6 +460,8 @@ class _HeldBack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.hidden: dict[str, dict[str, types.ModuleType]] = {}  # root: its modules
         self.specs: dict[str, Any] = {}  # each module's own spec
         self.step_of = {root: k for k, step in enumerate(steps) for root in step.roots}
+        # Imports in several threads of the program give modules back one at a time.
+        self.lock = threading.RLock()
 
     def hold(self) -> None:
         """Takes the modules out of sys.modules (and their effects back)."""
@@ -475,7 +493,13 @@ class _HeldBack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return spec
 
     def create_module(self, spec):
+        with self.lock:
+            return self._give_back(spec)
+
+    def _give_back(self, spec):
         root = spec.name.split(".")[0]
+        if spec.name not in self.hidden.get(root, {}):  # another thread gave it back
+            return sys.modules[spec.name]
         module = self.hidden[root][spec.name]
         k = self.step_of[root]
         whole = root == self.steps[k].own  # one of MODULES: the steps up to it
