@@ -435,6 +435,29 @@ def test_interrupts_syntax_errors_and_unnormalized_paths_end_as_in_a_fresh_inter
 
 
 @pytest.mark.multiprocess
+def test_the_programs_garbage_is_collected_as_in_a_fresh_interpreter(tmp_path, monkeypatch):
+    """The collector on, with Python's thresholds; a cycle the program drops is finalized
+    by gc.collect(), one left at exit when the interpreter ends: the same started fresh
+    and forked. (What the server's imports made is frozen out of the collector's reach,
+    gc.freeze, so that no collection in a worker walks it: not the program's objects.)"""
+    (tmp_path / "cycles.py").write_text(
+        "import gc\n"
+        "class C:\n"
+        "    def __del__(self):\n"
+        "        print('finalized', self.name, flush=True)\n"
+        "a = C(); a.name = 'by gc.collect()'; a.itself = a; del a\n"
+        "print(gc.isenabled(), gc.get_threshold(), gc.collect() > 0)\n"
+        "b = C(); b.name = 'at exit'; b.itself = b; del b\n"
+    )
+    _, out, _ = _same_both_ways([PY, "cycles.py"], tmp_path, monkeypatch)
+    assert out.splitlines() == [
+        "finalized by gc.collect()",
+        "True (700, 10, 10) True",
+        "finalized at exit",
+    ]
+
+
+@pytest.mark.multiprocess
 def test_the_time_zone_is_the_workers_own(tmp_path, monkeypatch):
     """`time` reads TZ when imported: a launch environment with another TZ gets a server
     of its own, and the program the zone it was given."""

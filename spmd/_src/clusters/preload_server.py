@@ -30,13 +30,17 @@ hold a sitecustomize or usercustomize, and a script that is a zip archive or byt
 What differs still, and cannot be undone in a running interpreter: the hash seed of
 str (one per server, not per worker), absl flags the packages defined, numpy's dtypes
 that ml_dtypes registered, exit handlers the packages registered (they run at exit as
-they would after the import), the frames below the program's in a stack, the memory.
+they would after the import), the frames below the program's in a stack, the memory,
+and what the imports made being frozen out of the garbage collector's reach (gc.freeze,
+as Python advises before a fork: `gc.get_freeze_count()` is not 0; the program's own
+objects are collected as usual).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -691,6 +695,12 @@ def main(argv: list[str]) -> int:
         _tell(control, f"failed: {type(e).__name__}: {e}".replace("\n", " "))
         return 1
     server_env = dict(os.environ)
+    # What the imports made lives as long as the server, and in every worker: out of the
+    # garbage collector's reach (gc.freeze), a worker's collections, and the last one at
+    # its exit, do not walk it, nor write to its pages (which a fork shares until written:
+    # each worker copied them at exit, about 0.45 s of CPU with JAX, flax and orbax).
+    gc.collect()
+    gc.freeze()
     _tell(control, "ready")
     job = _serve(control)
     if job is None:
