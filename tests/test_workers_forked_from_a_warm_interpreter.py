@@ -169,6 +169,49 @@ def test_a_module_the_program_would_find_elsewhere_starts_it_fresh(tmp_path, mon
     assert results[0].stdout.strip() == "True"
 
 
+@pytest.mark.multiprocess
+def test_a_preloaded_package_that_grows_its_path_when_imported_is_found_in_its_place(
+    tmp_path, monkeypatch
+):
+    """A package may add folders to its own __path__ when imported (TensorFlow does): the
+    server's copy then lists more folders than a fresh lookup finds, yet it is the same
+    package, the same __init__.py, and the worker is forked and imports it as a fresh
+    interpreter does (it was refused as found elsewhere). The package is installed in a
+    user site-packages folder (PYTHONUSERBASE), which the server's sys.path has too."""
+    site = tmp_path / "user" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    package = site / "site-packages" / "grows"
+    (package / "more").mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import os\n__path__.append(os.path.join(os.path.dirname(__file__), 'more'))\n"
+    )
+    (package / "more" / "extra.py").write_text("WHERE = 'more'\n")
+    command = [PY, "-c", "import grows.extra\nprint(grows.extra.WHERE, len(grows.__path__))"]
+    env = _env(PYTHONUSERBASE=str(tmp_path / "user"))
+    fresh = _fresh(command, env, tmp_path)
+    assert fresh == (0, "more 2\n", ""), fresh
+    monkeypatch.setenv(preload.ENV_PRELOAD, "numpy,grows")
+    monkeypatch.chdir(tmp_path)
+    proc = preload.start(command, env)
+    assert isinstance(proc, preload.ForkedProcess), "not forked"
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out.decode(), err.decode()) == fresh
+
+
+@pytest.mark.multiprocess
+def test_a_pythonpath_that_finds_the_servers_packages_where_it_imported_them_forks(
+    tmp_path, monkeypatch
+):
+    """PYTHONPATH naming the folder the server's numpy comes from finds that same numpy:
+    nothing is shadowed, and the worker is forked (it was refused, as for a folder
+    holding a numpy of its own)."""
+    import numpy
+
+    folder = os.path.dirname(os.path.dirname(numpy.__file__))
+    command = [PY, "-c", "import numpy\nprint(numpy.__file__)"]
+    _, out, _ = _same_both_ways(command, tmp_path, monkeypatch, PYTHONPATH=folder)
+    assert out.strip() == numpy.__file__
+
+
 @pytest.mark.parametrize(
     "command",
     [

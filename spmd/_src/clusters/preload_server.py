@@ -243,7 +243,8 @@ def _refusal(request: dict[str, Any]) -> str:
     for name in (*_imported_top_level(), *_CUSTOMIZE):
         with contextlib.suppress(ImportError, ValueError):
             spec = importlib.machinery.PathFinder.find_spec(name, own)
-            if spec is not None:
+            imported = getattr(sys.modules.get(name), "__spec__", None)
+            if spec is not None and not (imported and _same_place(spec, imported)):
                 where = spec.origin or list(spec.submodule_search_locations or [])
                 return f"module {name!r} would come from {where}"
     return ""
@@ -543,7 +544,7 @@ class _HeldBack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 found = finder.find_spec(root, None)
             if found is not None:
                 break
-        if found is None or _location(found) == _location(original):
+        if found is None or _same_place(found, original):
             return
         where = found.origin or list(found.submodule_search_locations or [])
         raise ImportError(
@@ -554,6 +555,16 @@ class _HeldBack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             f"instead of in sys.path, or launch without {ENV_PRELOAD}.",
             name=root,
         )
+
+
+def _same_place(found: Any, original: Any) -> bool:
+    """Whether a fresh import would find the module where the server imported it: the same
+    file (a package's __init__.py, whose __path__ the package may have grown since, as
+    TensorFlow's does), or a namespace package's same folders."""
+    origin = getattr(found, "origin", None)
+    if origin is not None and found.has_location:
+        return origin == getattr(original, "origin", None)
+    return _location(found) == _location(original)
 
 
 def _location(spec: Any) -> tuple[str | None, list[str]]:
