@@ -1016,7 +1016,7 @@ def test_each_evaluation_is_on_disk_when_on_test_end_returns_and_batch_hooks_run
             seen.append((self.trainer.iterations, steps))
 
     board = spmd.callbacks.TensorBoard(str(tmp_path / "logs"))
-    evaluator = spmd.SidecarEvaluator(
+    evaluator = _sidecar(  # no final_grace: the run ended, it ends at its final step
         _trainer(_one_device()), VAL, str(directory), callbacks=[board, Probe()], batch_size=32
     )
     evaluator.start()
