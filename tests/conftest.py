@@ -230,7 +230,8 @@ def _run_order(items: list) -> list:
     the modules that start processes, with the slow modules that compute in the
     worker spread evenly among them, so that a worker waiting for its processes
     leaves its core to one that computes (the processes' tests alone left a third of
-    the cores idle for the run's first ten minutes); the fast tier's modules last,
+    the cores idle for the run's first ten minutes), those units taken one module at a
+    time in turn (`_alternating`); the fast tier's modules last,
     short units that even out the end. Each module's tests stay in their order.
     """
     rank: dict[str, int] = {}  # index in (*FIRST, "fast") of the module's costliest kind
@@ -250,7 +251,7 @@ def _run_order(items: list) -> list:
                     found.setdefault(group.args[0] if group else item.nodeid, []).append(item)
         return list(found.values())
 
-    waiting, computing = units({"engines", "multiprocess"}), units({"slow"})
+    waiting, computing = _alternating(units({"engines", "multiprocess"})), units({"slow"})
     spread, taken = [], 0
     for i, unit in enumerate(waiting, 1):
         spread.append(unit)
@@ -260,6 +261,19 @@ def _run_order(items: list) -> list:
     spread += computing[taken:]
     ordered = units({"bench"}) + spread + units({"fast"})
     return [item for unit in ordered for item in unit]
+
+
+def _alternating(units: list[list]) -> list[list]:
+    """`units` taken one module at a time, in turn (each module's in their order): a module
+    whose tests mostly wait (peers killed, heartbeat timeouts, hangs to name) is spread
+    among those whose processes compute, rather than handed to every worker at once (four
+    workers all waiting on join_faults left both cores idle for half a minute)."""
+    by_module: dict[str, list[list]] = {}
+    for unit in units:
+        by_module.setdefault(_module(unit[0]), []).append(unit)
+    queues = list(by_module.values())
+    turns = max((len(q) for q in queues), default=0)
+    return [q[turn] for turn in range(turns) for q in queues if turn < len(q)]
 
 
 def pytest_collection_finish(session):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from bounds import bound
-from commands import program_env
+from commands import program_env, run_program
 
 ROOT = Path(__file__).resolve().parents[1]
 # Idle-machine bounds of the smoke runs (`run_bench`): the whole quick run, and the others.
@@ -16,7 +16,8 @@ QUICK_S, SMOKE_S = 600, 300
 
 
 def run_bench(args, seconds, **env):
-    """Runs `python *args` in the repository, compiling as the run does (`program_env`: its
+    """Runs `python *args` in the repository (forked from the run's warm interpreter where
+    it can be: tests/commands.run_program), compiling as the run does (`program_env`: its
     optimization level, no other XLA flag; a smoke run asserts no timing, and each ratio's
     floor compiles the same way, at about 30% less CPU); fails if it fails.
 
@@ -26,14 +27,7 @@ def run_bench(args, seconds, **env):
     (its timeout marker, given the same headroom) is a minute more on an idle
     machine, so that this bound, which names the command, ends a run that hangs."""
     env = {**program_env(), **env}  # spmd and bench/ importable from the repository
-    result = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=bound(seconds),
-    )
+    result = run_program([sys.executable, *args], env, bound(seconds), cwd=ROOT)  # forked
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 

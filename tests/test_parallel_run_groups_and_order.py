@@ -89,14 +89,16 @@ def test_the_slow_modules_that_compute_are_spread_among_the_tests_that_start_pro
         _Item(f"test_{m}.py::test_{i}", "slow", group=f"test_{m}.py") for m in "bc" for i in (1, 2)
     ]
     waiting = [_Item(f"test_p.py::test_{i}", "multiprocess", "slow") for i in (1, 2, 3)]
+    waiting.append(_Item("test_q.py::test_1", "multiprocess", "slow"))
     bench = [_Item("test_bench.py::test_quick", "bench", "slow")]
     ordered = [item.nodeid for item in _run_order(fast + computing + waiting + bench)]
     assert ordered == [
         "test_bench.py::test_quick",
         "test_p.py::test_1",
-        "test_p.py::test_2",
+        "test_q.py::test_1",  # the modules that start processes in turn
         "test_b.py::test_1",
         "test_b.py::test_2",  # a module stays whole and in order
+        "test_p.py::test_2",
         "test_p.py::test_3",
         "test_c.py::test_1",
         "test_c.py::test_2",
