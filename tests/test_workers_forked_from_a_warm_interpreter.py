@@ -198,6 +198,26 @@ def test_a_preloaded_package_that_grows_its_path_when_imported_is_found_in_its_p
 
 
 @pytest.mark.multiprocess
+def test_a_worker_finds_the_packages_of_its_own_homes_user_site(tmp_path, monkeypatch):
+    """Python's site puts ~/.local/lib/pythonX.Y/site-packages before the installed
+    packages: a launch with another HOME, whose user site holds its own copy of a package
+    the server imported (typing_extensions, which JAX imports), imports that copy, forked
+    as fresh (a server of its own: it was served by the one of the other HOME, and
+    imported the installed one)."""
+    import typing_extensions
+
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site = tmp_path / "home" / ".local" / "lib" / version / "site-packages"
+    site.mkdir(parents=True)
+    source = open(typing_extensions.__file__).read()  # noqa: SIM115
+    (site / "typing_extensions.py").write_text(source + "\nWHO = 'mine'\n")
+    command = [PY, "-c", "import jax, typing_extensions as t\nprint(t.WHO, t.__file__)"]
+    _forked([PY, "-c", "pass"], _env(), tmp_path, monkeypatch)  # the usual HOME's server
+    _, out, _ = _same_both_ways(command, tmp_path, monkeypatch, HOME=str(tmp_path / "home"))
+    assert out == f"mine {site / 'typing_extensions.py'}\n"
+
+
+@pytest.mark.multiprocess
 def test_a_pythonpath_that_finds_the_servers_packages_where_it_imported_them_forks(
     tmp_path, monkeypatch
 ):
@@ -535,6 +555,31 @@ def test_a_package_the_program_puts_on_sys_path_itself_is_an_import_error(tmp_pa
     lines = out.splitlines()
     assert len(lines) == 2 and all(line.startswith("ImportError") for line in lines), out
     assert str(vendor) in lines[0] and "PYTHONPATH" in lines[0], out
+
+
+@pytest.mark.multiprocess
+def test_a_module_of_a_namespace_package_the_program_puts_on_sys_path_is_an_import_error(
+    tmp_path, monkeypatch
+):
+    """`google` is a namespace package (protobuf's, which JAX imports): a program that puts
+    a folder with its own google/protobuf first on sys.path, then imports it, gets that
+    one from a fresh start; a forked worker, which has the server's google.protobuf
+    already, says so (an ImportError naming it), never the server's in silence."""
+    package = tmp_path / "vendor" / "google" / "protobuf"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("WHO = 'vendored'\n")
+    code = (
+        f"import sys\nsys.path.insert(0, {str(tmp_path / 'vendor')!r})\n"
+        "try:\n"
+        "    import google.protobuf\n"
+        "    print(google.protobuf.WHO)\n"
+        "except ImportError as e:\n"
+        "    print('ImportError', e)\n"
+    )
+    assert _fresh([PY, "-c", code], _env(), tmp_path)[1] == "vendored\n"
+    _, out, _ = _forked([PY, "-c", code], _env(), tmp_path, monkeypatch)
+    assert out.startswith("ImportError Module 'google.protobuf' would be imported from"), out
+    assert str(package) in out and "PYTHONPATH" in out, out
 
 
 @pytest.mark.multiprocess

@@ -59,6 +59,9 @@ _IMPORT_TIME_PREFIXES = (
     "CUDA", "NCCL", "NVIDIA", "ROCM", "HIP_", "OMP_", "OPENBLAS", "GOTO", "MKL_", "NPY_",
     "NUMPY", "ABSL", "GRPC", "PYTHON", "LD_", "MALLOC", "TCMALLOC", "LC_", "LANG", "TZ",
 )  # fmt: skip
+# ... and HOME, where Python's site finds the user's site-packages folder (~/.local/...)
+# when the interpreter starts: a worker's modules come from its own HOME's, as fresh.
+_IMPORT_TIME_NAMES = frozenset({"HOME"})
 # ... except these, which a forked worker applies itself (or which no package reads).
 # XLA_FLAGS is read when a backend starts, which no server does.
 _PER_PROCESS = frozenset({"TF_CONFIG", "PYTHONPATH", "PYTHONUNBUFFERED", "XLA_FLAGS"})
@@ -85,7 +88,8 @@ def import_time_env(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
         sorted(
             (k, v)
             for k, v in env.items()
-            if k.startswith(_IMPORT_TIME_PREFIXES) and k not in _PER_PROCESS
+            if (k.startswith(_IMPORT_TIME_PREFIXES) or k in _IMPORT_TIME_NAMES)
+            and k not in _PER_PROCESS
         )
     )
 

@@ -32,8 +32,9 @@ str (one per server, not per worker), absl flags the packages defined, numpy's d
 that ml_dtypes registered, exit handlers the packages registered (they run at exit as
 they would after the import), the frames below the program's in a stack, the memory,
 and what the imports made being frozen out of the garbage collector's reach (gc.freeze,
-as Python advises before a fork: `gc.get_freeze_count()` is not 0; the program's own
-objects are collected as usual).
+as Python advises before a fork: `gc.get_freeze_count()` is not 0, and gc.get_objects()
+and gc.get_referrers() do not list those objects; the program's own objects are
+collected as usual).
 """
 
 from __future__ import annotations
@@ -534,8 +535,8 @@ class _HeldBack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return self.hidden.get(name.split(".")[0], {}).get(name) or sys.modules.get(name)
 
     def _check_found_here(self, root: str) -> None:
-        """An ImportError where the program's sys.path now finds `root` elsewhere."""
-        original = self.specs.get(root)
+        """An ImportError where the program's sys.path now finds `root` elsewhere, or, under
+        a namespace package (whose portions sys.path gives), one of its held-back modules."""
         found = None
         for finder in sys.meta_path:  # as a fresh import would look: frozen, built in, path
             if finder is self or not hasattr(finder, "find_spec"):
@@ -544,17 +545,48 @@ class _HeldBack(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 found = finder.find_spec(root, None)
             if found is not None:
                 break
-        if found is None or _same_place(found, original):
+        if found is None:
+            return
+        self._check_same(root, found)
+        fresh = {root: found}
+        for name in sorted(self.hidden.get(root, {}), key=lambda n: n.count(".")):
+            parent = fresh.get(name.rpartition(".")[0])
+            if parent is None or parent.has_location or not parent.submodule_search_locations:
+                continue  # not under a namespace package: found in its package's own folder
+            fresh[name] = _find_under_namespace(name, list(parent.submodule_search_locations))
+            if fresh[name] is not None and fresh[name].has_location:  # a file: its own
+                self._check_same(name, fresh[name])  # (a namespace's portions: its modules)
+
+    def _check_same(self, name: str, found: Any) -> None:
+        original = self.specs.get(name)
+        if _same_place(found, original):
             return
         where = found.origin or list(found.submodule_search_locations or [])
+        had = _location(original)[0] or _location(original)[1]
         raise ImportError(
-            f"Module {root!r} would be imported from {where} by this program's sys.path, "
+            f"Module {name!r} would be imported from {where} by this program's sys.path, "
             f"but this worker, started from a warm interpreter ({ENV_PRELOAD}), has it "
-            f"imported from {_location(original)[0]} already. Expected: the packages the "
+            f"imported from {had} already. Expected: the packages the "
             "launch's interpreter imports. Fix: put that folder in PYTHONPATH of the launch "
             f"instead of in sys.path, or launch without {ENV_PRELOAD}.",
-            name=root,
+            name=name,
         )
+
+
+def _find_under_namespace(name: str, locations: list[str]) -> Any:
+    """The spec a fresh import finds for `name` in its namespace package's `locations`:
+    a module or regular package (PathFinder's), else a namespace package of its own, whose
+    portions are the folders of that name (which PathFinder cannot build while the parent
+    is held back: it reads the parent's path from sys.modules); None if none."""
+    with contextlib.suppress(ImportError, ValueError, KeyError):
+        return importlib.machinery.PathFinder.find_spec(name, locations)
+    child = name.rpartition(".")[2]
+    portions = [os.path.join(p, child) for p in locations if os.path.isdir(os.path.join(p, child))]
+    if not portions:
+        return None
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = portions
+    return spec
 
 
 def _same_place(found: Any, original: Any) -> bool:
