@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -25,12 +26,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The emulator as GCS answers a media download: with the object's generation in the
+# x-goog-generation header (and its metageneration), which tensorstore reads as the
+# version it read. Without it a read's generation is 0, and tensorstore refuses a write
+# conditioned on it ("Malformed StorageGeneration"): OCDBT's writer, which reads its
+# manifest again when its cached copy is stale (under load), then failed its save.
+_SERVER = """
+import sys
+from gcp_storage_emulator.handlers import objects
+
+_download = objects.download
+
+def download(request, response, storage, *args, **kwargs):
+    _download(request, response, storage, *args, **kwargs)
+    try:
+        obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    except Exception:  # not found: the download answered 404 already
+        return
+    response["x-goog-generation"] = str(obj["generation"])
+    response["x-goog-metageneration"] = str(obj["metageneration"])
+
+objects.download = download  # before the server module builds its handler table
+from gcp_storage_emulator.__main__ import main
+main(sys.argv[1:])
+"""
+
+
 class GcsEmulator:
     """One emulator process with one bucket, `BUCKET`."""
 
     def __init__(self) -> None:
-        command = shutil.which("gcp-storage-emulator")
-        if command is None:
+        if shutil.which("gcp-storage-emulator") is None:
             raise RuntimeError(
                 "the object-store tests need gcp-storage-emulator and gcsfs: "
                 'pip install gcp-storage-emulator gcsfs (both in spmd\'s "test" extra)'
@@ -38,8 +64,8 @@ class GcsEmulator:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [command, "start", "--host", "127.0.0.1", "--port", str(self.port), "--in-memory"]
-            + ["--default-bucket", BUCKET, "-q"],
+            [sys.executable, "-c", _SERVER, "start", "--host", "127.0.0.1"]
+            + ["--port", str(self.port), "--in-memory", "--default-bucket", BUCKET, "-q"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from commands import start_program
+from commands import run_program, start_program
 
 import spmd
 from tests.gcs_emulator import GcsEmulator
@@ -239,37 +239,43 @@ def _state_values(step):
     return {"b": (np.arange(16.0) + step).tolist(), "w": np.full((8, 4), float(step)).tolist()}
 
 
-# The emulator's own race: under load, gcp-storage-emulator (an in-memory threaded server)
-# now and then answers a conditional write with a generation tensorstore cannot parse; the
-# writer then reports the failed save, as it should. Seen in 2 of 5 parallel runs, never alone.
-EMULATOR_RACE = "Malformed StorageGeneration"
+_CONDITIONAL_WRITE = """
+import tensorstore as ts
+kv = ts.KvStore.open({"driver": "gcs", "bucket": "spmd"}).result()
+written = kv.write("generations/x", b"first").result().generation
+read = kv.read("generations/x").result().stamp.generation
+again = kv.write("generations/x", b"second", if_equal=read).result().generation
+print(read == written, again not in (b"", written), kv.read("generations/x").result().value)
+"""
+
+
+def test_the_emulator_answers_a_read_with_the_generation_written(gcs):
+    """As GCS does (x-goog-generation): tensorstore reads the generation it wrote, and a
+    write conditioned on it succeeds. Without the header a read's generation was 0 and
+    such a write "Malformed StorageGeneration": OCDBT's writer, reading its manifest again
+    under load, then failed a save (tests/gcs_emulator.py)."""
+    env = {**child_env(), **gcs.env(), "JAX_PLATFORMS": "cpu"}
+    done = run_program([sys.executable, "-c", _CONDITIONAL_WRITE], env, 120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True True b'second'", done.stdout
 
 
 @pytest.mark.slow
 def test_a_reader_in_another_process_follows_a_writer_on_an_object_store(gcs, tmp_path):
     """gs:// has no rename: a step is committed by its commit_success.txt, and a reader in
-    another process must list the bucket anew (fsspec caches listings) to see it. Run again,
-    in a fresh folder of the bucket, only where the emulator's race (EMULATOR_RACE) broke the
-    writer's save; any other failure fails the test."""
-    for attempt in range(2):
-        folder = f"follow{attempt}"
-        seen_file = tmp_path / f"seen{attempt}.json"
-        reader = _job(
-            gcs, "read", f"gs://spmd/{folder}", str(seen_file), "--deadline", "150", wait=False
+    another process must list the bucket anew (fsspec caches listings) to see it."""
+    seen_file = tmp_path / "seen.json"
+    reader = _job(gcs, "read", "gs://spmd/follow", str(seen_file), "--deadline", "150", wait=False)
+    try:
+        code, output = _job(
+            gcs, "write", "gs://spmd/follow", "--steps", "6", "--keep", "2", "--pause", "1.5"
         )
-        try:
-            code, output = _job(
-                gcs, "write", f"gs://spmd/{folder}", "--steps", "6", "--keep", "2", "--pause", "1.5"
-            )
-            if code != 0 and EMULATOR_RACE in output and attempt == 0:
-                continue
-            assert code == 0, output[-3000:]
-            reader_output = reader.communicate(timeout=200)[0]
-            break
-        finally:
-            if reader.poll() is None:
-                reader.kill()
-                reader.wait(timeout=60)
+        assert code == 0, output[-3000:]
+        reader_output = reader.communicate(timeout=200)[0]
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait(timeout=60)
     assert reader.returncode == 0, reader_output[-3000:]
     seen = json.loads(seen_file.read_text())
     assert seen["final"] == 6, seen["listings"]  # it saw the run end
@@ -280,9 +286,9 @@ def test_a_reader_in_another_process_follows_a_writer_on_an_object_store(gcs, tm
     for why in seen["unreadable"].values():  # only steps max_to_keep removed after the listing
         assert "complete_steps=" in why, why
     assert seen["damaged"] == {}
-    names = gcs.objects(f"{folder}/")
-    assert f"{folder}/6/commit_success.txt" in names  # Orbax's commit marker: no rename on gs://
-    assert not any(n.startswith((f"{folder}/1/", f"{folder}/2/")) for n in names)  # max_to_keep
+    names = gcs.objects("follow/")
+    assert "follow/6/commit_success.txt" in names  # Orbax's commit marker: no rename on gs://
+    assert not any(n.startswith(("follow/1/", "follow/2/")) for n in names)  # max_to_keep
 
 
 @pytest.mark.slow
