@@ -1,14 +1,15 @@
 """A local GCS emulator on loopback (gcp-storage-emulator), for the object-store tests.
 
-Started as a process of its own on 127.0.0.1, in memory, and stopped by its PID.
+Started as a process of its own on 127.0.0.1, in memory, and stopped by its PID; its
+media downloads carry the object's generation, as GCS's do (`_SERVER`).
 `env()` is what points a child process at it: tensorstore's gcs driver (Orbax's
 arrays) by TENSORSTORE_GCS_HTTP_URL, and epath's gs:// paths (Orbax's and
 spmd's folder operations) through fsspec's gcsfs by STORAGE_EMULATOR_HOST.
 """
 
+import importlib.util
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -31,8 +32,12 @@ def _free_port() -> int:
 # version it read. Without it a read's generation is 0, and tensorstore refuses a write
 # conditioned on it ("Malformed StorageGeneration"): OCDBT's writer, which reads its
 # manifest again when its cached copy is stale (under load), then failed its save.
+# (The emulator reads an object's bytes and its record in two steps: a write between
+# them would pair the bytes with the next generation. The tests write each object from
+# one process, one write after another.)
 _SERVER = """
 import sys
+from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
 
 _download = objects.download
@@ -41,7 +46,7 @@ def download(request, response, storage, *args, **kwargs):
     _download(request, response, storage, *args, **kwargs)
     try:
         obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
-    except Exception:  # not found: the download answered 404 already
+    except NotFound:  # the download answered 404 already
         return
     response["x-goog-generation"] = str(obj["generation"])
     response["x-goog-metageneration"] = str(obj["metageneration"])
@@ -56,7 +61,7 @@ class GcsEmulator:
     """One emulator process with one bucket, `BUCKET`."""
 
     def __init__(self) -> None:
-        if shutil.which("gcp-storage-emulator") is None:
+        if importlib.util.find_spec("gcp_storage_emulator") is None:
             raise RuntimeError(
                 "the object-store tests need gcp-storage-emulator and gcsfs: "
                 'pip install gcp-storage-emulator gcsfs (both in spmd\'s "test" extra)'
