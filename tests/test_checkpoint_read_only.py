@@ -225,10 +225,14 @@ def gcs():
         emulator.stop()
 
 
+def _gcs_env(gcs) -> dict[str, str]:
+    """A child process's environment, pointed at the emulator."""
+    return {**child_env(), **gcs.env(), "JAX_PLATFORMS": "cpu"}
+
+
 def _job(gcs, *args, wait=True):
-    env = {**child_env(), **gcs.env(), "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, str(JOB), *args]
-    process = start_program(command, env, stderr=subprocess.STDOUT)
+    process = start_program(command, _gcs_env(gcs), stderr=subprocess.STDOUT)
     if not wait:
         return process
     output = process.communicate(timeout=300)[0]
@@ -254,8 +258,7 @@ def test_the_emulator_answers_a_read_with_the_generation_written(gcs):
     write conditioned on it succeeds. Without the header a read's generation was 0 and
     such a write "Malformed StorageGeneration": OCDBT's writer, reading its manifest again
     under load, then failed a save (tests/gcs_emulator.py)."""
-    env = {**child_env(), **gcs.env(), "JAX_PLATFORMS": "cpu"}
-    done = run_program([sys.executable, "-c", _CONDITIONAL_WRITE], env, 120)
+    done = run_program([sys.executable, "-c", _CONDITIONAL_WRITE], _gcs_env(gcs), 120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "True True b'second'", done.stdout
 

@@ -75,8 +75,12 @@ def _fresh(command: list[str], env: dict[str, str], cwd) -> tuple[int, str, str]
     return done.returncode, done.stdout.decode(), done.stderr.decode()
 
 
-def _forked(command: list[str], env: dict[str, str], cwd, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setenv(preload.ENV_PRELOAD, "1")
+def _forked(
+    command: list[str], env: dict[str, str], cwd, monkeypatch, modules: str = "1"
+) -> tuple[int, str, str]:
+    """The program's (status, stdout, stderr), forked from a server that preloaded
+    `modules` (SPMD_LAUNCH_PRELOAD's value)."""
+    monkeypatch.setenv(preload.ENV_PRELOAD, modules)
     monkeypatch.chdir(cwd)
     proc = preload.start(command, env)
     assert isinstance(proc, preload.ForkedProcess), f"not forked: {command}"
@@ -189,12 +193,7 @@ def test_a_preloaded_package_that_grows_its_path_when_imported_is_found_in_its_p
     env = _env(PYTHONUSERBASE=str(tmp_path / "user"))
     fresh = _fresh(command, env, tmp_path)
     assert fresh == (0, "more 2\n", ""), fresh
-    monkeypatch.setenv(preload.ENV_PRELOAD, "numpy,grows")
-    monkeypatch.chdir(tmp_path)
-    proc = preload.start(command, env)
-    assert isinstance(proc, preload.ForkedProcess), "not forked"
-    out, err = proc.communicate(timeout=120)
-    assert (proc.returncode, out.decode(), err.decode()) == fresh
+    assert _forked(command, env, tmp_path, monkeypatch, modules="numpy,grows") == fresh
 
 
 @pytest.mark.multiprocess
